@@ -1,0 +1,231 @@
+"""Model configuration: one typed, validated dataclass and the named presets.
+
+Every architectural choice of the model is a field here, so that a config file (JSON) fully describes
+a model and a bad value is caught once, at construction, with a message that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+RouterKind = Literal["sigmoid", "softmax"]
+RouterNoise = Literal["none", "fixed", "learned"]
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
+
+    # --- sizes
+    vocab_size: int = 256  # rows of the token embedding and of the LM head
+    d_model: int = 128  # model width (residual stream)
+    n_layers: int = 4  # number of transformer blocks
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 2  # key/value heads (GQA); must divide n_heads
+    head_dim: int = 16  # width of one head; n_heads * head_dim need not equal d_model
+    max_seq_len: int = 256  # longest sequence the model is used with (training windows, generation)
+    # --- positions: RoPE, llama3-style frequency scaling, NoPE interleaving (iRoPE)
+    rope_theta: float = 10000.0  # RoPE base: theta_i = base^(-2i/head_dim)
+    rope_scaling: float | None = None  # llama3 scaling factor for long context; None = plain RoPE
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above L0/low are divided by the factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below L0/high are kept as they are
+    rope_original_max_len: int = 8192  # llama3 scaling: L0, the context the base model was trained on
+    nope_interval: int = 4  # layer i has no positional embedding when (i+1) % interval == 0; 0 = none
+    # --- attention
+    attention_chunk_size: int | None = None  # RoPE layers attend within fixed chunks of this size; None = off
+    use_qk_norm: bool = True  # weightless RMS norm of q and k per head, on RoPE layers only
+    attn_temperature_tuning: bool = True  # scale NoPE-layer queries up slowly with position
+    floor_scale: int = 8192  # temperature tuning: positions are bucketed by this many tokens
+    attn_scale: float = 0.1  # temperature tuning: strength of the log growth
+    # --- feed-forward: dense SwiGLU and mixture of experts
+    ffn_dim: int = 256  # width of the dense SwiGLU on non-MoE layers
+    n_experts: int = 4  # routed experts per MoE layer; 0 = dense model
+    experts_per_token: int = 1  # top-k: experts each token is sent to
+    expert_dim: int = 128  # width of each routed expert and of the shared expert
+    shared_expert: bool = True  # one always-on SwiGLU expert next to the routed ones
+    moe_every: int = 1  # layer i is MoE when (i+1) % moe_every == 0 (1 = all, 2 = layers 1,3,5...)
+    router: RouterKind = "sigmoid"  # sigmoid: Llama 4 (score scales input); softmax: tutorial (weights output)
+    router_noise: RouterNoise = "none"  # softmax router, training only: learned per-expert or fixed-std noise
+    router_noise_std: float = 1.0  # std of the "fixed" router noise
+    capacity_factor: float | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
+    capacity_in_eval: bool = False  # also apply the capacity limit in eval() mode
+    aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
+    z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
+    bias_balance_rate: float = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
+    # --- the rest
+    norm_eps: float = 1e-5  # epsilon of every RMSNorm and of the QK norm
+    tie_embeddings: bool = False  # LM head shares the token embedding matrix
+    init_std: float = 0.02  # std of the normal initialisation of matrices
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise one ValueError naming the first bad field and how to fix it."""
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "max_seq_len", "ffn_dim", "expert_dim", "moe_every", "rope_original_max_len", "floor_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} ({value!r}) must be a positive number")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}); "
+                             "pick n_kv_heads among its divisors")
+        if self.head_dim % 2 and self.nope_interval != 1:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
+        if not isinstance(self.nope_interval, int) or self.nope_interval < 0:
+            raise ValueError(f"nope_interval ({self.nope_interval!r}) must be 0 (no NoPE layers) or a positive integer")
+        if self.attention_chunk_size is not None and (
+                not isinstance(self.attention_chunk_size, int) or self.attention_chunk_size <= 0):
+            raise ValueError(f"attention_chunk_size ({self.attention_chunk_size!r}) must be a positive integer "
+                             "or None (no chunking)")
+        if self.rope_scaling is not None:
+            if self.rope_scaling <= 0:
+                raise ValueError(f"rope_scaling ({self.rope_scaling}) must be a positive factor or None")
+            if not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
+                raise ValueError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and "
+                                 f"<= rope_high_freq_factor ({self.rope_high_freq_factor})")
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts ({self.n_experts!r}) must be 0 (dense model) or a positive integer")
+        if self.n_experts:
+            if not isinstance(self.experts_per_token, int) or self.experts_per_token <= 0:
+                raise ValueError(f"experts_per_token ({self.experts_per_token!r}) must be a positive integer")
+            if self.experts_per_token > self.n_experts:
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
+                                 f"({self.n_experts})")
+        if self.router not in ("sigmoid", "softmax"):
+            raise ValueError(f"router ({self.router!r}) must be 'sigmoid' (Llama 4) or 'softmax' (tutorial)")
+        if self.router_noise not in ("none", "fixed", "learned"):
+            raise ValueError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
+        if self.router_noise != "none" and self.router != "softmax":
+            raise ValueError("router_noise applies to the softmax router only; set router=softmax or "
+                             "router_noise=none")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} ({value!r}) must be a non-negative number")
+
+    # ------------------------------------------------------------------ derived layout
+    def uses_rope(self, layer: int) -> bool:
+        """RoPE layers are all but every nope_interval-th (0-based 3, 7, 11 ... for 4), as Llama 4 does."""
+        return self.nope_interval == 0 or (layer + 1) % self.nope_interval != 0
+
+    def chunk_size(self, layer: int) -> int | None:
+        """Chunked local attention applies to RoPE layers only; NoPE layers see the whole past."""
+        return self.attention_chunk_size if self.uses_rope(layer) else None
+
+    def is_moe(self, layer: int) -> bool:
+        """MoE layers are every moe_every-th, counting from 1 (the reference's interleave rule)."""
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads that share one key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build from a dict, rejecting unknown keys (a typo must not silently fall back to a default)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed, validated again."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def _llama4_common() -> dict[str, Any]:
+    # Shapes shared by the published Llama 4 text models (Scout and Maverick).
+    return dict(vocab_size=202048, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8, head_dim=128,
+                rope_theta=500000.0, nope_interval=4, attention_chunk_size=8192, ffn_dim=16384,
+                expert_dim=8192, experts_per_token=1, shared_expert=True, router="sigmoid",
+                attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough for unit tests: every feature switched on, runs in milliseconds.
+    "tiny": dict(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                 max_seq_len=64, attention_chunk_size=8, ffn_dim=128, n_experts=4,
+                 experts_per_token=2, expert_dim=64, floor_scale=4, attn_scale=0.1),
+    # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU.
+    "shakespeare-char": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                             head_dim=32, max_seq_len=256, attention_chunk_size=None, nope_interval=4,
+                             ffn_dim=768, n_experts=8, experts_per_token=1, expert_dim=384,
+                             rope_theta=10000.0),
+    # The mission's arithmetic example: Llama-3-8B-like attention shapes, dense.
+    "seed-example": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         head_dim=128, max_seq_len=8192, attention_chunk_size=None, nope_interval=0,
+                         ffn_dim=14336, n_experts=0, rope_theta=500000.0),
+    # Published text-model shapes, for arithmetic (parameter counts, KV cache), not for training here.
+    "llama4-scout": dict(_llama4_common(), n_experts=16, moe_every=1, use_qk_norm=True,
+                         max_seq_len=10485760, rope_scaling=16.0, rope_low_freq_factor=1.0,
+                         rope_high_freq_factor=1.0, rope_original_max_len=8192),
+    "llama4-maverick": dict(_llama4_common(), n_experts=128, moe_every=2, use_qk_norm=False,
+                            max_seq_len=1048576),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A named preset, optionally with some fields changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})
+
+
+def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
+    """Turn ["key=value", ...] into typed values for the dataclass `cls`, rejecting unknown keys.
+
+    The value is read as the field's declared type (int, float, bool, str or None for optional
+    fields), so `--set n_experts=eight` fails here with the field's name instead of deep in torch.
+    """
+    by_name = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"override {pair!r} must look like key=value")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if key not in by_name:
+            raise ValueError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
+        out[key] = _parse_value(key, raw.strip(), str(by_name[key].type))
+    return out
+
+
+def _parse_value(key: str, raw: str, type_name: str) -> Any:
+    optional = "None" in type_name
+    if optional and raw.lower() in ("none", "null"):
+        return None
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError:
+        kind = type_name.split(" ")[0].split("|")[0]
+        raise ValueError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
+    return raw
+
+
+__all__ = ["ModelConfig", "PRESETS", "preset", "parse_overrides"]

@@ -1,0 +1,248 @@
+"""Reference checkpoints in and out: Hugging Face `Llama4ForCausalLM` directories <-> our Transformer.
+
+Only safetensors and JSON are read, never pickles. A config we cannot represent exactly fails with a
+message naming the field, because a silently different model would give silently different logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .model import Transformer
+from .rope import rope_frequencies
+
+# Our parameter names -> the reference's, as (pattern, replacement) applied in order.
+_TO_HF = [
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^blocks\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^blocks\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^blocks\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+    (r"^blocks\.(\d+)\.ffn\.experts\.gate_up$", r"model.layers.\1.feed_forward.experts.gate_up_proj"),
+    (r"^blocks\.(\d+)\.ffn\.experts\.down$", r"model.layers.\1.feed_forward.experts.down_proj"),
+    (r"^blocks\.(\d+)\.ffn\.", r"model.layers.\1.feed_forward."),
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, corrupt or describes a model we cannot build exactly."""
+
+
+def to_hf_name(name: str) -> str:
+    for pattern, repl in _TO_HF:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return name  # lm_head.weight keeps its name
+
+
+# ---------------------------------------------------------------------------------------------- config
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Translate a reference config.json (text or multimodal) into a ModelConfig, or explain why not."""
+    if hf.get("model_type") == "llama4" or "text_config" in hf:
+        hf = hf.get("text_config") or {}
+    if hf.get("model_type", "llama4_text") != "llama4_text":
+        raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; expected 'llama4_text'")
+    if hf.get("attention_bias"):
+        raise CheckpointError("config.json has attention_bias=true; nanollama4 models have no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json has hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
+    try:
+        n_layers = hf["num_hidden_layers"]
+        rope = _rope_from_hf(hf)
+        nope_interval = hf.get("no_rope_layer_interval", 4)
+        step = hf.get("interleave_moe_layer_step", 1)
+        moe_layers = hf.get("moe_layers")
+        n_experts = hf.get("num_local_experts", 16) if moe_layers != [] else 0
+        cfg = ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=n_layers,
+            n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"],
+            max_seq_len=hf.get("max_position_embeddings", 131072), **rope, nope_interval=nope_interval,
+            attention_chunk_size=hf.get("attention_chunk_size", 8192), use_qk_norm=bool(hf.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(hf.get("attn_temperature_tuning", True)),
+            floor_scale=int(hf.get("floor_scale", 8192)), attn_scale=float(hf.get("attn_scale", 0.1)),
+            ffn_dim=hf.get("intermediate_size_mlp", 16384), n_experts=n_experts,
+            experts_per_token=hf.get("num_experts_per_tok", 1) if n_experts else 1,
+            expert_dim=hf.get("intermediate_size", 8192), shared_expert=True, moe_every=step,
+            router="sigmoid", norm_eps=hf.get("rms_norm_eps", 1e-5),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    except KeyError as e:
+        raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"config.json describes an invalid model: {e}") from None
+    _check_layout(hf, cfg)
+    return cfg
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE fields from v5 `rope_parameters` or the legacy `rope_theta` + `rope_scaling` pair."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", hf.get("rope_theta", 500000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=float(theta))
+    if kind != "llama3":
+        raise CheckpointError(f"config.json uses rope_type {kind!r}; supported: 'default', 'llama3'")
+    return dict(rope_theta=float(theta), rope_scaling=float(params["factor"]),
+                rope_low_freq_factor=float(params["low_freq_factor"]),
+                rope_high_freq_factor=float(params["high_freq_factor"]),
+                rope_original_max_len=int(params.get("original_max_position_embeddings",
+                                                     hf.get("max_position_embeddings", 131072))))
+
+
+def _check_layout(hf: dict[str, Any], cfg: ModelConfig) -> None:
+    """Stored per-layer lists must match the interval rules we build from, or we would build another model."""
+    L = cfg.n_layers
+    expected = {
+        "no_rope_layers": [int(cfg.uses_rope(i)) for i in range(L)],
+        "moe_layers": [i for i in range(L) if cfg.is_moe(i)],
+        "layer_types": ["chunked_attention" if cfg.chunk_size(i) else "full_attention" for i in range(L)],
+    }
+    for key, want in expected.items():
+        got = hf.get(key)
+        if got is None or (key == "no_rope_layers" and got == []):
+            continue  # absent: the reference derives it from the interval fields, as we do
+        if got != want:
+            raise CheckpointError(f"config.json {key}={got} is not the regular pattern {want} that "
+                                  "nanollama4 builds from the interval fields; this layout is unsupported")
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The reference config.json for our config, every key written (omitted keys get full-size defaults)."""
+    if cfg.n_experts and (cfg.router != "sigmoid" or not cfg.shared_expert):
+        raise CheckpointError("only the Llama 4 MoE (router='sigmoid', shared_expert=True) exists in the reference "
+                              f"format; this model has router={cfg.router!r}, shared_expert={cfg.shared_expert}")
+    if cfg.router_noise == "learned" or cfg.capacity_in_eval:
+        raise CheckpointError("learned router noise and eval-time capacity have no reference equivalent; "
+                              "set router_noise=none and capacity_in_eval=false to export")
+    L = cfg.n_layers
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling,
+                "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+                "original_max_position_embeddings": cfg.rope_original_max_len}
+    return {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "dtype": "float32",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": L,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "intermediate_size": cfg.expert_dim, "intermediate_size_mlp": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
+        "num_local_experts": max(cfg.n_experts, 1), "num_experts_per_tok": cfg.experts_per_token,
+        "interleave_moe_layer_step": cfg.moe_every, "moe_layers": [i for i in range(L) if cfg.is_moe(i)],
+        "no_rope_layer_interval": cfg.nope_interval or L + 1,
+        "no_rope_layers": [int(cfg.uses_rope(i)) for i in range(L)],
+        "attention_chunk_size": cfg.attention_chunk_size,
+        "layer_types": ["chunked_attention" if cfg.chunk_size(i) else "full_attention" for i in range(L)],
+        "use_qk_norm": cfg.use_qk_norm, "attn_temperature_tuning": cfg.attn_temperature_tuning,
+        "floor_scale": cfg.floor_scale, "attn_scale": cfg.attn_scale,
+        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": cfg.init_std,
+        "use_cache": True, "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; a checkpoint directory needs config.json and weights") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt, re-export it") from None
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded checkpoint, with the multimodal `language_model.` prefix removed."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors.update(_load_safetensors(path / shard))
+    else:
+        tensors = _load_safetensors(path / "model.safetensors")
+    return {name.removeprefix("language_model."): t for name, t in tensors.items()
+            if not name.startswith(("vision_model.", "multi_modal_projector."))}
+
+
+def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; pass the folder written by save_pretrained")
+    cfg = config_from_hf(_read_json(path / "config.json"))
+    weights = read_hf_weights(path)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    wanted = {to_hf_name(name): name for name in model.state_dict()}
+    if cfg.tie_embeddings:
+        wanted.pop("lm_head.weight", None)
+    missing = sorted(set(wanted) - set(weights))
+    unexpected = sorted(set(weights) - set(wanted) - {"lm_head.weight"})
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not match config.json (missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}{' ...' if len(missing) + len(unexpected) > 8 else ''})")
+    state = {ours: weights[theirs].to(dtype) for theirs, ours in wanted.items()}
+    model = model.to_empty(device="cpu").to(dtype)
+    try:
+        model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    except RuntimeError as e:
+        detail = str(e).splitlines()[-1].strip()
+        raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight  # to_empty gives each module its own copy
+    model.inv_freq = rope_frequencies(cfg)  # a non-persistent buffer: built on meta, never loaded
+    return model
+
+
+def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
+    """Write `model` as a reference checkpoint directory that transformers' from_pretrained loads."""
+    path = Path(path)
+    hf_config = config_to_hf(model.cfg)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
+    hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    path.mkdir(parents=True, exist_ok=True)
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "_from_model_config": True}
+    _atomic_write(path / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    _atomic_write(path / "config.json", lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
+    _atomic_write(path / "generation_config.json", lambda p: Path(p).write_text(json.dumps(generation, indent=2)))
+    return path
+
+
+def _atomic_write(target: Path, write) -> None:
+    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

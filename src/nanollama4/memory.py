@@ -1,0 +1,175 @@
+"""Parameter and KV-cache arithmetic from a ModelConfig alone: no tensors, no torch.
+
+Sizing a model (how many weights, how many of them a token actually uses, how much memory the KV
+cache takes at a given context) should not require building it: a 400B-parameter preset must be
+answerable on a laptop. Every count here is a closed-form function of the config fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .config import ModelConfig
+
+_BYTES_PER_VALUE = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+                    "float8": 1, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts per component (no biases anywhere in the model)."""
+
+    embedding: int
+    lm_head: int
+    attention: int
+    norms: int
+    dense_ffn: int
+    router: int
+    experts: int
+    shared_expert: int
+    noise: int
+    experts_per_token: int = 1  # k: routed experts each token visits
+    n_experts: int = 0  # N: routed experts per MoE layer
+
+    COMPONENTS: ClassVar[tuple[str, ...]] = ("embedding", "lm_head", "attention", "norms", "dense_ffn", "router",
+                                             "experts", "shared_expert", "noise")
+
+    def _components(self) -> list[tuple[str, int]]:
+        return [(name, getattr(self, name)) for name in self.COMPONENTS]
+
+    def _active(self, name: str, value: int) -> int:
+        # Only the routed experts are sparse: a token reaches k of the N of them.
+        if name == "experts" and self.n_experts:
+            return value * self.experts_per_token // self.n_experts
+        return value
+
+    @property
+    def total(self) -> int:
+        """Every stored weight (what memory must hold)."""
+        return sum(value for _, value in self._components())
+
+    @property
+    def active(self) -> int:
+        """Weights one token's forward pass touches (what compute scales with)."""
+        return sum(self._active(name, value) for name, value in self._components())
+
+    def as_rows(self) -> list[tuple[str, int, int]]:
+        """(component, total, active) rows, for printing."""
+        return [(name, value, self._active(name, value)) for name, value in self._components()]
+
+
+def param_counts(cfg: ModelConfig) -> ParamCounts:
+    """Count the weights of the model `cfg` describes, component by component."""
+    d, dh = cfg.d_model, cfg.head_dim
+    attn_per_layer = d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh + cfg.n_heads * dh * d
+    n_moe = sum(cfg.is_moe(layer) for layer in range(cfg.n_layers))
+    n_dense = cfg.n_layers - n_moe
+    embedding = cfg.vocab_size * d
+    return ParamCounts(
+        embedding=embedding,
+        lm_head=0 if cfg.tie_embeddings else embedding,
+        attention=attn_per_layer * cfg.n_layers,
+        norms=2 * d * cfg.n_layers + d,
+        dense_ffn=3 * d * cfg.ffn_dim * n_dense,
+        router=cfg.n_experts * d * n_moe,
+        experts=cfg.n_experts * 3 * d * cfg.expert_dim * n_moe,
+        shared_expert=3 * d * cfg.expert_dim * n_moe if cfg.shared_expert else 0,
+        noise=cfg.n_experts * d * n_moe if cfg.router_noise == "learned" else 0,
+        experts_per_token=cfg.experts_per_token,
+        n_experts=cfg.n_experts,
+    )
+
+
+@dataclass(frozen=True)
+class KVCacheReport:
+    """KV-cache size of one sequence: per token, per layer, and for the whole sequence."""
+
+    seq_len: int
+    n_layers: int
+    dtype: str
+    values_per_token_per_layer: int  # 2 * n_kv_heads * head_dim (keys and values)
+    mha_values_per_token_per_layer: int  # 2 * n_heads * head_dim: full multi-head attention
+    values_per_token: int
+    bytes_per_value: int
+    bytes_per_token: int
+    bytes_for_sequence: int  # chunked layers cache only the current chunk, so this can be < seq_len * per token
+
+    @property
+    def gqa_saving(self) -> float:
+        """How many times fewer values GQA caches than multi-head attention would."""
+        return self.mha_values_per_token_per_layer / self.values_per_token_per_layer
+
+
+def kv_cache(cfg: ModelConfig, seq_len: int, dtype: str = "float16") -> KVCacheReport:
+    """KV-cache memory needed to generate up to `seq_len` tokens with `cfg` in `dtype`."""
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
+    if dtype not in _BYTES_PER_VALUE:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_BYTES_PER_VALUE)}")
+    per_layer = 2 * cfg.n_kv_heads * cfg.head_dim
+    bpv = _BYTES_PER_VALUE[dtype]
+    positions = 0
+    for layer in range(cfg.n_layers):
+        chunk = cfg.chunk_size(layer)
+        # A chunked layer attends only within its chunk: at most chunk-1 earlier positions are needed.
+        positions += seq_len if chunk is None else min(seq_len, chunk - 1)
+    return KVCacheReport(
+        seq_len=seq_len, n_layers=cfg.n_layers, dtype=dtype,
+        values_per_token_per_layer=per_layer,
+        mha_values_per_token_per_layer=2 * cfg.n_heads * cfg.head_dim,
+        values_per_token=per_layer * cfg.n_layers,
+        bytes_per_value=bpv,
+        bytes_per_token=per_layer * cfg.n_layers * bpv,
+        bytes_for_sequence=positions * per_layer * bpv,
+    )
+
+
+def format_bytes(n: int) -> str:
+    """Binary units: '128 KiB', '1 GiB', '1.50 MiB' (whole numbers shown without decimals)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+
+
+def format_count(n: float) -> str:
+    """Human parameter count: '107.8B', '17.2B', '1.3M', '512'."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{suffix}"
+    return f"{int(n)}"
+
+
+def format_params_table(cfg: ModelConfig) -> str:
+    """Table of parameters per component, total and active per token."""
+    counts = param_counts(cfg)
+    lines = [f"{'component':<15}{'total':>20}{'active/token':>20}"]
+    lines += [f"{name:<15}{total:>20,}{active:>20,}" for name, total, active in counts.as_rows()]
+    lines.append("-" * 55)
+    lines.append(f"{'sum':<15}{counts.total:>20,}{counts.active:>20,}")
+    lines.append(f"total {format_count(counts.total)} parameters, {format_count(counts.active)} active per token")
+    return "\n".join(lines)
+
+
+def format_kv_table(report: KVCacheReport) -> str:
+    """The KV-cache arithmetic, step by step, for seq_len tokens in report.dtype."""
+    r = report
+    rows = [
+        ("values per token per layer (2 * kv_heads * head_dim)", f"{r.values_per_token_per_layer:,}"),
+        ("full multi-head attention would cache",
+         f"{r.mha_values_per_token_per_layer:,} (GQA caches {r.gqa_saving:g}x fewer, a {r.gqa_saving:.1f}x saving)"),
+        (f"values per token over {r.n_layers} layers", f"{r.values_per_token:,}"),
+        (f"bytes per value ({r.dtype})", f"{r.bytes_per_value}"),
+        ("per token", f"{format_bytes(r.bytes_per_token)} ({r.bytes_per_token:,} bytes)"),
+        (f"for a sequence of {r.seq_len:,} tokens",
+         f"{format_bytes(r.bytes_for_sequence)} ({r.bytes_for_sequence:,} bytes)"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+__all__ = ["ParamCounts", "KVCacheReport", "param_counts", "kv_cache", "format_bytes", "format_count",
+           "format_params_table", "format_kv_table"]

@@ -1,0 +1,114 @@
+"""The Llama 4-style decoder, top to bottom: norm, block, transformer.
+
+ids -> embedding -> n_layers x [x + Attn(RMSNorm(x)); x + FFN(RMSNorm(x))] -> RMSNorm -> LM head.
+FFN is a dense SwiGLU or a mixture of experts (moe.py); attention and positions are in attention.py
+and rope.py. No biases anywhere. The model computes; it never prints or reads files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import ModelConfig
+from .moe import MoE, SwiGLU
+from .rope import Rope, rope_angles, rope_frequencies
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * gain, normalised in float32 and cast back before the gain (as the reference does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: attention then feed-forward, each added to the residual."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn: nn.Module = MoE(cfg) if cfg.is_moe(layer) else SwiGLU(cfg.d_model, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+@dataclass
+class Loss:
+    """What `Transformer.loss` returns: the total to backpropagate and its parts, for logging."""
+
+    total: torch.Tensor  # lm + auxiliary losses
+    lm: torch.Tensor  # mean next-token cross-entropy, nats
+    aux: torch.Tensor  # sum of the MoE auxiliary losses with their coefficients (0 when none)
+
+
+class Transformer(nn.Module):
+    """A Llama 4-style decoder-only language model: `model(ids)` gives logits (B, T, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) matrices, residual-output projections shrunk by 1/sqrt(2 n_layers), unit gains.
+
+        The shrink keeps the residual stream's variance from growing with depth at the start of training.
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down")):
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        """Token ids (B, T) at positions start_pos.. -> logits (B, T, vocab), in the model's dtype."""
+        T = ids.shape[1]
+        positions = torch.arange(start_pos, start_pos + T, device=ids.device)
+        rope = rope_angles(self.inv_freq, positions)
+        x = self.embed(ids)  # (B, T, d)
+        for block in self.blocks:
+            x = block(x, positions, rope)
+        return self.lm_head(self.norm(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> Loss:
+        """Next-token cross-entropy of targets (B, T) given ids (B, T), plus the MoE auxiliary losses.
+
+        Targets equal to -100 are ignored. The logits are upcast to float32 for the loss so that bf16
+        training does not round the log-probabilities.
+        """
+        logits = self(ids)
+        lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        aux = lm.new_zeros(())
+        return Loss(total=lm + aux, lm=lm, aux=aux)
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied LM head counts once)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (RoPE) on interleaved pairs, with llama3-style frequency scaling.
+
+Llama 4 rotates adjacent pairs (x[2i], x[2i+1]) by angle pos * theta_i, i.e. it treats each head as
+head_dim/2 complex numbers. (Llama 2/3 in transformers rotate the two halves instead; the two are not
+interchangeable for the same weights.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import ModelConfig
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the angles, each (T, head_dim/2), float32
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """theta_i = base^(-2i/head_dim) for i < head_dim/2, float32, llama3-scaled when configured."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)  # (Dh/2,)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    return _llama3_scale(inv_freq, cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                         cfg.rope_original_max_len)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float, original_len: int) -> torch.Tensor:
+    """Slow down long-wavelength frequencies by `factor`, keep short ones, blend the band in between.
+
+    Wavelengths longer than original_len/low were never seen whole in training, so they are stretched;
+    those shorter than original_len/high stay. Selecting with `where` (rather than blending with masks)
+    keeps the band formula's division by zero when low == high out of the result.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original_len / low, original_len / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    if high > low:
+        smooth = (original_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        scaled = torch.where(in_band, blended, scaled)
+    return scaled
+
+
+def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
+    """cos and sin of pos * theta_i, float32, shape (T, Dh/2), for integer positions (T,)."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, Dh) by the angles in cos/sin (T, Dh/2).
+
+    Computed in float32 and cast back, as the reference does, so bf16 models rotate accurately.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return out.flatten(-2).to(x.dtype)

@@ -1,0 +1,106 @@
+"""Parameter and KV-cache arithmetic: known published numbers and hand-computed small cases."""
+
+import pytest
+
+from nanollama4.config import ModelConfig, preset
+from nanollama4.memory import format_bytes, format_kv_table, format_params_table, kv_cache, param_counts
+
+
+def test_seed_example_kv_cache_numbers():
+    r = kv_cache(preset("seed-example"), 8192, "float16")
+    assert r.values_per_token_per_layer == 2048
+    assert r.mha_values_per_token_per_layer == 8192
+    assert r.gqa_saving == 4.0
+    assert r.values_per_token == 65536
+    assert r.bytes_per_value == 2
+    assert r.bytes_per_token == 131072
+    assert r.bytes_for_sequence == 2**30
+
+
+def test_seed_example_kv_table_text():
+    table = format_kv_table(kv_cache(preset("seed-example"), 8192))
+    for text in ("2,048", "8,192", "4x fewer", "65,536", "128 KiB", "1 GiB"):
+        assert text in table, (text, table)
+
+
+@pytest.mark.parametrize("dtype,size", [("float32", 4), ("fp32", 4), ("bf16", 2), ("bfloat16", 2), ("fp8", 1),
+                                        ("int8", 1)])
+def test_dtype_sizes(dtype, size):
+    assert kv_cache(preset("seed-example"), 1, dtype).bytes_per_token == 65536 * size
+
+
+def test_bad_dtype_and_seq_len_raise():
+    cfg = preset("seed-example")
+    with pytest.raises(ValueError, match="float16"):
+        kv_cache(cfg, 10, "float64")
+    for bad in (0, -5, 2.5, "8"):
+        with pytest.raises(ValueError, match="seq_len"):
+            kv_cache(cfg, bad)
+
+
+def test_chunked_layers_cache_chunk_minus_one_positions():
+    cfg = ModelConfig(attention_chunk_size=4, nope_interval=2, n_layers=4)
+    # layers 0 and 2 use RoPE (chunked: 3 positions), layers 1 and 3 are NoPE (all 100)
+    r = kv_cache(cfg, 100, "float32")
+    per_layer = 2 * cfg.n_kv_heads * cfg.head_dim
+    assert r.bytes_for_sequence == (3 + 3 + 100 + 100) * per_layer * 4
+    # shorter than a chunk: every layer caches the whole sequence
+    assert kv_cache(cfg, 2, "float32").bytes_for_sequence == 4 * 2 * per_layer * 4
+
+
+def test_llama4_scout_counts():
+    p = param_counts(preset("llama4-scout"))
+    assert p.total == pytest.approx(108e9, rel=0.03)
+    assert p.active == pytest.approx(17e9, rel=0.03)
+
+
+def test_llama4_maverick_counts():
+    p = param_counts(preset("llama4-maverick"))
+    assert p.total == pytest.approx(400e9, rel=0.03)
+    assert p.active == pytest.approx(17e9, rel=0.03)
+    assert p.dense_ffn > 0 and p.experts > 0  # interleaved: half the layers dense, half MoE
+
+
+def test_tied_embeddings_remove_lm_head():
+    untied = param_counts(preset("tiny"))
+    tied = param_counts(preset("tiny", tie_embeddings=True))
+    assert untied.lm_head == untied.embedding > 0
+    assert tied.lm_head == 0
+    assert untied.total - tied.total == untied.embedding
+
+
+def test_active_scales_routed_experts_only():
+    p = param_counts(preset("tiny"))  # 4 experts, top-2
+    assert p.total - p.active == p.experts // 2
+    rows = {name: (total, active) for name, total, active in p.as_rows()}
+    assert rows["experts"] == (p.experts, p.experts // 2)
+    assert rows["shared_expert"][0] == rows["shared_expert"][1] > 0
+    assert sum(t for t, _ in rows.values()) == p.total
+    assert sum(a for _, a in rows.values()) == p.active
+
+
+def test_learned_noise_counted():
+    cfg = preset("tiny", router="softmax", router_noise="learned")
+    assert param_counts(cfg).noise == cfg.n_experts * cfg.d_model * cfg.n_layers
+    assert param_counts(preset("tiny", router="softmax", router_noise="fixed")).noise == 0
+
+
+def test_params_table_text():
+    table = format_params_table(preset("llama4-scout"))
+    assert "107.8B" in table and "17.2B" in table
+    assert "experts" in table and "attention" in table
+
+
+def test_format_bytes():
+    assert format_bytes(131072) == "128 KiB"
+    assert format_bytes(2**30) == "1 GiB"
+    assert format_bytes(1536 * 1024) == "1.50 MiB"
+    assert format_bytes(100) == "100 B"
+
+
+def test_matches_model_parameter_count():
+    # Depends on nanollama4.model (class Transformer(cfg)).
+    from nanollama4.model import Transformer
+
+    cfg = preset("tiny")
+    assert param_counts(cfg).total == sum(p.numel() for p in Transformer(cfg).parameters())

@@ -1,0 +1,139 @@
+"""Our model gives the reference implementation's logits (transformers' Llama4ForCausalLM), both ways.
+
+transformers -> ours through load_hf, ours -> transformers through export_hf; float32, max abs <= 1e-4,
+random weights with non-trivial norm gains (the reference init of gains = 1 would hide gain bugs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import nanollama4
+from nanollama4.hf import CheckpointError
+
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=16, num_local_experts=8, intermediate_size=48, intermediate_size_mlp=96,
+            max_position_embeddings=64, pad_token_id=None, attention_chunk_size=4, attn_temperature_tuning=True,
+            floor_scale=2, attn_scale=0.5, use_qk_norm=True, no_rope_layer_interval=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CASES = {
+    "moe_all_top2_chunk4": dict(interleave_moe_layer_step=1),
+    "moe_every2": dict(interleave_moe_layer_step=2),
+    "nope2_top1": dict(no_rope_layer_interval=2, num_experts_per_tok=1),
+    "llama3_rope": dict(rope_parameters=LLAMA3),
+    "no_qk_norm_tied": dict(use_qk_norm=False, tie_word_embeddings=True),
+    "no_chunk_no_temp": dict(attention_chunk_size=None, attn_temperature_tuning=False, interleave_moe_layer_step=2,
+                             num_experts_per_tok=1),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
+    """Fan-in scaled random matrices and gains around 1, so every weight matters to the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                fan_in = p.shape[-2] if name.endswith(("gate_up_proj", "experts.down_proj", "gate_up",
+                                                       "experts.down")) else p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
+
+
+def reference_model(**overrides):
+    cfg = transformers.Llama4TextConfig(**{**TINY, **overrides})
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(cfg).eval()
+    randomize_(model)
+    return model
+
+
+def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformers_to_ours(case, tmp_path):
+    ref = reference_model(**CASES[case])
+    ref.save_pretrained(tmp_path)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(7))
+    ours = nanollama4.load_hf(tmp_path).eval()
+    with torch.no_grad():
+        got = ours(ids)
+    want = reference_logits(ref, ids)
+    assert want.abs().max() > 1.0  # the logits are not trivially small
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ours_to_transformers(case, tmp_path):
+    cfg = nanollama4.hf.config_from_hf({**TINY, **CASES[case]})
+    ours = nanollama4.Transformer(cfg).eval()
+    randomize_(ours, seed=99)
+    nanollama4.export_hf(ours, tmp_path)
+    ref, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = ours(ids)
+    want = reference_logits(ref.eval(), ids)
+    assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_multimodal_prefix_and_legacy_rope_keys(tmp_path):
+    """The multimodal checkpoints nest the text model under `language_model.`; old configs use rope_theta."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ref = reference_model(rope_parameters=LLAMA3)
+    ref.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, tmp_path / "model.safetensors")
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    rope = hf_cfg.pop("rope_parameters")
+    hf_cfg["rope_theta"] = rope.pop("rope_theta")
+    hf_cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    for key in ("no_rope_layers", "moe_layers", "layer_types"):
+        hf_cfg.pop(key)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": hf_cfg}))
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        got = nanollama4.load_hf(tmp_path).eval()(ids)
+    assert (got - reference_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
+def test_sharded_checkpoint(tmp_path):
+    ref = reference_model()
+    ref.save_pretrained(tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        got = nanollama4.load_hf(tmp_path).eval()(ids)
+    assert (got - reference_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
+def test_inconsistent_or_unsupported_checkpoints_fail_clearly(tmp_path):
+    import json
+
+    ref = reference_model()
+    ref.save_pretrained(tmp_path)
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    bad_layout = {**hf_cfg, "moe_layers": [0, 2]}
+    (tmp_path / "config.json").write_text(json.dumps(bad_layout))
+    with pytest.raises(CheckpointError, match="moe_layers"):
+        nanollama4.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**hf_cfg, "hidden_size": 32}))
+    with pytest.raises(CheckpointError, match="shape"):
+        nanollama4.load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(hf_cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        nanollama4.load_hf(tmp_path)
+    with pytest.raises(CheckpointError, match="router"):
+        nanollama4.export_hf(nanollama4.Transformer(nanollama4.preset("tiny", router="softmax")), tmp_path / "x")
