@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .model import Transformer
-from .rope import rope_frequencies
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.
 _TO_HF = [
@@ -212,7 +211,6 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) ->
         raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight  # to_empty gives each module its own copy
-    model.inv_freq = rope_frequencies(cfg)  # a non-persistent buffer: built on meta, never loaded
     return model
 
 

@@ -70,7 +70,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -88,11 +88,17 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE frequencies in float32 on `device`. Not a buffer: `model.to(bfloat16)` must not round them."""
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_frequencies(self.cfg).to(device)
+        return self._inv_freq[device]
+
     def forward(self, ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """Token ids (B, T) at positions start_pos.. -> logits (B, T, vocab), in the model's dtype."""
         T = ids.shape[1]
         positions = torch.arange(start_pos, start_pos + T, device=ids.device)
-        rope = rope_angles(self.inv_freq, positions)
+        rope = rope_angles(self.inv_freq(ids.device), positions)
         x = self.embed(ids)  # (B, T, d)
         for block in self.blocks:
             x = block(x, positions, rope)
