@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import fields
 
-from .config import PRESETS, ModelConfig, parse_overrides, preset
+from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from .memory import format_count, format_kv_table, format_params_table, kv_cache, param_counts
 
 
@@ -61,6 +62,87 @@ def cmd_summary(args: argparse.Namespace) -> None:
           f"(untrained: mean logit {logits.mean().item():+.3f}, std {logits.std().item():.3f})")
 
 
+def _split_overrides(pairs: list[str]) -> tuple[dict, dict]:
+    """--set pairs go to TrainConfig when the key is one of its fields, else to ModelConfig."""
+    train_keys = {f.name for f in fields(TrainConfig)}
+    model_keys = {f.name for f in fields(ModelConfig)}
+    train_pairs, model_pairs = [], []
+    for pair in pairs:
+        key = pair.split("=", 1)[0].strip()
+        if key in train_keys:
+            train_pairs.append(pair)
+        elif key in model_keys:
+            model_pairs.append(pair)
+        else:
+            raise ValueError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
+                             f"training {', '.join(sorted(train_keys))}")
+    return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from .train import train
+
+    model_over, train_over = _split_overrides(args.set or [])
+    if args.max_steps is not None:
+        train_over["max_steps"] = args.max_steps
+    if args.max_time is not None:
+        train_over["max_time"] = parse_duration(args.max_time)
+    if args.resume:
+        if model_over:
+            raise ValueError(f"model fields cannot change on --resume (got {sorted(model_over)})")
+        from .train import resume_config
+
+        run_dir, model_cfg, tc = args.resume, None, resume_config(args.resume, **train_over)
+    else:
+        tc = TrainConfig(**train_over)
+        run_dir = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+        model_cfg = preset(args.preset, **model_over)
+    result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
+    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
+    print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
+          f"{result.tokens_per_s:,.0f} tokens/s")
+    if result.interrupted:
+        print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
+              f"--max-steps N (or --max-time T)")
+        return
+    from .plots import plot_run
+
+    for path in plot_run(result.run_dir):
+        print(f"plot: {path}")
+    print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from .generate import sample
+    from .train import load_any
+
+    model, tokenizer = load_any(args.path)
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("the prompt is empty; pass --prompt with some text")
+    gen = torch.Generator().manual_seed(args.seed)
+    temperature = 0.0 if args.greedy else args.temperature
+    out = sample(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, generator=gen)
+    print(tokenizer.decode(out[0].tolist()))
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from .train import full_validation_loss_of_run
+
+    loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint)
+    print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "
+          f"(non-overlapping windows of {seq_len})")
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    from .plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(f"plot: {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanollama4", description="A readable Llama 4-style MoE language model.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,14 +164,50 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="a preset's layer layout and counts, and one timed forward pass")
     add_preset(p)
     p.set_defaults(func=cmd_summary)
+
+    p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
+    add_preset(p)
+    p.add_argument("--data", help="a text file or a folder of .txt files (default: Shakespeare's works)")
+    p.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    budget.add_argument("--max-time", help="stop after this long, e.g. 300, 5m, 1.5h")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
+    p.add_argument("path", help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=300)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
+    p.add_argument("run_dir")
+    p.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
     return parser
+
+
+_USER_ERRORS = {"TrainingError"}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # our own errors carry a message meant for people
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # our errors carry a message meant for people
+        if type(e).__name__ not in _USER_ERRORS and not isinstance(e, (ValueError, FileNotFoundError)):
+            raise
         print(f"nanollama4 {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -150,6 +150,81 @@ class ModelConfig:
         return self.from_dict({**self.to_dict(), **changes})
 
 
+@dataclass
+class TrainConfig:
+    """How to train: optimisation, schedule, evaluation and checkpointing. Defaults suit the demo."""
+
+    batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
+    seq_len: int = 128  # tokens per training window; at most the model's max_seq_len
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    lr: float = 2e-3  # peak learning rate, reached after warmup
+    min_lr: float = 2e-4  # learning rate at the end of the cosine decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.99  # AdamW second-moment decay
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
+    max_steps: int | None = None  # stop after this many optimizer steps
+    max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
+    decay_steps: int | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
+    eval_interval: int = 250  # validate (and checkpoint) every this many steps
+    eval_batches: int = 16  # fixed validation batches per evaluation
+    bf16: bool = False  # autocast matrix products to bfloat16 (weights and optimizer stay float32)
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337  # seeds initialisation, batch sampling and router noise
+    tokenizer: str = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
+    bpe_vocab_size: int = 2048  # vocabulary size when tokenizer = "bpe"
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu" or "cuda"
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches", "bpe_vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} ({value!r}) must be a non-negative number")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
+        if self.warmup_steps < 0 or self.threads < 0:
+            raise ValueError("warmup_steps and threads must be non-negative")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"max_steps ({self.max_steps}) must be positive or None")
+        if self.decay_steps is not None and self.decay_steps <= 0:
+            raise ValueError(f"decay_steps ({self.decay_steps}) must be positive or None")
+        if self.max_time is not None and self.max_time <= 0:
+            raise ValueError(f"max_time ({self.max_time}) must be positive or None")
+        if self.tokenizer not in ("char", "bpe"):
+            raise ValueError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '10m' or '1.5h'."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    raw = text.strip().lower()
+    try:
+        if raw and raw[-1] in units:
+            return float(raw[:-1]) * units[raw[-1]]
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"duration {text!r} must look like 300, 300s, 10m or 1.5h") from None
+
+
 def _llama4_common() -> dict[str, Any]:
     # Shapes shared by the published Llama 4 text models (Scout and Maverick).
     return dict(vocab_size=202048, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8, head_dim=128,
@@ -228,4 +303,4 @@ def _parse_value(key: str, raw: str, type_name: str) -> Any:
     return raw
 
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "parse_overrides"]
+__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "parse_overrides", "parse_duration"]

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from .checkpoint import CheckpointError, atomic_write, read_json, read_safetensors
 from .config import ModelConfig
 from .model import Transformer
 
@@ -33,8 +32,6 @@ _TO_HF = [
 ]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing, corrupt or describes a model we cannot build exactly."""
 
 
 def to_hf_name(name: str) -> str:
@@ -153,34 +150,18 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- weights
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; a checkpoint directory needs config.json and weights") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt, re-export it") from None
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a single-file or sharded checkpoint, with the multimodal `language_model.` prefix removed."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
         tensors: dict[str, torch.Tensor] = {}
         for shard in shards:
-            tensors.update(_load_safetensors(path / shard))
+            tensors.update(read_safetensors(path / shard))
     else:
-        tensors = _load_safetensors(path / "model.safetensors")
+        tensors = read_safetensors(path / "model.safetensors")
     return {name.removeprefix("language_model."): t for name, t in tensors.items()
             if not name.startswith(("vision_model.", "multi_modal_projector."))}
 
@@ -190,7 +171,9 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) ->
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass the folder written by save_pretrained")
-    cfg = config_from_hf(_read_json(path / "config.json"))
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} has no config.json; pass the folder written by save_pretrained")
+    cfg = config_from_hf(read_json(path / "config.json"))
     weights = read_hf_weights(path)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -226,21 +209,8 @@ def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     path.mkdir(parents=True, exist_ok=True)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "_from_model_config": True}
-    _atomic_write(path / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic_write(path / "config.json", lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-    _atomic_write(path / "generation_config.json", lambda p: Path(p).write_text(json.dumps(generation, indent=2)))
+    atomic_write(path / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    atomic_write(path / "config.json", lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
+    atomic_write(path / "generation_config.json", lambda p: Path(p).write_text(json.dumps(generation, indent=2)))
     return path
 
-
-def _atomic_write(target: Path, write) -> None:
-    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

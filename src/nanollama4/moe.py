@@ -111,6 +111,7 @@ class MoE(nn.Module):
         B, T, d = x.shape
         x_TD = x.reshape(B * T, d)
         _, experts_TK, weights_TK = self.route(x_TD)
+        self.last_counts_E = torch.bincount(experts_TK.flatten(), minlength=self.n_experts)  # for load statistics
         y_TD = self.experts(x_TD, experts_TK, weights_TK.to(x.dtype), scale_input=self.kind == "sigmoid")
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)

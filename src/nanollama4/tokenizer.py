@@ -1,0 +1,236 @@
+"""Tokenizers: characters (the classic tiny-Shakespeare setup) and byte-level BPE (the `tokenizers` library).
+
+Both speak the same small interface (`Tokenizer`): encode, decode, vocab_size, save, name, fingerprint.
+The fingerprint is a hash of the saved JSON, so that the data cache (data.py) can tell tokenizers apart
+without trusting file names. `load_tokenizer` reads either format back from its JSON file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+CHAR_KIND = "nanollama4-char"  # the "kind" key that marks our character-tokenizer JSON
+_MAX_SHOWN = 20  # unknown characters listed in an error message
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built, loaded, or cannot encode/decode the given input."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the rest of the package needs from a tokenizer."""
+
+    name: str
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def save(self, path: str | Path) -> None: ...
+
+    def fingerprint(self) -> str: ...
+
+
+def _fingerprint(content: str) -> str:
+    """Short sha256 hex of a tokenizer's saved JSON: 16 hex digits are plenty to key a cache."""
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()[:16]
+
+
+def _as_int_list(ids: Iterable[int]) -> list[int]:
+    """Accept lists, numpy arrays and torch tensors alike (both have .tolist(), which gives Python ints)."""
+    tolist = getattr(ids, "tolist", None)
+    return tolist() if callable(tolist) else [int(i) for i in ids]
+
+
+# ---------------------------------------------------------------------------------------------- characters
+class CharTokenizer:
+    """One id per character, ids in sorted character order. Unknown characters are an error unless a
+    `replace` character is given, so that a corpus never silently loses text."""
+
+    name = "char"
+
+    def __init__(self, chars: Iterable[str], replace: str | None = None) -> None:
+        self.chars: list[str] = list(chars)
+        if not self.chars:
+            raise TokenizerError("a character tokenizer needs at least one character; build it from non-empty text")
+        bad = [c for c in self.chars if not isinstance(c, str) or len(c) != 1]
+        if bad:
+            raise TokenizerError(f"vocabulary entries must be single characters, got {bad[:_MAX_SHOWN]!r}")
+        if len(set(self.chars)) != len(self.chars):
+            raise TokenizerError("the character vocabulary has duplicates; each character must appear once")
+        self.stoi: dict[str, int] = {c: i for i, c in enumerate(self.chars)}
+        self.replace = replace
+        if replace is not None:
+            self._replacement_id(replace)  # validate now, not at the first unknown character
+
+    @classmethod
+    def from_text(cls, text: str, replace: str | None = None) -> CharTokenizer:
+        """The vocabulary is the sorted set of characters of `text`."""
+        if not text:
+            raise TokenizerError("cannot build a character vocabulary from empty text; pass the training corpus")
+        return cls(sorted(set(text)), replace=replace)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def _replacement_id(self, replace: str) -> int:
+        if replace not in self.stoi:
+            raise TokenizerError(f"replacement {replace!r} is not in the vocabulary; pick a character that is "
+                                 "(e.g. ' ' or '?')")
+        return self.stoi[replace]
+
+    def encode(self, text: str, replace: str | None = None) -> list[int]:
+        """Ids of the characters of `text`. `replace` (here or in the constructor) maps unknown characters
+        to that character's id; without it an unknown character raises TokenizerError listing them."""
+        replace = replace if replace is not None else self.replace
+        unknown = set(text).difference(self.stoi)
+        if not unknown:
+            return [self.stoi[c] for c in text]
+        if replace is None:
+            shown = ", ".join(repr(c) for c in sorted(unknown)[:_MAX_SHOWN])
+            more = f" (and {len(unknown) - _MAX_SHOWN} more)" if len(unknown) > _MAX_SHOWN else ""
+            noun = "character" if len(unknown) == 1 else "characters"
+            raise TokenizerError(f"cannot encode {len(unknown)} {noun} not in the vocabulary: {shown}{more}; "
+                                 "pass replace='?' (a character in the vocabulary) to substitute them")
+        rid = self._replacement_id(replace)
+        return [self.stoi.get(c, rid) for c in text]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = _as_int_list(ids)
+        n = len(self.chars)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise TokenizerError(f"cannot decode ids outside the vocabulary [0, {n}): {bad[:_MAX_SHOWN]}")
+        return "".join(self.chars[i] for i in ids)
+
+    def to_json(self) -> str:
+        """The saved form: {"kind": "nanollama4-char", "chars": [...]} (+ "replace" when one is set)."""
+        state: dict[str, Any] = {"kind": CHAR_KIND, "chars": self.chars}
+        if self.replace is not None:
+            state["replace"] = self.replace  # it changes what encode returns, so it belongs to the fingerprint
+        return json.dumps(state, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> CharTokenizer:
+        chars = state.get("chars")
+        if not isinstance(chars, list):
+            raise TokenizerError('a character tokenizer JSON needs a "chars" list of single characters')
+        return cls(chars, replace=state.get("replace"))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self.to_json())
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+# ---------------------------------------------------------------------------------------------- byte-level BPE
+class BPETokenizer:
+    """A `tokenizers.Tokenizer`, usually byte-level BPE: any text encodes (no unknown characters) and
+    decoding gives the text back exactly. Also wraps tokenizer.json files of reference checkpoints."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def train(cls, texts: str | Iterable[str], vocab_size: int, min_frequency: int = 2) -> BPETokenizer:
+        """Train byte-level BPE on a string or an iterator of strings, up to `vocab_size` tokens (the 256
+        byte symbols included; fewer if the text runs out of pairs seen `min_frequency` times)."""
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if vocab_size < len(alphabet):
+            raise TokenizerError(f"vocab_size ({vocab_size}) must be at least {len(alphabet)}, the byte alphabet "
+                                 "of byte-level BPE; use the char tokenizer for smaller vocabularies")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, initial_alphabet=alphabet,
+                                      show_progress=False)
+        tok.train_from_iterator(_chunks(texts) if isinstance(texts, str) else texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> BPETokenizer:
+        """Load any tokenizer.json written by the `tokenizers` library."""
+        return cls(_hf_from_str(_read_text(Path(path)), Path(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(_as_int_list(ids), skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.tokenizer.to_str()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self.to_json())
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+def _chunks(text: str, lines_per_chunk: int = 1000) -> Iterator[str]:
+    """Split one long training string at line ends, so the trainer can work on the pieces in parallel."""
+    lines = text.splitlines(keepends=True)
+    for i in range(0, len(lines), lines_per_chunk):
+        yield "".join(lines[i:i + lines_per_chunk])
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer file {path} does not exist; pass the path of a saved tokenizer "
+                             "(tokenizer.json) or train one first")
+    return path.read_text(encoding="utf-8")
+
+
+def _hf_from_str(content: str, path: Path) -> HFTokenizer:
+    try:
+        return HFTokenizer.from_str(content)
+    except Exception as e:  # the Rust side raises plain Exception subclasses with multi-line text
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerError(f"{path} is not a tokenizer.json the tokenizers library can read ({reason}); "
+                             "pass a file saved by nanollama4 or by the tokenizers library") from e
+
+
+def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
+    """Load a saved tokenizer: our character JSON (by its "kind") or any `tokenizers` tokenizer.json."""
+    path = Path(path)
+    content = _read_text(path)
+    try:
+        state = json.loads(content)
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"tokenizer file {path} is not valid JSON ({e.msg} at line {e.lineno}); "
+                             "pass a tokenizer.json saved by nanollama4 or the tokenizers library") from e
+    if not isinstance(state, dict):
+        raise TokenizerError(f"tokenizer file {path} holds JSON but not an object; pass a saved tokenizer.json")
+    if state.get("kind") == CHAR_KIND:
+        try:
+            return CharTokenizer.from_dict(state)
+        except TokenizerError as e:
+            raise TokenizerError(f"tokenizer file {path}: {e}") from e
+    return BPETokenizer(_hf_from_str(content, path))

