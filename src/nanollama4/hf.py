@@ -177,7 +177,7 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) ->
     weights = read_hf_weights(path)
     with torch.device("meta"):
         model = Transformer(cfg)
-    wanted = {to_hf_name(name): name for name in model.state_dict()}
+    wanted = {to_hf_name(name): name for name in model.state_dict() if not name.endswith("router_bias")}
     if cfg.tie_embeddings:
         wanted.pop("lm_head.weight", None)
     missing = sorted(set(wanted) - set(weights))
@@ -187,8 +187,11 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) ->
                               f"unexpected {unexpected[:4]}{' ...' if len(missing) + len(unexpected) > 8 else ''})")
     state = {ours: weights[theirs].to(dtype) for theirs, ours in wanted.items()}
     model = model.to_empty(device="cpu").to(dtype)
+    for moe in model.moe_layers():
+        moe.router_bias.zero_()  # ours only (aux-loss-free balancing); the reference has no such bias
+        moe.pending_counts.zero_()
     try:
-        model.load_state_dict(state, strict=not cfg.tie_embeddings)
+        model.load_state_dict(state, strict=False)
     except RuntimeError as e:
         detail = str(e).splitlines()[-1].strip()
         raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
@@ -203,6 +206,11 @@ def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
     hf_config = config_to_hf(model.cfg)
     tensors = {}
     for name, t in model.state_dict().items():
+        if name.endswith("router_bias"):
+            if t.abs().max() > 0:
+                raise CheckpointError("this model's routers carry balancing biases (bias_balance_rate), which the "
+                                      "reference format cannot express; export a model trained without them")
+            continue
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
             continue
         tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()

@@ -112,8 +112,17 @@ class Transformer(nn.Module):
         """
         logits = self(ids)
         lm = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-        aux = lm.new_zeros(())
+        aux = sum((m.aux_loss for m in self.moe_layers()), lm.new_zeros(()))
         return Loss(total=lm + aux, lm=lm, aux=aux)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forward modules, in layer order (their `stats` describe the last forward pass)."""
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoE)]
+
+    def update_router_biases(self) -> None:
+        """After an optimizer step: move each MoE's choice bias toward uniform load (if that is configured)."""
+        for moe in self.moe_layers():
+            moe.update_bias()
 
     def num_params(self) -> int:
         """Distinct parameters (a tied LM head counts once)."""

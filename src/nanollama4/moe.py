@@ -3,9 +3,16 @@
 An MoE layer sends each token to the top-k of N routed experts (plus an always-on shared expert).
 Only the chosen experts run: assignments are sorted by expert, the experts run as one grouped matrix
 product over contiguous groups, and results are added back per token, so compute grows with k, not N.
+
+Training-time routing, all optional (config): noise on the softmax router's logits, an expert capacity
+with overflow to each token's next-best expert, the Switch load-balancing loss and router z-loss, and
+the auxiliary-loss-free alternative, a per-expert bias that steers only the top-k choice.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +34,14 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# ---------------------------------------------------------------------------------------------- experts
 class Experts(nn.Module):
     """N SwiGLU experts with fused weights, stored (in, out) as the reference checkpoints store them.
 
     gate_up (E, d, 2I) holds each expert's gate and up matrices side by side; down is (E, I, d).
+    `dispatch` picks how the chosen rows are multiplied; all three compute the same function:
+    "grouped" (one F.grouped_mm over contiguous per-expert groups), "loop" (a matmul per expert) and
+    "padded" (one bmm over a capacity-padded (E, C, d) buffer). "auto" takes grouped where it applies.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
@@ -38,96 +49,248 @@ class Experts(nn.Module):
         self.n_experts, self.hidden = n_experts, hidden
         self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.dispatch = "auto"
 
-    def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor,
+    def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
-        """Run each token through its k chosen experts and sum, weighting inputs or outputs.
+        """Sum over assignments a of weight_a-scaled SwiGLU_{expert_a}(x[token_a]), per token. Returns (T, d).
 
-        x_TD (T, d); experts_TK (T, k) expert ids; weights_TK (T, k). Returns (T, d).
+        Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
+        (Llama 4) or its output (tutorial).
         """
-        T, k = experts_TK.shape
-        expert_A = experts_TK.reshape(-1)  # (A,) one entry per (token, expert) assignment, A = T*k
         order_A = torch.argsort(expert_A, stable=True)
-        token_A = order_A // k  # token of each assignment, grouped by expert
-        weight_A1 = weights_TK.reshape(-1)[order_A].unsqueeze(1)
+        token_A, expert_A = token_A[order_A], expert_A[order_A]
+        weight_A1 = weight_A[order_A].unsqueeze(1).to(x_TD.dtype)
         counts_E = torch.bincount(expert_A, minlength=self.n_experts)
         x_AD = x_TD[token_A]
         if scale_input:
             x_AD = x_AD * weight_A1
-        y_AD = self._grouped_swiglu(x_AD, counts_E)
+        y_AD = self.run_groups(x_AD, expert_A, counts_E)
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 
-    def _grouped_swiglu(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of contiguous per-expert groups of rows; counts_E gives each group's size."""
-        if _grouped_mm_ok(x_AD, self.gate_up, self.down):
+    def run_groups(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of rows sorted by expert (expert_A ascending, counts_E rows each) -> (A, d)."""
+        mode = self.dispatch
+        if mode == "auto":
+            mode = "grouped" if _grouped_mm_ok(x_AD, self.hidden) else "loop"
+        if mode == "grouped":
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            h_AH = F.grouped_mm(x_AD, self.gate_up, offs=offs_E)  # (A, 2I)
-            gate, up = h_AH.chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, self.down, offs=offs_E)  # (A, d)
+            gate, up = F.grouped_mm(x_AD, self.gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
+            return F.grouped_mm(F.silu(gate) * up, self.down, offs=offs_E)
+        if mode == "padded":
+            return self._padded(x_AD, expert_A, counts_E)
         outs, start = [], 0
         for e, n in enumerate(counts_E.tolist()):
             gate, up = (x_AD[start:start + n] @ self.gate_up[e]).chunk(2, dim=-1)
             outs.append((F.silu(gate) * up) @ self.down[e])
             start += n
-        return torch.cat(outs)
+        return torch.cat(outs) if outs else x_AD.new_zeros(0, self.down.shape[-1])
+
+    def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Scatter rows into an (E, C, d) buffer (C = largest group), two bmm's, gather back."""
+        cap = int(counts_E.max()) if counts_E.numel() else 0
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        slot_A = torch.arange(x_AD.shape[0], device=x_AD.device) - starts_E[expert_A]
+        buf_ECD = x_AD.new_zeros(self.n_experts, cap, x_AD.shape[1])
+        buf_ECD = buf_ECD.index_put((expert_A, slot_A), x_AD)
+        gate, up = torch.bmm(buf_ECD, self.gate_up).chunk(2, dim=-1)
+        y_ECD = torch.bmm(F.silu(gate) * up, self.down)
+        return y_ECD[expert_A, slot_A]
 
 
-def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """F.grouped_mm wants 16-byte-aligned row strides; on CUDA it also wants bf16 (Hopper kernels)."""
-    t = tensors[0]
-    if t.device.type == "cuda" and t.dtype != torch.bfloat16:
+def _grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
+    """F.grouped_mm wants 16-byte-aligned rows in every operand (widths d, 2I and the (A, I) intermediate);
+    on CUDA it also wants bf16 (its Hopper kernels)."""
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
-    return all(x.shape[-1] * x.element_size() % 16 == 0 for x in tensors) and t.device.type in ("cpu", "cuda")
+    size = x.element_size()
+    return x.device.type in ("cpu", "cuda") and all(n * size % 16 == 0 for n in (x.shape[-1], hidden))
+
+# ---------------------------------------------------------------------------------------------- routing
+@dataclass
+class Routing:
+    """One routing decision for T tokens: which experts, with what weight, and what got in the way."""
+
+    logits_TE: torch.Tensor  # raw router logits, float32 (no noise, no bias)
+    experts_TK: torch.Tensor  # chosen experts per slot
+    weights_TK: torch.Tensor  # float32; 0 for slots that found no room
+    valid_TK: torch.Tensor | None  # False where capacity left a slot empty; None = every slot valid
+    rerouted: torch.Tensor  # assignments that went past the token's top-k because an expert was full
+    dropped: torch.Tensor  # slots that found no expert with room
+
+
+def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Give each token k experts, at most `capacity` tokens per expert, best choices first.
+
+    Tokens claim slots in order of their best choice score (a confident token should not lose its
+    expert to an unsure one that merely came earlier in the batch). In round r every token still short
+    of k experts proposes its r-th ranked expert; each expert accepts proposals in priority order while
+    it has room. A token whose choice is full thus moves on to its next-best expert with room, and one
+    that finds none keeps fewer than k (possibly zero: then only the shared expert and the residual).
+    Returns experts_TK, valid_TK and the number of assignments made beyond each token's top-k.
+    """
+    T, E = choice_TE.shape
+    dev = choice_TE.device
+    ranking_TE = choice_TE.argsort(dim=1, descending=True, stable=True)
+    order_T = choice_TE.max(dim=1).values.argsort(descending=True, stable=True)
+    priority_T = torch.empty_like(order_T)
+    priority_T[order_T] = torch.arange(T, device=dev)
+    free_E = torch.full((E,), capacity, dtype=torch.long, device=dev)
+    experts_TK = torch.zeros(T, k, dtype=torch.long, device=dev)
+    filled_T = torch.zeros(T, dtype=torch.long, device=dev)
+    rerouted = torch.zeros((), dtype=torch.long, device=dev)
+    for r in range(E):
+        need_T = filled_T < k
+        if not bool(need_T.any()):  # one host sync per round; most batches settle in k or k+1 rounds
+            break
+        cand_T = ranking_TE[:, r]
+        # Sort proposals by (expert, priority); tokens not proposing sort after every real expert.
+        key_T = torch.where(need_T, cand_T, E) * T + priority_T
+        sorted_T = key_T.argsort()
+        cand_S, need_S = cand_T[sorted_T], need_T[sorted_T]
+        counts_E = torch.bincount(cand_T[need_T], minlength=E)
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        pos_S = torch.arange(T, device=dev) - starts_E[cand_S.clamp(max=E - 1)]
+        accept_S = need_S & (pos_S < free_E[cand_S.clamp(max=E - 1)])
+        tok = sorted_T[accept_S]
+        experts_TK[tok, filled_T[tok]] = cand_T[tok]
+        filled_T[tok] += 1
+        free_E -= torch.bincount(cand_T[tok], minlength=E)
+        if r >= k:
+            rerouted = rerouted + tok.numel()
+    valid_TK = torch.arange(k, device=dev)[None, :] < filled_T[:, None]
+    return experts_TK, valid_TK, rerouted
 
 
 class MoE(nn.Module):
     """Router + routed experts + shared expert, on flattened tokens.
 
     `sigmoid` router (Llama 4): top-k of the router logits, sigmoid of each chosen logit, and that score
-    multiplies the expert's *input*. `softmax` router (the tutorial): the non-top-k logits are set to
+    multiplies the expert's *input*. `softmax` router (the tutorial): the non-chosen logits are set to
     -inf before a softmax, and the weights multiply the experts' *outputs*.
+
+    After each forward pass, `stats` holds tensors (no host sync) about the routing and `aux_loss` the
+    weighted load-balancing + z-loss (a zero tensor when both coefficients are 0 or in eval mode).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.experts_per_token, cfg.router
+        self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
+        self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
+        self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.noise = nn.Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
+        # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
+        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
+        self.stats: dict[str, torch.Tensor] = {}
+        self.aux_loss = torch.zeros(())
 
-    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router logits (T, E) in float32, chosen experts (T, k) and their weights (T, k) in float32."""
+    def capacity(self, n_tokens: int) -> int | None:
+        """Slots per expert for this batch, or None when routing is dropless."""
+        applies = self.capacity_factor is not None and (self.training or self.capacity_in_eval)
+        if not applies:
+            return None
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+
+    def route(self, x_TD: torch.Tensor) -> Routing:
+        """Decide experts and weights for each token; router math in float32 whatever the model dtype."""
         logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-        top_logits_TK, experts_TK = logits_TE.topk(self.top_k, dim=-1)
-        if self.kind == "sigmoid":
-            weights_TK = torch.sigmoid(top_logits_TK)
+        scores_TE = logits_TE
+        if self.training and self.noise_kind != "none":
+            std = F.softplus(F.linear(x_TD.float(), self.noise.weight.float())) if self.noise is not None \
+                else self.noise_std
+            scores_TE = logits_TE + torch.randn_like(logits_TE) * std
+        choice_TE = scores_TE + self.router_bias
+        cap = self.capacity(x_TD.shape[0])
+        zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        if cap is None:
+            experts_TK = choice_TE.topk(self.top_k, dim=-1).indices
+            valid_TK, rerouted = None, zero
         else:
-            weights_TK = torch.softmax(top_logits_TK, dim=-1)  # same as -inf outside the top-k, then softmax
-        return logits_TE, experts_TK, weights_TK
+            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap)
+        chosen_TK = scores_TE.gather(1, experts_TK)
+        if valid_TK is not None:
+            chosen_TK = chosen_TK.masked_fill(~valid_TK, float("-inf"))
+        if self.kind == "sigmoid":
+            weights_TK = torch.sigmoid(chosen_TK)  # sigmoid(-inf) = 0 for empty slots
+        else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
+            weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
+        dropped = zero if valid_TK is None else (~valid_TK).sum()
+        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         x_TD = x.reshape(B * T, d)
-        _, experts_TK, weights_TK = self.route(x_TD)
-        self.last_counts_E = torch.bincount(experts_TK.flatten(), minlength=self.n_experts)  # for load statistics
-        y_TD = self.experts(x_TD, experts_TK, weights_TK.to(x.dtype), scale_input=self.kind == "sigmoid")
+        r = self.route(x_TD)
+        n, k = B * T, self.top_k
+        token_A = torch.arange(n, device=x.device).repeat_interleave(k)
+        expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
+        if r.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
+            keep_A = r.valid_TK.reshape(-1).nonzero().squeeze(1)
+            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
+        y_TD = self.experts(x_TD, token_A, expert_A, weight_A, scale_input=self.kind == "sigmoid")
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
+        self._record(r, expert_A, n)
         return y_TD.view(B, T, d)
+
+    def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
+        """Statistics and auxiliary losses of this pass, as tensors: reading them is the caller's sync."""
+        counts_E = torch.bincount(expert_A, minlength=self.n_experts)
+        slots = n_tokens * self.top_k
+        probs_TE = r.logits_TE.softmax(-1)
+        mean_load = slots / self.n_experts
+        self.stats = {
+            "counts": counts_E.detach(),
+            "rerouted_frac": r.rerouted.float() / slots,
+            "dropped_frac": r.dropped.float() / slots,
+            "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean().detach(),
+            "max_load": counts_E.max().float() / mean_load,
+            "min_load": counts_E.min().float() / mean_load,
+        }
+        aux = r.logits_TE.new_zeros(())
+        if self.training and self.aux_coef:
+            frac_E = counts_E.float() / slots  # f_e: share of assignments (not differentiable)
+            aux = aux + self.aux_coef * self.n_experts * (frac_E * probs_TE.mean(0)).sum()
+        if self.training and self.z_coef:
+            aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
+        self.aux_loss = aux
+        if self.training and self.bias_rate:
+            self.pending_counts += counts_E.float()
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Nudge each expert's choice bias toward uniform load: up if under-loaded, down if over-loaded.
+
+        Uses the assignments counted since the last update (one optimizer step's worth), then resets them.
+        """
+        if not self.bias_rate or self.pending_counts.sum() == 0:
+            return
+        load_E = self.pending_counts
+        self.router_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
+        self.pending_counts.zero_()
 
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The same MoE computed plainly: every expert on every token, weight 0 for the ones not chosen.
 
-    Slow (cost grows with N) and obvious; tests check the sparse dispatch against it.
+    Slow (cost grows with N) and obvious; tests check the sparse dispatch against it. Routing is shared
+    with the fast path (call it with the same RNG state when noise is on).
     """
     B, T, d = x.shape
     x_TD = x.reshape(B * T, d)
-    _, experts_TK, weights_TK = moe.route(x_TD)
-    dense_TE = torch.zeros(B * T, moe.n_experts, dtype=x.dtype, device=x.device)
-    dense_TE.scatter_(1, experts_TK, weights_TK.to(x.dtype))
+    r = moe.route(x_TD)
+    weights_TK = r.weights_TK if r.valid_TK is None else r.weights_TK * r.valid_TK
+    dense_TE = torch.zeros(B * T, moe.n_experts, dtype=torch.float32, device=x.device)
+    dense_TE.scatter_add_(1, r.experts_TK, weights_TK)
+    dense_TE = dense_TE.to(x.dtype)
     y_TD = torch.zeros_like(x_TD)
     for e in range(moe.n_experts):
         w_T1 = dense_TE[:, e:e + 1]

@@ -35,7 +35,6 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .model import Transformer
-from .moe import MoE
 from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 
@@ -92,7 +91,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
 
 def expert_load(model: Transformer) -> list[list[float]]:
     """Per MoE layer, the fraction of routed assignments each expert got in the last forward pass."""
-    counts = [m.last_counts_E for m in model.modules() if isinstance(m, MoE) and hasattr(m, "last_counts_E")]
+    counts = [m.stats["counts"] for m in model.moe_layers() if "counts" in m.stats]
     if not counts:
         return []
     stacked = torch.stack(counts).float()
@@ -241,8 +240,11 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
     train_state = {"data": None if data is None else str(data)}
 
+    saved_step = step
+
     def checkpoint(val: float | None) -> None:
-        nonlocal best
+        nonlocal best, saved_step
+        saved_step = step
         is_best = val is not None and (best is None or val < best)
         best = val if is_best else best
         save_checkpoint(run_dir, step, model, optimizer, tokenizer.save, tc.to_dict(),
@@ -277,6 +279,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            model.update_router_biases()
             step += 1
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
@@ -296,6 +299,10 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
             bar.update(1)
             bar.set_postfix(loss=f"{lm_loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
                             tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s")
+        if step != saved_step:  # a signal arrived between steps: save what the last step reached
+            val = evaluate(model, val_batches, device, tc.bf16)
+            metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
+            checkpoint(val)
     bar.close()
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=step, val_loss=val, best_val_loss=best,

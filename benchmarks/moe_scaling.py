@@ -1,0 +1,125 @@
+"""How one MoE layer's cost grows with the number of experts N: ours (three dispatch modes) vs transformers.
+
+Forward+backward of one MoE layer on 768 tokens (width 256, expert width 512, shared expert on), for
+N in {4, 16, 64, 128} and k in {1, 2}, fp32 and bf16, all in one process with the same weights; plus a
+single-token forward (the decode case). transformers' Llama4TextMoe runs every expert on every token.
+
+    python benchmarks/moe_scaling.py [--quick] [--device cuda] [--dtypes bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from nanollama4.config import ModelConfig
+from nanollama4.moe import MoE
+
+TOKENS, WIDTH, EXPERT_WIDTH = 768, 256, 512
+
+
+def make_ours(n: int, k: int, dtype: torch.dtype, device: str) -> MoE:
+    cfg = ModelConfig(d_model=WIDTH, n_experts=n, experts_per_token=k, expert_dim=EXPERT_WIDTH, n_heads=2,
+                      n_kv_heads=1, head_dim=8)
+    moe = MoE(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-2 if p.dim() == 3 else -1] ** -0.5)
+    return moe.to(device=device, dtype=dtype)
+
+
+def make_reference(ours: MoE, n: int, k: int):
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    cfg = Llama4TextConfig(hidden_size=WIDTH, intermediate_size=EXPERT_WIDTH, num_local_experts=n,
+                           num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=8)
+    ref = Llama4TextMoe(cfg)
+    with torch.no_grad():
+        ref.experts.gate_up_proj.copy_(ours.experts.gate_up)
+        ref.experts.down_proj.copy_(ours.experts.down)
+        ref.router.weight.copy_(ours.router.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ref.shared_expert, name).weight.copy_(getattr(ours.shared_expert, name).weight)
+    return ref.to(device=ours.router.weight.device, dtype=ours.router.weight.dtype)
+
+
+def timed(fn, reps: int, device: str) -> float:
+    """Median seconds of fn() over reps runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fwd_bwd(module, x: torch.Tensor, reference: bool):
+    def run():
+        x.grad = None
+        out = module(x)
+        out = out[0] if reference else out
+        out.float().square().mean().backward()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, N in {4, 64}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--no-reference", action="store_true", help="skip transformers")
+    args = ap.parse_args()
+    dev = args.device
+    ns = [4, 64] if args.quick else [4, 16, 64, 128]
+    reps = 2 if args.quick else 5
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"{TOKENS} tokens, width {WIDTH}, expert width {EXPERT_WIDTH}; times are medians in ms")
+    header = (f"{'dtype':5} {'k':>2} {'N':>4} | {'grouped':>8} {'loop':>8} {'padded':>8} | {'transformers':>12} "
+              f"{'speedup':>8} | {'decode ours':>11} {'decode ref':>10}")
+    print(header)
+    print("-" * len(header))
+    for dname in args.dtypes.split(","):
+        dtype = dtypes[dname]
+        for k in (1, 2):
+            base = None
+            for n in ns:
+                ours = make_ours(n, k, dtype, dev).train()
+                x = torch.randn(1, TOKENS, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+                x.requires_grad_(True)
+                row = {}
+                for mode in ("grouped", "loop", "padded"):
+                    ours.experts.dispatch = mode
+                    row[mode] = timed(fwd_bwd(ours, x, False), reps, dev) * 1e3
+                ours.experts.dispatch = "auto"
+                one = x.detach()[:, :1]
+                with torch.no_grad():
+                    dec = timed(lambda: ours(one), reps * 4, dev) * 1e3  # noqa: B023
+                ref_ms = ref_dec = float("nan")
+                if not args.no_reference:
+                    ref = make_reference(ours, n, k).train()
+                    ref_ms = timed(fwd_bwd(ref, x.view(TOKENS, WIDTH).detach().requires_grad_(True), True),
+                                   max(1, reps // 2) if n >= 64 else reps, dev) * 1e3
+                    with torch.no_grad():
+                        ref_dec = timed(lambda: ref(one.view(1, WIDTH)), reps * 4, dev) * 1e3  # noqa: B023
+                    del ref
+                best = min(row.values())
+                base = base or best
+                print(f"{dname:5} {k:>2} {n:>4} | {row['grouped']:8.2f} {row['loop']:8.2f} {row['padded']:8.2f} | "
+                      f"{ref_ms:12.1f} {ref_ms / best:7.1f}x | {dec:11.3f} {ref_dec:10.3f}   "
+                      f"(best/best@N={ns[0]}: {best / base:.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

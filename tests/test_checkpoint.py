@@ -1,0 +1,261 @@
+"""Checkpoint mechanics: complete step folders behind `last`/`best`, pruning, optimizer and tied-weight
+round trips, clear errors, and no pickle anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanollama4.checkpoint import (
+    CheckpointError,
+    load_model,
+    load_optimizer_state,
+    load_train_state,
+    model_tensors,
+    read_json,
+    read_safetensors,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from nanollama4.config import TrainConfig, preset
+from nanollama4.model import Transformer
+from nanollama4.tokenizer import CharTokenizer, load_tokenizer
+from nanollama4.train import make_optimizer, train
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"
+FILES = {"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors", "optimizer.json",
+         "train_config.json", "train_state.json"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def trained(cfg=None, steps: int = 2, seed: int = 0) -> tuple[Transformer, torch.optim.AdamW]:
+    """A tiny model and its AdamW after a few steps on random tokens (so the optimizer has state)."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg or preset("tiny", vocab_size=32))
+    opt = make_optimizer(model, TrainConfig())
+    for _ in range(steps):
+        ids = torch.randint(0, model.cfg.vocab_size, (2, 17))
+        model.loss(ids[:, :-1], ids[:, 1:]).total.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def save(run: Path, step: int, model, opt, best: bool = False) -> Path:
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz .\n!?,"[: model.cfg.vocab_size])
+    rng = {"torch": torch.get_rng_state(), "batches": torch.Generator().manual_seed(step).get_state()}
+    return save_checkpoint(run, step, model, opt, tok.save, TrainConfig(max_steps=10).to_dict(),
+                           {"data": None, "best_val_loss": 1.0, "val_loss": 1.0, "elapsed": 0.0}, rng, best=best)
+
+
+def step_dirs(run: Path) -> set[str]:
+    return {p.name for p in run.iterdir() if p.name.startswith("step-")}
+
+
+def assert_complete(folder: Path) -> None:
+    assert folder.is_dir() and not folder.is_symlink(), folder
+    assert {p.name for p in folder.iterdir()} >= FILES, sorted(p.name for p in folder.iterdir())
+    load_model(folder)
+    load_tokenizer(folder / "tokenizer.json")
+    load_train_state(folder)
+    read_safetensors(folder / "optimizer.safetensors")
+    read_json(folder / "optimizer.json")
+
+
+def assert_links_and_pruning(run: Path) -> dict[str, str]:
+    targets = {}
+    for name in ("last", "best"):
+        link = run / name
+        if not link.is_symlink():
+            assert not link.exists(), f"{name} exists but is not a symlink"
+            continue
+        target = os.readlink(link)
+        assert "/" not in target and target.startswith("step-"), target  # a sibling, so the run dir can move
+        assert_complete(run / target)
+        targets[name] = target
+    assert "last" in targets
+    assert step_dirs(run) == set(targets.values())  # pruning keeps exactly what the links point at
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".")], "temporary files left behind"
+    return targets
+
+
+def test_links_point_at_complete_folders_and_pruning_keeps_only_them(tmp_path):
+    run = tmp_path / "run"
+    model, opt = trained()
+    save(run, 1, model, opt, best=True)
+    assert assert_links_and_pruning(run) == {"last": "step-0000001", "best": "step-0000001"}
+    save(run, 2, model, opt)
+    assert assert_links_and_pruning(run) == {"last": "step-0000002", "best": "step-0000001"}
+    save(run, 3, model, opt)
+    assert assert_links_and_pruning(run) == {"last": "step-0000003", "best": "step-0000001"}
+    save(run, 4, model, opt, best=True)
+    assert assert_links_and_pruning(run) == {"last": "step-0000004", "best": "step-0000004"}
+    assert resolve_checkpoint(run) == (run / "step-0000004").resolve()
+
+
+def test_training_run_layout(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60)))
+    run = tmp_path / "run"
+    train(preset("tiny"), TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=2, max_steps=6,
+                                      warmup_steps=1), run, data=str(corpus), progress=False,
+          cache_dir=tmp_path / "cache")
+    targets = assert_links_and_pruning(run)
+    assert targets["last"] == "step-0000006"
+    state, _ = load_train_state(run / "last")
+    assert state["step"] == 6
+    best_state, _ = load_train_state(run / targets["best"])
+    assert best_state["val_loss"] == best_state["best_val_loss"] == state["best_val_loss"]
+
+
+def test_optimizer_state_round_trips(tmp_path):
+    model, opt = trained(steps=3)
+    folder = save(tmp_path / "run", 3, model, opt)
+    fresh_model = load_model(folder)
+    fresh = make_optimizer(fresh_model, TrainConfig())
+    load_optimizer_state(fresh, read_safetensors(folder / "optimizer.safetensors"),
+                         read_json(folder / "optimizer.json"))
+    want, got = opt.state_dict(), fresh.state_dict()
+    assert want["state"].keys() == got["state"].keys() and len(want["state"]) == len(list(model.parameters()))
+    for idx, state in want["state"].items():
+        assert state.keys() == got["state"][idx].keys()
+        for key, value in state.items():
+            other = got["state"][idx][key]
+            if torch.is_tensor(value):
+                assert other.dtype == value.dtype and torch.equal(other, value), (idx, key)
+            else:
+                assert other == value, (idx, key)
+    for gw, gg in zip(want["param_groups"], got["param_groups"], strict=True):
+        assert {k: tuple(v) if isinstance(v, list) else v for k, v in gw.items()} == \
+               {k: tuple(v) if isinstance(v, list) else v for k, v in gg.items()}
+    # and the next step is the same with either optimizer
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(5))
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        m.loss(ids[:, :-1], ids[:, 1:]).total.backward()
+        o.step()
+    for (name, a), b in zip(model.state_dict().items(), fresh_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_optimizer_state_for_another_model_is_an_error(tmp_path):
+    model, opt = trained()
+    folder = save(tmp_path / "run", 1, model, opt)
+    other = make_optimizer(Transformer(preset("tiny", vocab_size=32, n_layers=2)), TrainConfig())
+    with pytest.raises(CheckpointError) as info:
+        load_optimizer_state(other, read_safetensors(folder / "optimizer.safetensors"),
+                             read_json(folder / "optimizer.json"))
+    assert "\n" not in str(info.value)
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    model, opt = trained(preset("tiny", vocab_size=32, tie_embeddings=True))
+    assert model.lm_head.weight is model.embed.weight
+    tensors = model_tensors(model)
+    assert "lm_head.weight" not in tensors and "embed.weight" in tensors
+    folder = save(tmp_path / "run", 1, model, opt)
+    loaded = load_model(folder)
+    assert loaded.cfg.tie_embeddings
+    assert loaded.lm_head.weight is loaded.embed.weight
+    assert loaded.lm_head.weight.data_ptr() == loaded.embed.weight.data_ptr()
+    assert torch.equal(loaded.embed.weight, model.embed.weight)
+    assert loaded.num_params() == model.num_params()
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    ids = torch.randint(0, 32, (1, 12))
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+    with torch.no_grad():  # still one tensor: changing the embedding changes the head
+        loaded.embed.weight[0, 0] += 1.0
+    assert loaded.lm_head.weight[0, 0] == loaded.embed.weight[0, 0]
+
+
+def test_untied_model_keeps_its_head(tmp_path):
+    model, opt = trained()
+    assert "lm_head.weight" in model_tensors(model)
+    loaded = load_model(save(tmp_path / "run", 1, model, opt))
+    assert loaded.lm_head.weight is not loaded.embed.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_train_state_rng_round_trips(tmp_path):
+    model, opt = trained()
+    folder = save(tmp_path / "run", 7, model, opt)
+    state, rng = load_train_state(folder)
+    assert state["step"] == 7 and "rng" not in state
+    assert torch.equal(rng["batches"], torch.Generator().manual_seed(7).get_state())
+    g = torch.Generator()
+    g.set_state(rng["batches"])
+    assert torch.equal(torch.randint(0, 1000, (5,), generator=g),
+                       torch.randint(0, 1000, (5,), generator=torch.Generator().manual_seed(7)))
+
+
+def test_resolve_checkpoint_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not a run")
+    for path, words in ((tmp_path / "empty", "no checkpoint"), (tmp_path / "missing", "does not exist")):
+        with pytest.raises(CheckpointError) as info:
+            resolve_checkpoint(path)
+        msg = str(info.value)
+        assert words in msg and str(path) in msg and "\n" not in msg, msg
+    assert isinstance(CheckpointError("x"), ValueError)
+
+
+def test_dangling_last_link_is_an_error(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink("step-0000009", run / "last")
+    with pytest.raises(CheckpointError):
+        resolve_checkpoint(run)
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage" * 50, b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}"])
+def test_read_safetensors_bad_file_is_checkpoint_error(tmp_path, content):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        read_safetensors(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_read_json_bad_file_is_checkpoint_error(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text('{"step": ')
+    with pytest.raises(CheckpointError) as info:
+        read_json(path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(CheckpointError):
+        read_json(tmp_path / "missing.json")
+
+
+def test_config_that_does_not_match_tensors_is_checkpoint_error(tmp_path):
+    model, opt = trained()
+    folder = save(tmp_path / "run", 1, model, opt)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "d_model": 32}))
+    with pytest.raises(CheckpointError) as info:
+        load_model(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_no_pickle_or_torch_load_in_the_source():
+    pattern = re.compile(r"\btorch\.load\b|\bimport\s+pickle\b|\bfrom\s+pickle\b|\bpickle\.(loads?|dumps?)\b|"
+                         r"\bimport\s+(c|dill|cloud)pickle\b|weights_only")
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) >= 10, files
+    offenders = [f"{f.name}:{i}: {line.strip()}" for f in files
+                 for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, offenders

@@ -1,0 +1,456 @@
+"""The training loop: exact resume (also after SIGTERM/SIGINT), one-line errors that never touch an existing
+checkpoint, generation from a run, the full validation loss and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import nanollama4.train as train_mod
+from nanollama4.checkpoint import CheckpointError, load_train_state, resolve_checkpoint
+from nanollama4.cli import main
+from nanollama4.config import TrainConfig, preset
+from nanollama4.model import Loss, Transformer
+from nanollama4.train import TrainingError, full_validation_loss, load_run, lr_at, resume_config, train
+
+WORDS = ("the a cat dog sat on mat and ran to house tree big small red blue quick brown fox jumps over lazy "
+         "king queen said went old new light dark night day river stone bird sings slowly").split()
+
+
+def write_corpus(path: Path, n_lines: int = 300, seed: int = 0) -> Path:
+    """A few hundred lines of lowercase English-like text (no capitals, no digits)."""
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "." for _ in range(n_lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def cfg(**changes) -> TrainConfig:
+    base = dict(seq_len=32, batch_size=4, eval_batches=2, eval_interval=3, warmup_steps=2, lr=3e-3, min_lr=3e-4)
+    return TrainConfig(**{**base, **changes})
+
+
+def run_train(run_dir: Path, tc: TrainConfig, corpus: Path, cache: Path, **kw):
+    return train(preset("tiny"), tc, run_dir, data=str(corpus), progress=False, cache_dir=cache, **kw)
+
+
+def resume(run_dir: Path, cache: Path, **overrides):
+    return train(None, resume_config(run_dir, **overrides), run_dir, resume=True, progress=False, cache_dir=cache)
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [x for x in lines if "lm_loss" in x]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in train_lines(run_dir):
+        assert line["step"] not in out, f"step {line['step']} logged twice in {run_dir}/metrics.jsonl"
+        out[line["step"]] = line["lm_loss"]
+    return out
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple]:
+    """Every file (sha256, size, mtime) and symlink (target) under run_dir."""
+    snap: dict[str, tuple] = {}
+    for p in sorted(run_dir.rglob("*")):
+        rel = str(p.relative_to(run_dir))
+        if p.is_symlink():
+            snap[rel] = ("link", os.readlink(p))
+        elif p.is_file():
+            st = p.stat()
+            snap[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
+        else:
+            snap[rel] = ("dir",)
+    return snap
+
+
+def assert_one_line(err: BaseException | str) -> str:
+    text = str(err).strip()
+    assert text, "empty error message"
+    assert "\n" not in text and "Traceback" not in text, f"error is not one line:\n{text}"
+    return text
+
+
+def assert_cli_error(rc: int, err: str, command: str) -> str:
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{err}"
+    assert lines[0].startswith(f"nanollama4 {command}: error:"), lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: fast for the tiny model, immune to other processes on the machine, and the same in
+    the CLI subprocesses (--set threads=1), so that their losses can be compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {"root": root, "corpus": write_corpus(root / "corpus.txt"), "cache": root / "cache"}
+
+
+@pytest.fixture(scope="module")
+def base_run(work):
+    """A finished 4-step run whose only checkpoint is both `last` and `best`."""
+    run = work["root"] / "base"
+    run_train(run, cfg(max_steps=4, eval_interval=100), work["corpus"], work["cache"])
+    assert os.readlink(run / "last") == os.readlink(run / "best") == "step-0000004"
+    return run
+
+
+@pytest.fixture
+def cache_env(work, monkeypatch):
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(work["cache"]))
+    return work["cache"]
+
+
+# ---------------------------------------------------------------------------------------------- exact resume
+def test_resume_is_exact(work, tmp_path):
+    k = 6
+    corpus, cache = work["corpus"], work["cache"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, cfg(max_steps=2 * k), corpus, cache)
+    first = run_train(b, cfg(max_steps=k, decay_steps=2 * k), corpus, cache)
+    assert first.step == k and not first.interrupted
+    second = resume(b, cache, max_steps=2 * k)
+    assert second.step == 2 * k
+
+    la, lb = losses(a), losses(b)  # losses() also fails on a step logged twice
+    assert sorted(la) == sorted(lb) == list(range(1, 2 * k + 1))
+    for step in range(1, 2 * k + 1):
+        assert la[step] == lb[step], (step, la[step], lb[step])
+    assert la[k + 1] != la[k]  # the losses change from step to step: the comparison means something
+    lr_a = {x["step"]: x["lr"] for x in train_lines(a)}
+    lr_b = {x["step"]: x["lr"] for x in train_lines(b)}
+    assert lr_a == lr_b and len(set(lr_a.values())) > k  # the cosine schedule really moved
+
+    ma, _, _ = load_run(a, prefer="last")
+    mb, _, _ = load_run(b, prefer="last")
+    sa, sb = ma.state_dict(), mb.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+    # the validation loss at the end is the same too, and evaluation lines are not duplicated either
+    val_steps = [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert len(val_steps) == len(set(val_steps))
+    assert first.val_loss is not None and second.val_loss is not None
+
+
+def _cli_train_cmd(corpus: Path, out: Path, max_steps: int) -> list[str]:
+    sets = ["seq_len=32", "batch_size=4", "eval_batches=2", "eval_interval=100000", "warmup_steps=2",
+            "lr=0.003", "min_lr=0.0003", "threads=1"]
+    cmd = [sys.executable, "-m", "nanollama4.cli", "train", "--preset", "tiny", "--data", str(corpus),
+           "--out", str(out), "--max-steps", str(max_steps), "--quiet"]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _interrupt_cli_run(corpus: Path, out: Path, cache: Path, sig: int, budget: int = 400) -> tuple[int, str, str]:
+    env = {**os.environ, "NANOLLAMA4_CACHE": str(cache)}
+    proc = subprocess.Popen(_cli_train_cmd(corpus, out, budget), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        metrics = out / "metrics.jsonl"
+        while True:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                break
+            assert proc.poll() is None, f"training ended before the signal: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no metrics after 60 s"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_then_resume_matches_uninterrupted_run(work, tmp_path):
+    corpus, cache = work["corpus"], work["cache"]
+    run_c = tmp_path / "c"
+    rc, out, err = _interrupt_cli_run(corpus, run_c, cache, signal.SIGTERM)
+    assert rc == 0, (rc, out, err)
+    assert any("--resume" in line for line in out.splitlines()), out
+    state, _ = load_train_state(resolve_checkpoint(run_c, prefer="last"))
+    s = int(state["step"])
+    assert 5 <= s < 400
+    assert sorted(losses(run_c)) == list(range(1, s + 1))  # the checkpoint holds every step that was logged
+
+    resumed = resume(run_c, cache, max_steps=s + 5, decay_steps=400)
+    assert resumed.step == s + 5 and not resumed.interrupted
+    ref = tmp_path / "ref"
+    run_train(ref, cfg(max_steps=s + 5, decay_steps=400, eval_interval=100000, threads=1), corpus, cache)
+    lc, lr = losses(run_c), losses(ref)
+    assert sorted(lc) == sorted(lr) == list(range(1, s + 6))
+    for step in range(1, s + 6):
+        assert lc[step] == lr[step], (step, lc[step], lr[step])
+
+
+def test_sigint_stops_cleanly_and_saves(work, tmp_path):
+    run = tmp_path / "int"
+    rc, out, err = _interrupt_cli_run(work["corpus"], run, work["cache"], signal.SIGINT)
+    assert rc == 0, (rc, out, err)
+    assert "--resume" in out and "Traceback" not in err, (out, err)
+    state, _ = load_train_state(resolve_checkpoint(run, prefer="last"))
+    assert sorted(losses(run)) == list(range(1, int(state["step"]) + 1))
+
+
+def test_signal_between_steps_still_saves_the_step_reached(work, tmp_path, monkeypatch):
+    """A signal that lands after a step's checkpoint decision (here: during the progress-bar update) must
+    still leave a checkpoint at the step the run stopped at, as the CLI's "stopped ... after saving" says."""
+    real_tqdm = train_mod.tqdm
+
+    class SignallingBar(real_tqdm):
+        updates = 0
+
+        def update(self, n=1):
+            super().update(n)
+            SignallingBar.updates += n
+            if SignallingBar.updates == 3:
+                signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(train_mod, "tqdm", SignallingBar)
+    run = tmp_path / "sig"
+    result = run_train(run, cfg(max_steps=50, eval_interval=100000), work["corpus"], work["cache"])
+    assert result.interrupted and result.step == 3
+    state, _ = load_train_state(resolve_checkpoint(run, prefer="last"))  # fails if nothing was saved
+    assert int(state["step"]) == result.step
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _corrupt(kind: str, ckpt: Path) -> None:
+    model = ckpt / "model.safetensors"
+    if kind == "garbage-model":
+        model.write_bytes(b"\x93NOT A SAFETENSORS FILE\x00\xff" * 200)
+    elif kind == "truncated-model":
+        data = model.read_bytes()
+        model.write_bytes(data[: len(data) // 2])
+    elif kind == "missing-model":
+        model.unlink()
+    elif kind == "corrupt-train-state":
+        (ckpt / "train_state.json").write_text('{"step": 4, "rng": {"torch": "AAAA')
+    elif kind == "missing-optimizer":
+        (ckpt / "optimizer.safetensors").unlink()
+    else:
+        raise AssertionError(kind)
+
+
+CORRUPTIONS = ["garbage-model", "truncated-model", "missing-model", "corrupt-train-state", "missing-optimizer"]
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_damaged_checkpoint_resume_is_one_line_error_and_changes_nothing(kind, base_run, work, tmp_path, capsys,
+                                                                        cache_env):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run, symlinks=True)
+    _corrupt(kind, run / "step-0000004")
+    before = snapshot(run)
+
+    with pytest.raises(CheckpointError) as info:  # a ValueError: the CLI prints it as one line
+        resume(run, work["cache"], max_steps=8)
+    assert_one_line(info.value)
+    assert snapshot(run) == before
+
+    rc = main(["train", "--resume", str(run), "--max-steps", "8", "--quiet"])
+    _, err = capsys.readouterr()
+    assert_cli_error(rc, err, "train")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_damaged_checkpoint_generate_is_one_line_error_and_changes_nothing(kind, base_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run, symlinks=True)
+    _corrupt(kind, run / "step-0000004")
+    before = snapshot(run)
+    model_damaged = kind.endswith("-model")
+
+    if model_damaged:
+        with pytest.raises(CheckpointError) as info:
+            load_run(run)
+        assert_one_line(info.value)
+    rc = main(["generate", str(run), "--prompt", "the", "--max-new-tokens", "5", "--seed", "1"])
+    out, err = capsys.readouterr()
+    if model_damaged:
+        assert_cli_error(rc, err, "generate")
+    else:  # generation needs no optimizer or train state: it may work, or fail in one line
+        assert rc == 0 and out.startswith("the") or assert_cli_error(rc, err, "generate")
+    assert snapshot(run) == before
+
+
+def test_data_path_that_does_not_exist(work, tmp_path, capsys, cache_env):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(ValueError) as info:
+        run_train(tmp_path / "r", cfg(max_steps=2), missing, work["cache"])
+    assert "nope.txt" in assert_one_line(info.value)
+    rc = main(["train", "--preset", "tiny", "--data", str(missing), "--out", str(tmp_path / "r2"), "--max-steps",
+               "2", "--set", "seq_len=32", "--quiet"])
+    assert "nope.txt" in assert_cli_error(rc, capsys.readouterr().err, "train")
+    assert not list(tmp_path.glob("r*/step-*"))
+
+
+@pytest.mark.parametrize("text", ["", "   \n\n", "tiny text."], ids=["empty", "blank", "too-short"])
+def test_corpus_empty_or_too_short(text, work, tmp_path, capsys, cache_env):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text(text)
+    with pytest.raises(ValueError) as info:
+        run_train(tmp_path / "r", cfg(max_steps=2), corpus, work["cache"])
+    assert_one_line(info.value)
+    rc = main(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "r2"), "--max-steps",
+               "2", "--set", "seq_len=32", "--set", "batch_size=4", "--quiet"])
+    assert_cli_error(rc, capsys.readouterr().err, "train")
+    assert not list(tmp_path.glob("r*/step-*"))
+
+
+def test_new_run_refuses_existing_run_dir(base_run, work, tmp_path, capsys, cache_env):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run, symlinks=True)
+    before = snapshot(run)
+    with pytest.raises(TrainingError) as info:
+        run_train(run, cfg(max_steps=2), work["corpus"], work["cache"])
+    assert "--resume" in assert_one_line(info.value)
+    assert snapshot(run) == before
+    rc = main(["train", "--preset", "tiny", "--data", str(work["corpus"]), "--out", str(run), "--max-steps", "2",
+               "--set", "seq_len=32", "--quiet"])
+    assert "--resume" in assert_cli_error(rc, capsys.readouterr().err, "train")
+    assert snapshot(run) == before
+
+
+def test_non_finite_loss_stops_with_step_and_keeps_last_checkpoint(work, tmp_path, monkeypatch):
+    run = tmp_path / "nan"
+    real_loss = Transformer.loss
+    seen = {"calls": 0, "snap": None}
+
+    def loss(self, ids, targets):
+        out = real_loss(self, ids, targets)
+        if not self.training:
+            return out
+        seen["calls"] += 1
+        if seen["calls"] == 4:  # the fourth training step: step 2's checkpoint and step 3's metrics are on disk
+            seen["snap"] = snapshot(run)
+            nan = out.lm * float("nan")
+            return Loss(total=nan + out.aux, lm=nan, aux=out.aux)
+        return out
+
+    with monkeypatch.context() as patch, pytest.raises(TrainingError) as info:
+        patch.setattr(Transformer, "loss", loss)
+        run_train(run, cfg(max_steps=10, eval_interval=2), work["corpus"], work["cache"])
+    msg = assert_one_line(info.value)
+    assert "step 4" in msg, msg
+
+    assert seen["snap"] is not None and snapshot(run) == seen["snap"]
+    assert os.readlink(run / "last") == "step-0000002"
+    model, tok, _ = load_run(run, prefer="last")
+    assert isinstance(model, Transformer) and tok.vocab_size == model.cfg.vocab_size
+    assert sorted(losses(run)) == [1, 2, 3]
+    step3 = losses(run)[3]
+    result = resume(run, work["cache"], max_steps=5)  # the saved checkpoint is good enough to continue from
+    assert result.step == 5
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]  # step 3 was redone, and logged once
+    assert losses(run)[3] == step3
+
+
+def test_huge_learning_rate_raises_training_error(work, tmp_path):
+    run = tmp_path / "huge"
+    with pytest.raises(TrainingError) as info:
+        run_train(run, cfg(max_steps=30, eval_interval=1, lr=1e6, min_lr=1e6, grad_clip=0.0, warmup_steps=0),
+                  work["corpus"], work["cache"])
+    msg = assert_one_line(info.value)
+    assert "step" in msg
+    failed_at = int(msg.split("at step ")[1].split(";")[0])
+    assert os.readlink(run / "last") == f"step-{failed_at - 1:07d}"
+    load_run(run, prefer="last")
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def test_generate_prints_prompt_continuation_deterministically(base_run, capsys):
+    args = ["generate", str(base_run), "--prompt", "the cat", "--max-new-tokens", "20", "--seed", "1"]
+    assert main(args) == 0
+    out1, err1 = capsys.readouterr()
+    assert main(args) == 0
+    out2, _ = capsys.readouterr()
+    assert out1.startswith("the cat"), out1
+    assert len(out1) == len("the cat") + 20 + 1  # char tokenizer: one character per token, plus print's newline
+    assert out1 == out2 and err1 == ""
+
+
+def test_generate_with_unknown_characters_is_one_line_error(base_run, capsys):
+    rc = main(["generate", str(base_run), "--prompt", "Zebra\u20ac!", "--max-new-tokens", "5"])
+    out, err = capsys.readouterr()
+    line = assert_cli_error(rc, err, "generate")
+    for ch in ("Z", "\u20ac", "!"):
+        assert repr(ch) in line, line
+    assert out == ""
+
+
+# ---------------------------------------------------------------------------------------------- validation loss, lr
+@pytest.mark.parametrize("n_tokens", [100, 97, 33])  # 99 predictions = 6*16 + 3; 96 = 6*16 (no partial); 32 = 2*16
+def test_full_validation_loss_matches_window_by_window(n_tokens):
+    torch.manual_seed(0)
+    model = Transformer(preset("tiny", vocab_size=40))
+    tokens = np.random.default_rng(n_tokens).integers(0, 40, size=n_tokens).astype(np.uint16)
+    seq_len = 16
+    got = full_validation_loss(model, tokens, seq_len, torch.device("cpu"), batch_size=4)
+
+    model.eval()
+    ids = torch.from_numpy(tokens.astype(np.int64))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, n_tokens - 1, seq_len):
+            t = min(seq_len, n_tokens - 1 - start)
+            x, y = ids[start:start + t], ids[start + 1:start + t + 1]
+            logits = model(x[None])[0]
+            total += torch.nn.functional.cross_entropy(logits, y, reduction="sum").item()
+            count += t
+    assert count == n_tokens - 1
+    assert got == pytest.approx(total / count, abs=1e-5)
+
+
+def test_lr_at_warmup_and_cosine():
+    lr, min_lr, warm = 1e-3, 1e-4, 10
+    tc = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=warm, max_steps=110)
+
+    def cosine(progress: float) -> float:
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+    assert lr_at(tc, 0, 0.0) == pytest.approx(lr / warm)
+    assert lr_at(tc, 4, 0.0) == pytest.approx(lr * 5 / warm)
+    assert lr_at(tc, 9, 0.0) == pytest.approx(lr)
+    assert lr_at(tc, 10, 0.0) == pytest.approx(lr)
+    for step in (25, 60, 97):
+        assert lr_at(tc, step, 0.0) == pytest.approx(cosine((step - warm) / 100))
+    assert lr_at(tc, 60, 0.0) == pytest.approx((lr + min_lr) / 2)
+    assert lr_at(tc, 110, 0.0) == pytest.approx(min_lr)
+    assert lr_at(tc, 500, 0.0) == pytest.approx(min_lr)
+    # decay_steps sets the horizon instead of max_steps (a run stopped early on plan)
+    tc2 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=warm, max_steps=20, decay_steps=210)
+    assert lr_at(tc2, 15, 0.0) == pytest.approx(cosine(5 / 200))
+    # a time budget: the schedule follows elapsed time
+    tc3 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=0, max_time=100.0)
+    assert lr_at(tc3, 3, 25.0) == pytest.approx(cosine(0.25))
+    assert lr_at(tc3, 3, 200.0) == pytest.approx(min_lr)
