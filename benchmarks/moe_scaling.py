@@ -17,6 +17,7 @@ import torch
 
 from nanollama4.config import ModelConfig
 from nanollama4.moe import MoE
+from nanollama4.runtime import tune_allocator
 
 TOKENS, WIDTH, EXPERT_WIDTH = 768, 256, 512
 
@@ -67,6 +68,7 @@ def timed(fn, reps: int, device: str) -> float:
 def fwd_bwd(module, x: torch.Tensor, reference: bool):
     def run():
         x.grad = None
+        module.zero_grad(set_to_none=True)
         out = module(x)
         out = out[0] if reference else out
         out.float().square().mean().backward()
@@ -74,6 +76,7 @@ def fwd_bwd(module, x: torch.Tensor, reference: bool):
 
 
 def main() -> None:
+    tune_allocator()
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions, N in {4, 64}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -14,6 +14,7 @@ import torch
 
 import nanollama4
 from nanollama4.config import ModelConfig
+from nanollama4.runtime import tune_allocator
 
 BATCH, SEQ = 12, 64
 
@@ -53,6 +54,7 @@ def reference_loss(model, x, y):
 
 
 def main() -> None:
+    tune_allocator()
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--experts", default="4,16,64")

@@ -203,6 +203,10 @@ _USER_ERRORS = {"TrainingError"}
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("train", "generate", "eval"):
+        from .runtime import tune_allocator
+
+        tune_allocator()
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # our errors carry a message meant for people

@@ -81,11 +81,13 @@ class Experts(nn.Module):
             return F.grouped_mm(F.silu(gate) * up, self.down, offs=offs_E)
         if mode == "padded":
             return self._padded(x_AD, expert_A, counts_E)
-        outs, start = [], 0
-        for e, n in enumerate(counts_E.tolist()):
-            gate, up = (x_AD[start:start + n] @ self.gate_up[e]).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ self.down[e])
-            start += n
+        # unbind/split make one backward node each; indexing gate_up[e] per expert would instead build
+        # a full-size zero gradient for every expert.
+        outs = []
+        for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), self.gate_up.unbind(0), self.down.unbind(0),
+                               strict=True):
+            gate, up = (x_e @ w1).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ w2)
         return torch.cat(outs) if outs else x_AD.new_zeros(0, self.down.shape[-1])
 
     def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
