@@ -1,10 +1,14 @@
 """nanollama4: a readable, fast, from-scratch Llama 4-style mixture-of-experts language model."""
 
-from .config import PRESETS, ModelConfig, preset
+from .attention import KVCache
+from .config import PRESETS, ModelConfig, TrainConfig, preset
+from .generate import generate, stream
 from .hf import export_hf, load_hf
 from .memory import kv_cache, param_counts
 from .model import Loss, Transformer
+from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
-__all__ = ["ModelConfig", "PRESETS", "preset", "Transformer", "Loss", "load_hf", "export_hf",
-           "param_counts", "kv_cache"]
+__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "Transformer", "Loss", "KVCache", "load_hf",
+           "export_hf", "param_counts", "kv_cache", "generate", "stream",
+           "CharTokenizer", "BPETokenizer", "load_tokenizer"]
 __version__ = "0.1.0"

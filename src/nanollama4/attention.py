@@ -23,17 +23,86 @@ def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) -> torch.Tensor:
-    """Boolean (Tq, Tk) mask, True where query i may attend to key j: causal, and same chunk if chunked."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    """Boolean mask, True where a query may attend to a key: causal, and the same chunk if chunked.
+
+    Positions are (Tq,)/(Tk,) for one layout shared by the batch, giving (Tq, Tk), or (B, Tq)/(B, Tk)
+    for per-row positions (left-padded batches), giving (B, 1, Tq, Tk). A negative position marks a
+    padding or empty slot: real queries never see it, and a padding query sees only such slots, so
+    that no row is fully masked (which would give NaN).
+    """
+    q, k = q_pos[..., :, None], k_pos[..., None, :]
+    allowed = (k <= q) & (k >= 0)
     if chunk is not None:
-        allowed = allowed & (q_pos[:, None] // chunk == k_pos[None, :] // chunk)
-    return allowed
+        allowed = allowed & (q // chunk == k // chunk)
+    allowed = allowed | ((q < 0) & (k < 0))
+    return allowed.unsqueeze(-3) if allowed.dim() == 3 else allowed
 
 
 def temperature_scale(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
-    """1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), float32, shape (T,)."""
+    """1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), float32, the shape of positions."""
     p = positions.to(torch.float32)
     return 1.0 + attn_scale * torch.log1p(torch.floor((p + 1.0) / floor_scale))
+
+
+class LayerCache:
+    """One layer's keys and values for a batch, preallocated, KV heads only (the point of GQA).
+
+    Full-attention layers keep every position (`slots` = the longest sequence). Chunked layers keep
+    only the last chunk - 1 positions: a query never sees further back than the start of its own
+    chunk, so older keys can never be used again and memory stays bounded by the chunk.
+    Each slot remembers its position (-1 = empty or padding) so the mask can be built from positions.
+    """
+
+    def __init__(self, batch: int, slots: int, kv_heads: int, head_dim: int, window: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)  # (B, S, KV, Dh)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # (B, S)
+        self.window = window  # True: keep the last `slots` positions (chunked layer); False: append
+        self.length = 0  # filled slots (append mode)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add new keys/values (B, t, KV, Dh) at positions (B, t); return everything attendable now."""
+        t = k.shape[1]
+        if not self.window:
+            s = self.length
+            if s + t > self.k.shape[1]:
+                raise ValueError(f"KV cache is full ({self.k.shape[1]} positions); allocate a longer cache")
+            self.k[:, s:s + t], self.v[:, s:s + t], self.pos[:, s:s + t] = k, v, pos
+            self.length = s + t
+            return self.k[:, :s + t], self.v[:, :s + t], self.pos[:, :s + t]
+        k_all, v_all = torch.cat([self.k, k], 1), torch.cat([self.v, v], 1)
+        pos_all = torch.cat([self.pos, pos], 1)
+        keep = self.k.shape[1]
+        if keep:
+            self.k.copy_(k_all[:, -keep:])
+            self.v.copy_(v_all[:, -keep:])
+            self.pos.copy_(pos_all[:, -keep:])
+        return k_all, v_all, pos_all
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values held (positions are bookkeeping, not counted)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class KVCache:
+    """The per-layer caches of a model for one batch of sequences of at most max_len tokens."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        self.max_len = max_len
+        self.layers = []
+        for i in range(cfg.n_layers):
+            chunk = cfg.chunk_size(i)
+            slots = max_len if chunk is None else min(max_len, chunk - 1)
+            self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, chunk is not None,
+                                          dtype, device))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
 
 
 class Attention(nn.Module):
@@ -52,8 +121,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """x (B, T, d) at absolute positions (T,) -> (B, T, d). `rope` holds cos, sin (T, Dh/2)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope` holds cos, sin (.., T, Dh/2).
+
+        With a cache, the new keys/values are stored and the queries attend to everything cached.
+        """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
@@ -64,16 +137,19 @@ class Attention(nn.Module):
                 q, k = rms_unit(q, self.eps), rms_unit(k, self.eps)
         elif self.temperature:
             scale = temperature_scale(positions, self.floor_scale, self.attn_scale)
-            q = (q * scale[:, None, None]).to(x.dtype)
-        out = self._attend(q, k, v, positions, positions)
+            q = (q * scale[..., None, None]).to(x.dtype)
+        k_pos = positions
+        if cache is not None:
+            k, v, k_pos = cache.update(k, v, positions.expand(B, T))
+        out = self._attend(q, k, v, positions, k_pos)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Scaled dot-product attention over (B, T, heads, Dh) inputs; returns (B, Tq, H, Dh)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
-        same_span = q_pos.shape[0] == k_pos.shape[0]
-        if self.chunk is None and same_span and q.shape[-2] > 1:
+        plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
+        if self.chunk is None and plain_causal and q.shape[-2] > 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             mask = attention_mask(q_pos, k_pos, self.chunk)

@@ -113,19 +113,22 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    import torch
-
-    from .generate import sample
+    from .generate import generate, stream
     from .train import load_any
 
     model, tokenizer = load_any(args.path)
-    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if ids.numel() == 0:
+    if not args.prompt:
         raise ValueError("the prompt is empty; pass --prompt with some text")
-    gen = torch.Generator().manual_seed(args.seed)
-    temperature = 0.0 if args.greedy else args.temperature
-    out = sample(model, ids, args.max_new_tokens, temperature, args.top_k, args.top_p, generator=gen)
-    print(tokenizer.decode(out[0].tolist()))
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or ())
+    tokenizer.encode(args.prompt)  # unknown characters fail here, before any output
+    if args.stream:
+        print(args.prompt, end="", flush=True)
+        for piece in stream(model, tokenizer, args.prompt, **options):
+            print(piece, end="", flush=True)
+        print()
+    else:
+        print(args.prompt + generate(model, tokenizer, args.prompt, **options))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -184,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")

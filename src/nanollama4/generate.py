@@ -1,44 +1,178 @@
-"""Text generation: sample one token at a time from the model's next-token distribution.
+"""Text generation: prefill the prompt into a KV cache, then decode one token per step on the cache.
 
-This is the plain loop (the whole context is recomputed for every new token, cropped to the model's
-maximum length); it is short and obviously right, and serves the demo and the CLI.
+Prompts of different lengths share a batch by left padding: each row gets its own positions (padding
+is -1), so RoPE angles, chunk boundaries and NoPE temperatures are those the prompt would have alone,
+and a row generates exactly what it would generate by itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
 import torch
 
+from .attention import KVCache
 from .model import Transformer
 
 
+class TextCodec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k, and outside the smallest set whose probability reaches top_p."""
-    if top_k is not None and top_k < logits.shape[-1]:
+    """Set to -inf every logit outside the top-k, and outside the smallest set whose probability reaches top_p.
+
+    Ties at the k-th value are kept (they are equally likely). top_p keeps a token when the probability of
+    the tokens strictly more likely than it is still below top_p, so the most likely token always stays.
+    """
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
-        drop_sorted = before >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        ahead = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+        drop = torch.zeros_like(ahead, dtype=torch.bool).scatter(-1, order, ahead >= top_p)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row from logits (B, vocab): argmax when temperature is 0, else sample."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                seed: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the next token of every prompt (B,) at each step, max_new_tokens times.
+
+    The prompts are prefilled in one forward pass (left-padded to the longest), then each step feeds
+    only the new tokens through the model, attending to the cache.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    limit = model.cfg.max_seq_len
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_seq_len ({limit}); shorten the prompt or ask for fewer tokens")
+    model.eval()
+    device = next(model.parameters()).device
+    B = len(prompts)
+    ids = torch.zeros(B, longest, dtype=torch.long, device=device)
+    positions = torch.full((B, longest), -1, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        positions[b, longest - len(p):] = torch.arange(len(p))
+    dtype = next(model.parameters()).dtype
+    cache = KVCache(model.cfg, B, longest + max_new_tokens, dtype=dtype, device=device)
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    logits = model(ids, cache=cache, positions=positions)[:, -1]
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+    for step in range(max_new_tokens):
+        tok = next_token(logits, temperature, top_k, top_p, generator)
+        yield tok
+        if step + 1 < max_new_tokens:
+            logits = model(tok[:, None], cache=cache, positions=next_pos)[:, -1]
+            next_pos = next_pos + 1
+
+
+def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+    """New token ids for each prompt; a row ends at (and keeps) its first stop id."""
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed):
+        for b, t in enumerate(tok.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t in stop_ids
+        if all(done):
+            break
+    return out
+
+
+def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[str], max_new_tokens: int = 256,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = ()) -> str | list[str]:
+    """Continue one prompt (returns its continuation) or a list of prompts (returns a list).
+
+    temperature 0 is greedy. Generation for a row stops at a stop id or right before a stop string,
+    which is not included in the returned text.
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    encoded = [tokenizer.encode(p) for p in prompts]
+    texts = ["" for _ in prompts]
+    ids: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed):
+        for b, t in enumerate(tok.tolist()):
+            if done[b]:
+                continue
+            if t in stop_ids:
+                done[b] = True
+                continue
+            ids[b].append(t)
+            texts[b], done[b] = _cut_at_stop(tokenizer.decode(ids[b]), stop)
+        if all(done):
+            break
+    return texts[0] if isinstance(prompt, str) else texts
+
+
+def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens: int = 256,
+           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = ()) -> Iterator[str]:
+    """Yield the continuation of one prompt piece by piece, as soon as each token is decoded.
+
+    Text is decoded from all new ids each time and only the new suffix is yielded, so a multi-byte
+    character split across BPE tokens appears once it is complete.
+    """
+    ids: list[int] = []
+    shown = 0  # characters already yielded
+    hold = max((len(s) - 1 for s in stop), default=0)  # the tail that could still grow into a stop string
+    for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, temperature, top_k, top_p, seed):
+        if int(tok[0]) in stop_ids:
+            break
+        ids.append(int(tok[0]))
+        text, hit = _cut_at_stop(tokenizer.decode(ids), stop)
+        if hit:
+            break
+        safe = len(text) - hold
+        while safe > shown and text[safe - 1] == "\ufffd":  # a character whose bytes are not all here yet
+            safe -= 1
+        if safe > shown:
+            yield text[shown:safe]
+            shown = safe
+    text, _ = _cut_at_stop(tokenizer.decode(ids), stop)
+    if len(text) > shown:
+        yield text[shown:]
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Text up to the first stop string, and whether one was found."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)
 
 
 @torch.no_grad()
 def sample(model: Transformer, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None
            ) -> torch.Tensor:
-    """Continue ids (B, T) by max_new_tokens tokens; temperature 0 means greedy. Returns (B, T + new)."""
+    """The plain loop without a cache: recompute the whole context for each new token (a reference and a
+    baseline for the benchmark). Continues ids (B, T); returns (B, T + new)."""
     model.eval()
     limit = model.cfg.max_seq_len
     for _ in range(max_new_tokens):
         logits = model(ids[:, -limit:])[:, -1, :].float()  # (B, vocab)
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-        ids = torch.cat([ids, nxt.to(ids.device)], dim=1)
+        nxt = next_token(logits, temperature, top_k, top_p, generator)
+        ids = torch.cat([ids, nxt[:, None].to(ids.device)], dim=1)
     return ids

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, KVCache, LayerCache
 from .config import ModelConfig
 from .moe import MoE, SwiGLU
 from .rope import Rope, rope_angles, rope_frequencies
@@ -44,8 +44,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn: nn.Module = MoE(cfg) if cfg.is_moe(layer) else SwiGLU(cfg.d_model, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, rope)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -94,14 +95,20 @@ class Transformer(nn.Module):
             self._inv_freq[device] = rope_frequencies(self.cfg).to(device)
         return self._inv_freq[device]
 
-    def forward(self, ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Token ids (B, T) at positions start_pos.. -> logits (B, T, vocab), in the model's dtype."""
+    def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab), in the model's dtype.
+
+        Tokens sit at positions start_pos, start_pos+1, ...; or pass `positions` (B, T) per row, where
+        -1 marks left padding. With a KVCache the keys/values are kept for the next call (decoding).
+        """
         T = ids.shape[1]
-        positions = torch.arange(start_pos, start_pos + T, device=ids.device)
-        rope = rope_angles(self.inv_freq(ids.device), positions)
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + T, device=ids.device)
+        rope = rope_angles(self.inv_freq(ids.device), positions.clamp(min=0))
         x = self.embed(ids)  # (B, T, d)
-        for block in self.blocks:
-            x = block(x, positions, rope)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, rope, None if cache is None else cache.layers[i])
         return self.lm_head(self.norm(x))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> Loss:

@@ -105,7 +105,7 @@ class Experts(nn.Module):
 def _grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
     """F.grouped_mm wants 16-byte-aligned rows in every operand (widths d, 2I and the (A, I) intermediate);
     on CUDA it also wants bf16 (its Hopper kernels)."""
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if x.dtype not in ((torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)):
         return False
     size = x.element_size()
     return x.device.type in ("cpu", "cuda") and all(n * size % 16 == 0 for n in (x.shape[-1], hidden))

@@ -45,18 +45,18 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
 
 
 def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
-    """cos and sin of pos * theta_i, float32, shape (T, Dh/2), for integer positions (T,)."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    """cos and sin of pos * theta_i, float32, shape (..., T, Dh/2), for integer positions (..., T)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, Dh) by the angles in cos/sin (T, Dh/2).
+    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, Dh) by the angles in cos/sin ((B,) T, Dh/2).
 
     Computed in float32 and cast back, as the reference does, so bf16 models rotate accurately.
     """
     xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return out.flatten(-2).to(x.dtype)

@@ -1,0 +1,84 @@
+"""Decode speed: ours with the KV cache, ours recomputing the whole context per token, transformers' generate.
+
+Greedy decoding from a 16-token prompt, batch 1 and 8, 256 and 1024 new tokens, for the shakespeare-char
+preset (vocab 96) and a larger MoE (width 512, 8 layers, 16 experts); the same weights for transformers
+through export_hf; all in one process. Also checks that the cache holds the bytes the calculator says.
+
+    python benchmarks/generate.py [--quick] [--no-recompute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+import nanollama4
+from nanollama4.attention import KVCache
+from nanollama4.config import preset
+from nanollama4.generate import iter_tokens, sample
+from nanollama4.memory import kv_cache
+from nanollama4.runtime import tune_allocator
+
+PROMPT = 16
+
+
+def models() -> dict[str, nanollama4.ModelConfig]:
+    return {
+        "shakespeare-char": preset("shakespeare-char", vocab_size=96, max_seq_len=PROMPT + 1024),
+        "moe-512x8-16e": preset("shakespeare-char", vocab_size=96, d_model=512, n_layers=8, n_heads=8, n_kv_heads=2,
+                                head_dim=64, n_experts=16, expert_dim=1024, ffn_dim=2048,
+                                max_seq_len=PROMPT + 1024),
+    }
+
+
+def time_it(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only 256 new tokens")
+    ap.add_argument("--no-recompute", action="store_true", help="skip the slow recompute baseline")
+    args = ap.parse_args()
+    tune_allocator()
+    from transformers import AutoModelForCausalLM
+
+    news = [256] if args.quick else [256, 1024]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, greedy, prompt {PROMPT} tokens; "
+          "decode tokens/s (all rows together)")
+    print(f"{'model':16} {'batch':>5} {'new':>5} | {'cached':>8} {'recompute':>9} {'transformers':>12} | "
+          f"{'cache/recompute':>15} {'cache/transformers':>18} | cache bytes = calculator")
+    for name, cfg in models().items():
+        torch.manual_seed(0)
+        model = nanollama4.Transformer(cfg).eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            nanollama4.export_hf(model, tmp)
+            ref = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        ref.generation_config.eos_token_id = None
+        ref.generation_config.pad_token_id = 0
+        for batch in (1, 8):
+            prompts = torch.randint(0, cfg.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+            for new in news:
+                ours = time_it(lambda p=prompts, n=new, m=model: list(iter_tokens(m, p.tolist(), n, temperature=0)))
+                recompute = float("nan")
+                if not args.no_recompute and (new <= 256 or batch == 1):
+                    recompute = time_it(lambda p=prompts, n=new, m=model: sample(m, p, n, temperature=0))
+                with torch.no_grad():
+                    theirs = time_it(lambda p=prompts, n=new, r=ref: r.generate(
+                        p, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(p)))
+                cache = KVCache(cfg, batch, PROMPT + new)
+                match = cache.nbytes == batch * kv_cache(cfg, PROMPT + new, "float32").bytes_for_sequence
+                tps = batch * new
+                print(f"{name:16} {batch:>5} {new:>5} | "
+                      f"{tps / ours:8.0f} {tps / recompute:9.0f} {tps / theirs:12.0f} | "
+                      f"{recompute / ours:14.1f}x {theirs / ours:17.1f}x | {cache.nbytes:,} {'yes' if match else 'NO'}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
