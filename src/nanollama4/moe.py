@@ -41,7 +41,7 @@ class Experts(nn.Module):
     gate_up (E, d, 2I) holds each expert's gate and up matrices side by side; down is (E, I, d).
     `dispatch` picks how the chosen rows are multiplied; all three compute the same function:
     "grouped" (one F.grouped_mm over contiguous per-expert groups), "loop" (a matmul per expert) and
-    "padded" (one bmm over a capacity-padded (E, C, d) buffer). "auto" takes grouped where it applies.
+    "padded" (one bmm over a capacity-padded (E, C, d) buffer). "auto" takes the fastest measured.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
@@ -71,35 +71,52 @@ class Experts(nn.Module):
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 
     def run_groups(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of rows sorted by expert (expert_A ascending, counts_E rows each) -> (A, d)."""
+        """SwiGLU of rows sorted by expert (expert_A ascending, counts_E rows each) -> (A, d).
+
+        Under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does
+        not know grouped_mm/bmm on raw parameters, so the cast is explicit here).
+        """
+        dev = x_AD.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_AD.dtype
+        x_AD, gate_up, down = x_AD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype)
         mode = self.dispatch
         if mode == "auto":
-            mode = "grouped" if _grouped_mm_ok(x_AD, self.hidden) else "loop"
+            mode = "grouped" if _grouped_mm_fast(x_AD, self.hidden) else "loop"
         if mode == "grouped":
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            gate, up = F.grouped_mm(x_AD, self.gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
-            return F.grouped_mm(F.silu(gate) * up, self.down, offs=offs_E)
+            gate, up = F.grouped_mm(x_AD, gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
+            return F.grouped_mm(F.silu(gate) * up, down, offs=offs_E)
         if mode == "padded":
-            return self._padded(x_AD, expert_A, counts_E)
+            return self._padded(x_AD, expert_A, counts_E, gate_up, down)
         # unbind/split make one backward node each; indexing gate_up[e] per expert would instead build
         # a full-size zero gradient for every expert.
         outs = []
-        for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), self.gate_up.unbind(0), self.down.unbind(0),
-                               strict=True):
+        for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), gate_up.unbind(0), down.unbind(0), strict=True):
             gate, up = (x_e @ w1).chunk(2, dim=-1)
             outs.append((F.silu(gate) * up) @ w2)
-        return torch.cat(outs) if outs else x_AD.new_zeros(0, self.down.shape[-1])
+        return torch.cat(outs) if outs else x_AD.new_zeros(0, down.shape[-1])
 
-    def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
         """Scatter rows into an (E, C, d) buffer (C = largest group), two bmm's, gather back."""
         cap = int(counts_E.max()) if counts_E.numel() else 0
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         slot_A = torch.arange(x_AD.shape[0], device=x_AD.device) - starts_E[expert_A]
         buf_ECD = x_AD.new_zeros(self.n_experts, cap, x_AD.shape[1])
         buf_ECD = buf_ECD.index_put((expert_A, slot_A), x_AD)
-        gate, up = torch.bmm(buf_ECD, self.gate_up).chunk(2, dim=-1)
-        y_ECD = torch.bmm(F.silu(gate) * up, self.down)
+        gate, up = torch.bmm(buf_ECD, gate_up).chunk(2, dim=-1)
+        y_ECD = torch.bmm(F.silu(gate) * up, down)
         return y_ECD[expert_A, slot_A]
+
+
+def _grouped_mm_fast(x: torch.Tensor, hidden: int) -> bool:
+    """Where grouped_mm is the fastest mode (benchmarks/moe_scaling.py): fp32 on CPU, bf16 on CUDA.
+
+    On CPU its bf16 path is slower than a matmul per expert (which reaches the bf16 units), so bf16 on
+    CPU takes the loop.
+    """
+    fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+    return x.dtype == fast and _grouped_mm_ok(x, hidden)
 
 
 def _grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
