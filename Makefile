@@ -25,8 +25,18 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
+# The main job: train the demo MoE on Shakespeare for DEMO_TIME, then let it write, then measure it.
+DEMO_TIME ?= 5m
+DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
+DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
 demo: $(STAMP)
 	$(BIN)/nanollama4 summary --preset shakespeare-char
+	$(BIN)/nanollama4 train --preset shakespeare-char --out $(DEMO_RUN) --max-time $(DEMO_TIME) --set bf16=true
+	@echo "--- 300 characters from the trained model ---"
+	$(BIN)/nanollama4 generate $(DEMO_RUN) --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 0
+	@echo "--- validation loss (every character of the held-out 10%) ---"
+	$(BIN)/nanollama4 eval $(DEMO_RUN)
+	@echo "plots: $(DEMO_RUN)/plots/loss.png $(DEMO_RUN)/plots/expert_load.png"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
