@@ -91,7 +91,8 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
 
 
 def expert_load(model: Transformer) -> list[list[float]]:
-    """Per MoE layer, the fraction of routed assignments each expert got in the last forward pass."""
+    """Per MoE layer, the fraction of routed assignments each expert got in the last forward pass
+    (with gradient accumulation: the step's last micro-batch)."""
     counts = [m.stats["counts"] for m in model.moe_layers() if "counts" in m.stats]
     if not counts:
         return []
@@ -235,7 +236,10 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     elapsed_before = float(start_state.get("elapsed", 0.0))
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, step) if resume else metrics_path.write_text("")
+    if resume:
+        _truncate_metrics(metrics_path, step)
+    else:
+        metrics_path.write_text("")
     if tc.compile:
         model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
@@ -298,8 +302,9 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
                 checkpoint(val)
             metrics.flush()
             bar.update(1)
+            eta = f"{tc.max_time - elapsed:.0f}s" if tc.max_time else None  # the bar's own ETA needs max_steps
             bar.set_postfix(loss=f"{lm_loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
-                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s")
+                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s", **({"left": eta} if eta else {}))
         if step != saved_step:  # a signal arrived between steps: save what the last step reached
             val = evaluate(model, val_batches, device, tc.bf16)
             metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
