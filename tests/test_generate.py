@@ -445,3 +445,23 @@ def test_cli_generate_from_a_transformers_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out == plain
     ids = generate_ids(nanollama4.load_hf(tmp_path), [tok.encode("the quick fox")], 20, temperature=0)[0]
     assert plain == "the quick fox" + tok.decode(ids) + "\n"
+
+
+def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
+    """With slide=True a full context keeps its last max_seq_len // 2 tokens, re-prefilled from position 0:
+    the tokens after the slide equal a fresh greedy run from those tokens, and the ones before it equal
+    the non-sliding run."""
+    from nanollama4.config import preset as _preset
+    from nanollama4.generate import generate_ids as _generate_ids
+
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(_preset("tiny", max_seq_len=16)).eval()
+    prompt = [3, 1, 4, 1, 5]
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _generate_ids(model, [prompt], 30, temperature=0)
+    out = _generate_ids(model, [prompt], 30, temperature=0, slide=True)[0]
+    assert len(out) == 30
+    first = _generate_ids(model, [prompt], 11, temperature=0)[0]  # 5 + 11 = 16 fills the context
+    assert out[:11] == first
+    window = (prompt + first)[-8:]  # the slide keeps max_seq_len // 2 = 8 tokens
+    assert out[11:19] == _generate_ids(model, [window], 8, temperature=0)[0]

@@ -120,7 +120,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ValueError("the prompt is empty; pass --prompt with some text")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or ())
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (),
+                   slide=not args.no_slide)
     tokenizer.encode(args.prompt)  # unknown characters fail here, before any output
     if args.stream:
         print(args.prompt, end="", flush=True)
@@ -190,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)")
+    p.add_argument("--no-slide", action="store_true",
+                   help="fail instead of dropping the oldest tokens when the context reaches max_seq_len")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")

@@ -51,47 +51,72 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
 @torch.no_grad()
 def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                seed: int | None = None) -> Iterator[torch.Tensor]:
+                seed: int | None = None, slide: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt (B,) at each step, max_new_tokens times.
 
     The prompts are prefilled in one forward pass (left-padded to the longest), then each step feeds
     only the new tokens through the model, attending to the cache.
+
+    The context never grows past the model's max_seq_len. Without `slide`, asking for more is a
+    ValueError. With `slide`, when the context is full the oldest tokens are dropped: the last
+    max_seq_len // 2 tokens of each row are prefilled afresh (from position 0, as in training windows)
+    and decoding goes on, so any length can be generated at the cost of one prefill per half-context.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    longest = max(len(p) for p in prompts)
     limit = model.cfg.max_seq_len
-    if longest + max_new_tokens > limit:
+    longest = max(len(p) for p in prompts)
+    if not slide and longest + max_new_tokens > limit:
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_seq_len ({limit}); shorten the prompt or ask for fewer tokens")
+                         f"max_seq_len ({limit}); shorten the prompt, ask for fewer tokens, or slide the context")
     model.eval()
-    device = next(model.parameters()).device
-    B = len(prompts)
+    generator = None if seed is None else torch.Generator(device=_device(model)).manual_seed(seed)
+    keep = max(1, limit // 2)
+    rows = [list(p) if len(p) < limit else list(p)[-keep:] for p in prompts]  # a full prompt slides first
+    remaining = max_new_tokens
+    while remaining > 0:
+        steps = min(remaining, limit - max(len(r) for r in rows))
+        for tok in _decode_window(model, rows, steps, temperature, top_k, top_p, generator):
+            for row, t in zip(rows, tok.tolist(), strict=True):
+                row.append(t)
+            yield tok
+        remaining -= steps
+        rows = [r[-keep:] for r in rows]
+
+
+def _device(model: Transformer) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, temperature: float,
+                   top_k: int | None, top_p: float | None, generator: torch.Generator | None
+                   ) -> Iterator[torch.Tensor]:
+    """Prefill prompts (left-padded, per-row positions) into a fresh cache and decode `steps` tokens."""
+    device, dtype = _device(model), next(model.parameters()).dtype
+    B, longest = len(prompts), max(len(p) for p in prompts)
     ids = torch.zeros(B, longest, dtype=torch.long, device=device)
     positions = torch.full((B, longest), -1, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
-        ids[b, longest - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         positions[b, longest - len(p):] = torch.arange(len(p))
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model.cfg, B, longest + max_new_tokens, dtype=dtype, device=device)
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache(model.cfg, B, longest + steps, dtype=dtype, device=device)
     logits = model(ids, cache=cache, positions=positions)[:, -1]
     next_pos = positions[:, -1:] + 1  # (B, 1)
-    for step in range(max_new_tokens):
+    for step in range(steps):
         tok = next_token(logits, temperature, top_k, top_p, generator)
         yield tok
-        if step + 1 < max_new_tokens:
+        if step + 1 < steps:
             logits = model(tok[:, None], cache=cache, positions=next_pos)[:, -1]
             next_pos = next_pos + 1
 
 
 def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop_ids: Sequence[int] = ()) -> list[list[int]]:
+                 seed: int | None = None, stop_ids: Sequence[int] = (), slide: bool = False) -> list[list[int]]:
     """New token ids for each prompt; a row ends at (and keeps) its first stop id."""
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed):
+    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, slide):
         for b, t in enumerate(tok.tolist()):
             if not done[b]:
                 out[b].append(t)
@@ -103,18 +128,20 @@ def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
 
 def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[str], max_new_tokens: int = 256,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = ()) -> str | list[str]:
+             seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
+             slide: bool = False) -> str | list[str]:
     """Continue one prompt (returns its continuation) or a list of prompts (returns a list).
 
     temperature 0 is greedy. Generation for a row stops at a stop id or right before a stop string,
-    which is not included in the returned text.
+    which is not included in the returned text. `slide` lets the context slide past max_seq_len
+    (see iter_tokens).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     encoded = [tokenizer.encode(p) for p in prompts]
     texts = ["" for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed):
+    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed, slide):
         for b, t in enumerate(tok.tolist()):
             if done[b]:
                 continue
@@ -130,7 +157,8 @@ def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[st
 
 def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens: int = 256,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = ()) -> Iterator[str]:
+           seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
+           slide: bool = False) -> Iterator[str]:
     """Yield the continuation of one prompt piece by piece, as soon as each token is decoded.
 
     Text is decoded from all new ids each time and only the new suffix is yielded, so a multi-byte
@@ -139,7 +167,8 @@ def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens
     ids: list[int] = []
     shown = 0  # characters already yielded
     hold = max((len(s) - 1 for s in stop), default=0)  # the tail that could still grow into a stop string
-    for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, temperature, top_k, top_p, seed):
+    for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, temperature, top_k, top_p, seed,
+                           slide):
         if int(tok[0]) in stop_ids:
             break
         ids.append(int(tok[0]))
