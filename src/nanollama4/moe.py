@@ -109,7 +109,7 @@ class Experts(nn.Module):
         x_AD, gate_up, down = x_AD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype)
         mode = self.dispatch
         if mode == "auto":
-            mode = "grouped" if _grouped_mm_fast(x_AD, self.hidden) else "loop"
+            mode = _auto_mode(x_AD, self.hidden)
         if mode == "grouped":
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             gate, up = F.grouped_mm(x_AD, gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
@@ -126,8 +126,8 @@ class Experts(nn.Module):
 
     def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
-        """Scatter rows into an (E, C, d) buffer (C = largest group), two bmm's, gather back."""
-        cap = int(counts_E.max()) if counts_E.numel() else 0
+        """Scatter rows into an (E, C, d) buffer (C = largest group rounded up to 64), two bmm's, gather back."""
+        cap = -(-int(counts_E.max()) // 64) * 64 if counts_E.numel() else 0  # few distinct shapes: kernels reuse
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         slot_A = torch.arange(x_AD.shape[0], device=x_AD.device) - starts_E[expert_A]
         buf_ECD = x_AD.new_zeros(self.n_experts, cap, x_AD.shape[1])
@@ -137,14 +137,17 @@ class Experts(nn.Module):
         return y_ECD[expert_A, slot_A]
 
 
-def _grouped_mm_fast(x: torch.Tensor, hidden: int) -> bool:
-    """Where grouped_mm is the fastest mode (benchmarks/moe_scaling.py): fp32 on CPU, bf16 on CUDA.
+def _auto_mode(x: torch.Tensor, hidden: int) -> str:
+    """The fastest mode measured (benchmarks/RESULTS.md): grouped for fp32 on CPU and bf16 on CUDA.
 
-    On CPU its bf16 path is slower than a matmul per expert (which reaches the bf16 units), so bf16 on
-    CPU takes the loop.
+    On CPU, grouped_mm's bf16 path misses the fast bf16 kernels; there one bmm over a padded buffer
+    (its size rounded so that kernels are reused across steps) won in training (410-430 vs 470-580 ms
+    per step for the per-expert loop on the demo model), and reading the group sizes costs nothing.
     """
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        return "padded"
     fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
-    return x.dtype == fast and _grouped_mm_ok(x, hidden)
+    return "grouped" if x.dtype == fast and _grouped_mm_ok(x, hidden) else "loop"
 
 
 def _grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
