@@ -15,8 +15,24 @@ RouterKind = Literal["sigmoid", "softmax"]
 RouterNoise = Literal["none", "fixed", "learned"]
 
 
+class _JsonConfig:
+    """to_dict/from_dict for the config dataclasses (what config.json and train_config.json hold)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """Build from a dict, rejecting unknown keys (a typo must not silently fall back to a default)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**data)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_JsonConfig):
     """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
 
     # --- sizes
@@ -132,26 +148,13 @@ class ModelConfig:
         """Query heads that share one key/value head."""
         return self.n_heads // self.n_kv_heads
 
-    # ------------------------------------------------------------------ (de)serialisation
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from a dict, rejecting unknown keys (a typo must not silently fall back to a default)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
-
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed, validated again."""
         return self.from_dict({**self.to_dict(), **changes})
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_JsonConfig):
     """How to train: optimisation, schedule, evaluation and checkpointing. Defaults suit the demo."""
 
     batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
@@ -201,16 +204,6 @@ class TrainConfig:
         if self.tokenizer not in ("char", "bpe"):
             raise ValueError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
 
 
 def parse_duration(text: str) -> float:
