@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import nanollama4
+from helpers import randomize_
 from nanollama4.attention import KVCache
 from nanollama4.cli import main
 from nanollama4.config import ModelConfig, TrainConfig, preset
@@ -45,23 +46,12 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
-def randomize_(model: torch.nn.Module, seed: int = 1234, scale: float = 1.0) -> None:
-    """Fan-in scaled normal matrices (times `scale`) and norm gains 1 + 0.1 * randn."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p.shape[-2] if name.endswith(("gate_up_proj", "experts.down_proj", "gate_up",
-                                                       "experts.down")) else p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5 * scale)
 
 
 def random_model(seed: int = 0, scale: float = 1.0, **overrides) -> Transformer:
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(**{**CHUNKED, **overrides})).eval()
-    randomize_(model, seed=seed + 1, scale=scale)
+    randomize_(model, seed=seed + 1, gain=scale)
     return model
 
 
@@ -158,7 +148,7 @@ def test_greedy_matches_transformers_generate(tmp_path, seed):
     cfg = transformers.Llama4TextConfig(**TINY_HF)
     torch.manual_seed(0)
     ref = transformers.Llama4ForCausalLM(cfg).eval()
-    randomize_(ref, seed=seed, scale=2.0)  # top-2 logit gaps >= 0.02 all along
+    randomize_(ref, seed=seed, gain=2.0)  # top-2 logit gaps >= 0.02 all along
     ref.save_pretrained(tmp_path)
     ours = nanollama4.load_hf(tmp_path).eval()
     prompt = random_ids(1, 7, 256, seed=5)

@@ -12,24 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import randomize_
 from nanollama4.attention import Attention
 from nanollama4.config import ModelConfig, preset
 from nanollama4.model import Transformer
 from nanollama4.moe import MoE, _grouped_mm_ok, moe_reference
 from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
-
-
-def randomize_(module: torch.nn.Module, seed: int, gain: float = 1.0) -> None:
-    """Random weights: norm gains around 1, matrices N(0, gain^2 / fan_in), so every weight matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p.shape[-2] if name.endswith(("experts.gate_up", "experts.down")) else p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=g) * gain * fan_in ** -0.5)
-
 
 # ---------------------------------------------------------------------------------------------------- RoPE
 

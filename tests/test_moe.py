@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import randomize_
 from nanollama4.config import ModelConfig
 from nanollama4.model import Transformer
 from nanollama4.moe import MoE, _grouped_mm_ok, assign_with_capacity, moe_reference
@@ -25,23 +26,13 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 HYP = settings(deadline=None, derandomize=True, database=None)  # the same examples on every run
 
 
-def randomize_(module: torch.nn.Module, seed: int, gain: float = 1.5) -> None:
-    """Matrices N(0, gain^2 / fan_in) (experts' weights are stored (in, out): fan_in is dim -2), so outputs are O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p.shape[-2] if name.endswith(("experts.gate_up", "experts.down")) else p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=g) * gain * fan_in ** -0.5)
 
 
 def make_moe(d: int = 8, n_experts: int = 4, k: int = 1, hidden: int = 4, seed: int = 0, **cfg: object) -> MoE:
     config = ModelConfig(d_model=d, n_experts=n_experts, experts_per_token=k, expert_dim=hidden,
                          n_heads=2, n_kv_heads=1, head_dim=4, **cfg)
     moe = MoE(config)
-    randomize_(moe, seed)
+    randomize_(moe, seed, gain=1.5)
     return moe
 
 

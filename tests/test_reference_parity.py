@@ -11,6 +11,7 @@ import torch
 import transformers
 
 import nanollama4
+from helpers import randomize_
 from nanollama4.hf import CheckpointError
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -31,17 +32,6 @@ CASES = {
 }
 
 
-def randomize_(model: torch.nn.Module, seed: int = 1234) -> None:
-    """Fan-in scaled random matrices and gains around 1, so every weight matters to the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                fan_in = p.shape[-2] if name.endswith(("gate_up_proj", "experts.down_proj", "gate_up",
-                                                       "experts.down")) else p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
 
 
 def reference_model(**overrides):

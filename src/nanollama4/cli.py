@@ -206,9 +206,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_USER_ERRORS = {"TrainingError"}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("train", "generate", "eval"):
@@ -218,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # our errors carry a message meant for people
-        if type(e).__name__ not in _USER_ERRORS and not isinstance(e, (ValueError, FileNotFoundError)):
-            raise
+        if isinstance(e, RuntimeError):
+            from .train import TrainingError  # the one RuntimeError we raise; any other is a bug
+
+            if not isinstance(e, TrainingError):
+                raise
         print(f"nanollama4 {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0

