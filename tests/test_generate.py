@@ -455,3 +455,37 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
     assert out[:11] == first
     window = (prompt + first)[-8:]  # the slide keeps max_seq_len // 2 = 8 tokens
     assert out[11:19] == _generate_ids(model, [window], 8, temperature=0)[0]
+
+
+# ---------------------------------------------------------------------------------------------- compiled decode
+def test_compiled_decode_equals_eager(chunked_model):
+    """torch.compile'd decode steps (dynamic shapes, experts gathered on the graph) give the eager logits.
+
+    Chunk 4, NoPE with temperature tuning, MoE top-2; one prompt alone (few assignments: the gathered-
+    experts path) and two left-padded prompts (the sorted dispatch), 20 steps past several chunks.
+    """
+    from nanollama4.generate import compiled_decoder
+
+    cfg = chunked_model.cfg
+    decode = compiled_decoder(chunked_model)
+    assert compiled_decoder(chunked_model) is decode  # made once per model
+    for lengths in ((5,), (3, 9)):
+        B, longest = len(lengths), max(lengths)
+        ids = random_ids(B, longest, cfg.vocab_size, seed=20 + longest)
+        positions = torch.full((B, longest), -1)
+        for b, n in enumerate(lengths):
+            positions[b, longest - n:] = torch.arange(n)
+        caches = [KVCache(cfg, B, longest + 20) for _ in range(2)]
+        with torch.no_grad():
+            for cache in caches:
+                chunked_model(ids, cache=cache, positions=positions)
+            pos = positions[:, -1:] + 1
+            for step in range(20):
+                tok = random_ids(B, 1, cfg.vocab_size, seed=100 + step)
+                want = chunked_model(tok, cache=caches[0], positions=pos)
+                got = decode(tok, cache=caches[1], positions=pos)
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+                assert want.abs().max() > 1.0
+                pos = pos + 1
+    text_ids = generate_ids(chunked_model, [[1, 2, 3]], 12, temperature=0, compile=True)
+    assert text_ids == generate_ids(chunked_model, [[1, 2, 3]], 12, temperature=0)

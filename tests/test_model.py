@@ -33,8 +33,8 @@ ROPE_CONFIGS = {
 
 def _rotate(cfg: ModelConfig, x: torch.Tensor, pos: int) -> torch.Tensor:
     """x (Dh,) rotated as a token at position pos -> (Dh,)."""
-    cos, sin = rope_angles(rope_frequencies(cfg), torch.tensor([pos]))
-    return apply_rope(x.view(1, 1, 1, -1), cos, sin).view(-1)
+    rot = rope_angles(rope_frequencies(cfg), torch.tensor([pos]))
+    return apply_rope(x.view(1, 1, 1, -1), rot).view(-1)
 
 
 @pytest.mark.parametrize("name", sorted(ROPE_CONFIGS))
@@ -59,8 +59,7 @@ def test_apply_rope_preserves_norm(name):
     cfg = ModelConfig(**ROPE_CONFIGS[name])
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 50, 3, cfg.head_dim, generator=g)
-    cos, sin = rope_angles(rope_frequencies(cfg), torch.arange(50))
-    y = apply_rope(x, cos, sin)
+    y = apply_rope(x, rope_angles(rope_frequencies(cfg), torch.arange(50)))
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5, rtol=1e-5)
     # and it is not the identity (except at position 0)
     assert (y[:, 1:] - x[:, 1:]).abs().max() > 0.1
@@ -71,7 +70,7 @@ def test_apply_rope_rotates_adjacent_pairs():
     """Pair i of x = (x[2i], x[2i+1]) is the complex number x[2i] + j x[2i+1], multiplied by exp(j pos theta_i)."""
     cfg = ModelConfig(head_dim=8, n_heads=2, n_kv_heads=1, rope_theta=100.0)
     x = torch.randn(1, 5, 1, 8, generator=torch.Generator().manual_seed(2))
-    y = apply_rope(x, *rope_angles(rope_frequencies(cfg), torch.arange(5)))
+    y = apply_rope(x, rope_angles(rope_frequencies(cfg), torch.arange(5)))
     for p in range(5):
         for i in range(4):
             z = complex(x[0, p, 0, 2 * i].item(), x[0, p, 0, 2 * i + 1].item())
@@ -184,8 +183,8 @@ def naive_attention(cfg: ModelConfig, attn: Attention, x: torch.Tensor, layer: i
     k = (x @ attn.k_proj.weight.T).view(B, T, KV, Dh)
     v = (x @ attn.v_proj.weight.T).view(B, T, KV, Dh)
     if use_rope:
-        cos, sin = rope_angles(rope_frequencies(cfg), torch.arange(T))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rot = rope_angles(rope_frequencies(cfg), torch.arange(T))
+        q, k = apply_rope(q, rot), apply_rope(k, rot)
         if cfg.use_qk_norm:
             q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
             k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)

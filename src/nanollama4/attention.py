@@ -54,12 +54,27 @@ class LayerCache:
     """
 
     def __init__(self, batch: int, slots: int, kv_heads: int, head_dim: int, window: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, masks: dict | None = None) -> None:
         self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)  # (B, S, KV, Dh)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # (B, S)
         self.window = window  # True: keep the last `slots` positions (chunked layer); False: append
         self.length = 0  # filled slots (append mode)
+        self.masks = {} if masks is None else masks  # shared by a KVCache's layers, cleared each step
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) -> torch.Tensor:
+        """attention_mask for this step, built once per step for all layers of the same kind.
+
+        Within one forward pass every append-mode layer holds the same positions, and so does every
+        windowed layer, so the mask depends only on (window, chunk); decoding saves a dozen small ops
+        per layer and token.
+        """
+        key = (self.window, chunk)
+        if torch.compiler.is_compiling():  # a compiled graph shares the work by itself
+            return attention_mask(q_pos, k_pos, chunk)
+        if key not in self.masks:
+            self.masks[key] = attention_mask(q_pos, k_pos, chunk)
+        return self.masks[key]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,12 +108,17 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.max_len = max_len
+        self.masks: dict = {}
         self.layers = []
         for i in range(cfg.n_layers):
             chunk = cfg.chunk_size(i)
             slots = max_len if chunk is None else min(max_len, chunk - 1)
             self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, chunk is not None,
-                                          dtype, device))
+                                          dtype, device, self.masks))
+
+    def new_step(self) -> None:
+        """Forget the masks of the previous forward pass (the model calls this at the start of each)."""
+        self.masks.clear()
 
     @property
     def nbytes(self) -> int:
@@ -123,35 +143,39 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope` holds cos, sin (.., T, Dh/2).
+        """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope`: rotations (.., T, Dh/2).
 
         With a cache, the new keys/values are stored and the queries attend to everything cached.
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, KV, Dh)
+        v = self.v_proj(x).view(B, T, KV, Dh)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(torch.cat((q, k), dim=2), rope)  # (B, T, H + KV, Dh): one pass for both
             if self.qk_norm:
-                q, k = rms_unit(q, self.eps), rms_unit(k, self.eps)
+                qk = rms_unit(qk, self.eps)
+            q, k = qk.split((H, KV), dim=2)
         elif self.temperature:
             scale = temperature_scale(positions, self.floor_scale, self.attn_scale)
             q = (q * scale[..., None, None]).to(x.dtype)
-        k_pos = positions
+        k_pos, mask = positions, None
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
-        out = self._attend(q, k, v, positions, k_pos)
-        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+            mask = cache.mask(positions, k_pos, self.chunk)
+        out = self._attend(q, k, v, positions, k_pos, mask)
+        return self.o_proj(out.reshape(B, T, H * Dh))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                k_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention over (B, T, heads, Dh) inputs; returns (B, Tq, H, Dh)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
         plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
-        if self.chunk is None and plain_causal and q.shape[-2] > 1:
+        if mask is None and self.chunk is None and plain_causal and q.shape[-2] > 1:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            mask = attention_mask(q_pos, k_pos, self.chunk)
+            if mask is None:
+                mask = attention_mask(q_pos, k_pos, self.chunk)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2)  # (B, Tq, H, Dh)

@@ -7,7 +7,8 @@ and a row generates exactly what it would generate by itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -51,7 +52,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
 @torch.no_grad()
 def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                seed: int | None = None, slide: bool = False) -> Iterator[torch.Tensor]:
+                seed: int | None = None, slide: bool = False, compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt (B,) at each step, max_new_tokens times.
 
     The prompts are prefilled in one forward pass (left-padded to the longest), then each step feeds
@@ -61,6 +62,10 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     ValueError. With `slide`, when the context is full the oldest tokens are dropped: the last
     max_seq_len // 2 tokens of each row are prefilled afresh (from position 0, as in training windows)
     and decoding goes on, so any length can be generated at the cost of one prefill per half-context.
+
+    `compile` runs the one-token decode steps through torch.compile (see `compiled_decoder`): the first
+    call compiles for a while, then each step is much cheaper for small models, whose decoding is
+    bound by the cost of launching hundreds of tiny operations rather than by arithmetic.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -76,7 +81,7 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     remaining = max_new_tokens
     while remaining > 0:
         steps = min(remaining, limit - max(len(r) for r in rows))
-        for tok in _decode_window(model, rows, steps, temperature, top_k, top_p, generator):
+        for tok in _decode_window(model, rows, steps, temperature, top_k, top_p, generator, compile):
             for row, t in zip(rows, tok.tolist(), strict=True):
                 row.append(t)
             yield tok
@@ -88,9 +93,24 @@ def _device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
 
 
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
+    """model's forward through torch.compile with dynamic shapes, made once per model and reused.
+
+    Dynamic shapes let one compiled graph serve every cache length and batch size, so decoding does not
+    recompile at each step. The model code avoids graph breaks on this path (no host reads while
+    compiling: MoE experts are gathered instead of looped over on the host).
+    """
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(model.forward, dynamic=True)
+    return _COMPILED[model]
+
+
 def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, temperature: float,
-                   top_k: int | None, top_p: float | None, generator: torch.Generator | None
-                   ) -> Iterator[torch.Tensor]:
+                   top_k: int | None, top_p: float | None, generator: torch.Generator | None,
+                   compile: bool = False) -> Iterator[torch.Tensor]:
     """Prefill prompts (left-padded, per-row positions) into a fresh cache and decode `steps` tokens."""
     device, dtype = _device(model), next(model.parameters()).dtype
     B, longest = len(prompts), max(len(p) for p in prompts)
@@ -102,21 +122,23 @@ def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, tem
     cache = KVCache(model.cfg, B, longest + steps, dtype=dtype, device=device)
     logits = model(ids, cache=cache, positions=positions)[:, -1]
     next_pos = positions[:, -1:] + 1  # (B, 1)
+    decode = compiled_decoder(model) if compile else model
     for step in range(steps):
         tok = next_token(logits, temperature, top_k, top_p, generator)
         yield tok
         if step + 1 < steps:
-            logits = model(tok[:, None], cache=cache, positions=next_pos)[:, -1]
+            logits = decode(tok[:, None], cache=cache, positions=next_pos)[:, -1]
             next_pos = next_pos + 1
 
 
 def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop_ids: Sequence[int] = (), slide: bool = False) -> list[list[int]]:
+                 seed: int | None = None, stop_ids: Sequence[int] = (), slide: bool = False,
+                 compile: bool = False) -> list[list[int]]:
     """New token ids for each prompt; a row ends at (and keeps) its first stop id."""
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, slide):
+    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, slide, compile):
         for b, t in enumerate(tok.tolist()):
             if not done[b]:
                 out[b].append(t)
@@ -129,19 +151,19 @@ def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_t
 def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[str], max_new_tokens: int = 256,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
-             slide: bool = False) -> str | list[str]:
+             slide: bool = False, compile: bool = False) -> str | list[str]:
     """Continue one prompt (returns its continuation) or a list of prompts (returns a list).
 
     temperature 0 is greedy. Generation for a row stops at a stop id or right before a stop string,
-    which is not included in the returned text. `slide` lets the context slide past max_seq_len
-    (see iter_tokens).
+    which is not included in the returned text. `slide` lets the context slide past max_seq_len and
+    `compile` compiles the decode step (see iter_tokens).
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     encoded = [tokenizer.encode(p) for p in prompts]
     texts = ["" for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed, slide):
+    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed, slide, compile):
         for b, t in enumerate(tok.tolist()):
             if done[b]:
                 continue
@@ -158,7 +180,7 @@ def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[st
 def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens: int = 256,
            temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
            seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
-           slide: bool = False) -> Iterator[str]:
+           slide: bool = False, compile: bool = False) -> Iterator[str]:
     """Yield the continuation of one prompt piece by piece, as soon as each token is decoded.
 
     Text is decoded from all new ids each time and only the new suffix is yielded, so a multi-byte
@@ -168,7 +190,7 @@ def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens
     shown = 0  # characters already yielded
     hold = max((len(s) - 1 for s in stop), default=0)  # the tail that could still grow into a stop string
     for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, temperature, top_k, top_p, seed,
-                           slide):
+                           slide, compile):
         if int(tok[0]) in stop_ids:
             break
         ids.append(int(tok[0]))

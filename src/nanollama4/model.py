@@ -107,6 +107,8 @@ class Transformer(nn.Module):
             positions = torch.arange(start_pos, start_pos + T, device=ids.device)
         rope = rope_angles(self.inv_freq(ids.device), positions.clamp(min=0))
         x = self.embed(ids)  # (B, T, d)
+        if cache is not None:
+            cache.new_step()
         for i, block in enumerate(self.blocks):
             x = block(x, positions, rope, None if cache is None else cache.layers[i])
         return self.lm_head(self.norm(x))

@@ -58,12 +58,14 @@ class Experts(nn.Module):
         Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
         (Llama 4) or its output (tutorial).
         """
-        if 2 * expert_A.numel() <= self.n_experts:  # decoding: few assignments, most experts idle
+        few = self.n_experts if torch.compiler.is_compiling() else self.n_experts // 2
+        if expert_A.numel() <= few:  # decoding: few assignments, most experts idle
+            # (compiled, the sorted dispatch would break the graph and recompile for each group layout)
             return self._gathered(x_TD, token_A, expert_A, weight_A, scale_input)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A = token_A[order_A], expert_A[order_A]
         weight_A1 = weight_A[order_A].unsqueeze(1).to(x_TD.dtype)
-        counts_E = torch.bincount(expert_A, minlength=self.n_experts)
+        counts_E = count_per_expert(expert_A, self.n_experts)
         x_AD = x_TD[token_A]
         if scale_input:
             x_AD = x_AD * weight_A1
@@ -85,7 +87,7 @@ class Experts(nn.Module):
         x_AD = x_TD[token_A].to(dtype)
         if scale_input:
             x_AD = x_AD * weight_A1
-        if dev == "cpu":
+        if dev == "cpu" and not torch.compiler.is_compiling():
             outs = []
             for a, e in enumerate(expert_A.tolist()):
                 gate, up = (x_AD[a:a + 1] @ self.gate_up[e].to(dtype)).chunk(2, dim=-1)
@@ -137,6 +139,12 @@ class Experts(nn.Module):
         return y_ECD[expert_A, slot_A]
 
 
+def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """bincount(expert_A, minlength=n_experts), in a form whose output shape torch.compile knows ahead."""
+    zeros_E = torch.zeros(n_experts, dtype=torch.long, device=expert_A.device)
+    return zeros_E.index_add_(0, expert_A, torch.ones_like(expert_A))
+
+
 def _auto_mode(x: torch.Tensor, hidden: int) -> str:
     """The fastest mode measured (benchmarks/RESULTS.md): grouped for fp32 on CPU and bf16 on CUDA.
 
@@ -147,6 +155,8 @@ def _auto_mode(x: torch.Tensor, hidden: int) -> str:
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         return "padded"
     fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+    if torch.compiler.is_compiling():
+        fast = torch.bfloat16  # grouped_mm's shape function (used while compiling) accepts only bf16
     return "grouped" if x.dtype == fast and _grouped_mm_ok(x, hidden) else "loop"
 
 
@@ -280,6 +290,10 @@ class MoE(nn.Module):
         x_TD = x.reshape(B * T, d)
         r = self.route(x_TD)
         n, k = B * T, self.top_k
+        if x.device.type == "cpu" and not self.training and not torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling() \
+                and r.valid_TK is None and 2 * n * k <= self.n_experts:
+            return self._decode(x_TD, r).view(B, T, d)
         token_A = torch.arange(n, device=x.device).repeat_interleave(k)
         expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
         if r.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
@@ -291,13 +305,40 @@ class MoE(nn.Module):
         self._record(r, expert_A, n)
         return y_TD.view(B, T, d)
 
+    def _decode(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
+        """Inference on the CPU for a handful of tokens (decoding): the same function, far fewer kernel calls.
+
+        Reading the chosen expert ids on the host costs nothing on the CPU, so each (token, expert) pair
+        multiplies by a view of that expert's weights and adds into the shared expert's output row; the
+        load statistics are counted on the host too.
+        """
+        dev = x_TD.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+        scale_input = self.kind == "sigmoid"
+        y_TD = self.shared_expert(x_TD).to(x_TD.dtype) if self.shared_expert is not None else torch.zeros_like(x_TD)
+        weights_TK = r.weights_TK.to(dtype)
+        counts = [0] * self.n_experts
+        for t, row in enumerate(r.experts_TK.tolist()):
+            for j, e in enumerate(row):
+                counts[e] += 1
+                w = weights_TK[t, j]
+                x_1D = x_TD[t:t + 1].to(dtype)
+                gate, up = ((x_1D * w if scale_input else x_1D) @ self.experts.gate_up[e].to(dtype)).chunk(2, -1)
+                y_1D = (F.silu(gate) * up) @ self.experts.down[e].to(dtype)
+                y_TD[t:t + 1] += y_1D if scale_input else y_1D * w
+        mean_load = x_TD.shape[0] * self.top_k / self.n_experts
+        self.stats = {"counts": torch.tensor(counts), "max_load": torch.tensor(max(counts) / mean_load),
+                      "min_load": torch.tensor(min(counts) / mean_load)}
+        self.aux_loss = torch.zeros(())
+        return y_TD
+
     def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
         """Statistics and auxiliary losses of this pass, as tensors: reading them is the caller's sync.
 
         In eval mode only the load is kept: decoding runs this once per token per layer, and the rest
         (rerouting, entropy, losses) serves training logs.
         """
-        counts_E = torch.bincount(expert_A, minlength=self.n_experts)
+        counts_E = count_per_expert(expert_A, self.n_experts)
         slots = n_tokens * self.top_k
         mean_load = slots / self.n_experts
         self.stats = {"counts": counts_E, "max_load": counts_E.max().float() / mean_load,

@@ -13,7 +13,7 @@ import torch
 
 from .config import ModelConfig
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the angles, each (T, head_dim/2), float32
+Rope = torch.Tensor  # (cos, sin) of pos * theta_j stacked last, float32, (..., T, head_dim/2, 2)
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -45,18 +45,26 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
 
 
 def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> Rope:
-    """cos and sin of pos * theta_i, float32, shape (..., T, Dh/2), for integer positions (..., T)."""
-    angles = positions.to(torch.float32)[..., None] * inv_freq
-    return angles.cos(), angles.sin()
+    """cos and sin of pos * theta_i, float32, stacked in a last dim: (..., T, Dh/2, 2) for positions (..., T).
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, Dh) by the angles in cos/sin ((B,) T, Dh/2).
-
-    Computed in float32 and cast back, as the reference does, so bf16 models rotate accurately.
+    Read as complex numbers, these are the unit rotations e^(i pos theta_i). Computed once per forward
+    pass and shared by every RoPE layer.
     """
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rot: Rope) -> torch.Tensor:
+    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, Dh) by the rotations rot ((B,) T, Dh/2, 2).
+
+    Each pair is the complex number x[2i] + i x[2i+1], so the rotation is one complex product:
+    (x0 cos - x1 sin, x0 sin + x1 cos). Computed in float32 and cast back, as the reference does, so
+    bf16 models rotate accurately.
+    """
+    rot = rot.unsqueeze(-3)  # broadcast over heads
     xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    if torch.compiler.is_compiling():  # inductor generates no code for complex numbers: spell it out
+        x0, x1, c, s = xf[..., 0], xf[..., 1], rot[..., 0], rot[..., 1]
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
+    rotated = torch.view_as_complex(xf) * torch.view_as_complex(rot)  # one kernel in eager mode
+    return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
