@@ -12,6 +12,7 @@ computed transposed (G^T @ X, the (out, in) layout) - each as one bmm over the e
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from nanollama4.runtime import tune_allocator
 
 
-def best_ms(fn, reps: int = 5) -> float:
+def best_ms(fn: Callable[[], object], reps: int = 5) -> float:
     fn()
     times = []
     for _ in range(reps):

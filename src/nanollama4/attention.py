@@ -15,6 +15,8 @@ from torch import nn
 from .config import ModelConfig
 from .rope import Rope, apply_rope
 
+MaskMemo = dict[tuple[bool, int | None], torch.Tensor]  # (window, chunk) -> this step's mask
+
 
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS-normalise the last dim with no gain (the reference's "L2Norm" of q and k), in float32."""
@@ -54,13 +56,13 @@ class LayerCache:
     """
 
     def __init__(self, batch: int, slots: int, kv_heads: int, head_dim: int, window: bool,
-                 dtype: torch.dtype, device: torch.device | str, masks: dict | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str, masks: MaskMemo | None = None) -> None:
         self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)  # (B, S, KV, Dh)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # (B, S)
         self.window = window  # True: keep the last `slots` positions (chunked layer); False: append
         self.length = 0  # filled slots (append mode)
-        self.masks = {} if masks is None else masks  # shared by a KVCache's layers, cleared each step
+        self.masks = masks  # shared by a KVCache's layers and cleared each step; None = no memo
 
     def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) -> torch.Tensor:
         """attention_mask for this step, built once per step for all layers of the same kind.
@@ -70,7 +72,7 @@ class LayerCache:
         per layer and token.
         """
         key = (self.window, chunk)
-        if torch.compiler.is_compiling():  # a compiled graph shares the work by itself
+        if self.masks is None or torch.compiler.is_compiling():  # a compiled graph shares the work itself
             return attention_mask(q_pos, k_pos, chunk)
         if key not in self.masks:
             self.masks[key] = attention_mask(q_pos, k_pos, chunk)
@@ -108,7 +110,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.max_len = max_len
-        self.masks: dict = {}
+        self.masks: MaskMemo = {}
         self.layers = []
         for i in range(cfg.n_layers):
             chunk = cfg.chunk_size(i)
@@ -117,7 +119,8 @@ class KVCache:
                                           dtype, device, self.masks))
 
     def new_step(self) -> None:
-        """Forget the masks of the previous forward pass (the model calls this at the start of each)."""
+        """Forget the masks of the previous forward pass. `Transformer.forward` calls this at its start;
+        code that drives the layers itself must call it before each step."""
         self.masks.clear()
 
     @property
@@ -143,7 +146,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 cache: LayerCache | None = None) -> torch.Tensor:
-        """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope`: rotations (.., T, Dh/2).
+        """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope`: cos/sin (.., T, Dh/2, 2).
 
         With a cache, the new keys/values are stored and the queries attend to everything cached.
         """

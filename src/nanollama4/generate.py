@@ -7,7 +7,7 @@ and a row generates exactly what it would generate by itself.
 
 from __future__ import annotations
 
-import weakref
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -64,8 +64,9 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     and decoding goes on, so any length can be generated at the cost of one prefill per half-context.
 
     `compile` runs the one-token decode steps through torch.compile (see `compiled_decoder`): the first
-    call compiles for a while, then each step is much cheaper for small models, whose decoding is
-    bound by the cost of launching hundreds of tiny operations rather than by arithmetic.
+    call for a model and batch size compiles for a while (5-30 s here), then each step is much cheaper
+    for small models, whose decoding is bound by the cost of launching hundreds of tiny operations
+    rather than by arithmetic. MoE batches with more assignments than experts decode eagerly.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -93,19 +94,28 @@ def _device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_compiled_forward: Callable[..., torch.Tensor] | None = None
 
 
 def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
-    """model's forward through torch.compile with dynamic shapes, made once per model and reused.
+    """model's forward through torch.compile with dynamic shapes: one compiled function for all models.
 
-    Dynamic shapes let one compiled graph serve every cache length and batch size, so decoding does not
-    recompile at each step. The model code avoids graph breaks on this path (no host reads while
-    compiling: MoE experts are gathered instead of looped over on the host).
+    Dynamic shapes let one graph serve every cache length, so decoding does not recompile at each step
+    (batch size 1 and each model/dtype get graphs of their own). The model code avoids graph breaks on
+    this path as long as batch x experts_per_token <= n_experts (MoE experts gathered on the graph, no
+    host reads); `iter_tokens` decodes larger batches eagerly. The compiled function is of the class's
+    forward, bound here, so it keeps no model alive.
     """
-    if model not in _COMPILED:
-        _COMPILED[model] = torch.compile(model.forward, dynamic=True)
-    return _COMPILED[model]
+    global _compiled_forward
+    if _compiled_forward is None:
+        _compiled_forward = torch.compile(Transformer.forward, dynamic=True)
+    return functools.partial(_compiled_forward, model)
+
+
+def _compiles_well(model: Transformer, batch: int) -> bool:
+    """Whether a decode step of this batch stays one graph (see compiled_decoder)."""
+    cfg = model.cfg
+    return cfg.n_experts == 0 or batch * cfg.experts_per_token <= cfg.n_experts
 
 
 def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, temperature: float,
@@ -122,7 +132,7 @@ def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, tem
     cache = KVCache(model.cfg, B, longest + steps, dtype=dtype, device=device)
     logits = model(ids, cache=cache, positions=positions)[:, -1]
     next_pos = positions[:, -1:] + 1  # (B, 1)
-    decode = compiled_decoder(model) if compile else model
+    decode = compiled_decoder(model) if compile and _compiles_well(model, B) else model
     for step in range(steps):
         tok = next_token(logits, temperature, top_k, top_p, generator)
         yield tok

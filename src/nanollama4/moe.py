@@ -58,9 +58,10 @@ class Experts(nn.Module):
         Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
         (Llama 4) or its output (tutorial).
         """
+        # Decoding: few assignments. Compiled decoding takes this path up to one assignment per expert
+        # (generate compiles only such batches), since the sorted dispatch reads group sizes on the host.
         few = self.n_experts if torch.compiler.is_compiling() else self.n_experts // 2
-        if expert_A.numel() <= few:  # decoding: few assignments, most experts idle
-            # (compiled, the sorted dispatch would break the graph and recompile for each group layout)
+        if expert_A.numel() <= few:
             return self._gathered(x_TD, token_A, expert_A, weight_A, scale_input)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A = token_A[order_A], expert_A[order_A]
@@ -79,7 +80,8 @@ class Experts(nn.Module):
         """A handful of assignments (decoding): no sort and no kernel call per idle expert.
 
         On the CPU, reading the expert ids on the host costs nothing, so each assignment multiplies by a
-        view of its expert's weights; elsewhere the chosen experts' weights are gathered for one bmm.
+        view of its expert's weights; elsewhere, and while compiling (no host reads in a graph), the
+        chosen experts' weights are gathered (copied) for one bmm.
         """
         dev = x_TD.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
@@ -147,6 +149,9 @@ def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 def _auto_mode(x: torch.Tensor, hidden: int) -> str:
     """The fastest mode measured (benchmarks/RESULTS.md): grouped for fp32 on CPU and bf16 on CUDA.
+
+    While compiling, fp32 takes the loop instead (grouped_mm's shape function accepts only bf16); its
+    group sizes are read on the host, so a compiled fp32 MoE step runs its experts outside the graph.
 
     On CPU, grouped_mm's bf16 path misses the fast bf16 kernels; there one bmm over a padded buffer
     (its size rounded so that kernels are reused across steps) won in training (410-430 vs 470-580 ms
@@ -309,13 +314,13 @@ class MoE(nn.Module):
         """Inference on the CPU for a handful of tokens (decoding): the same function, far fewer kernel calls.
 
         Reading the chosen expert ids on the host costs nothing on the CPU, so each (token, expert) pair
-        multiplies by a view of that expert's weights and adds into the shared expert's output row; the
-        load statistics are counted on the host too.
+        multiplies by a view of that expert's weights and adds into its token's row; the shared expert is
+        added last, in the same order of additions as `forward`. The load is counted on the host too.
         """
         dev = x_TD.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
         scale_input = self.kind == "sigmoid"
-        y_TD = self.shared_expert(x_TD).to(x_TD.dtype) if self.shared_expert is not None else torch.zeros_like(x_TD)
+        y_TD = torch.zeros_like(x_TD)
         weights_TK = r.weights_TK.to(dtype)
         counts = [0] * self.n_experts
         for t, row in enumerate(r.experts_TK.tolist()):
@@ -326,6 +331,8 @@ class MoE(nn.Module):
                 gate, up = ((x_1D * w if scale_input else x_1D) @ self.experts.gate_up[e].to(dtype)).chunk(2, -1)
                 y_1D = (F.silu(gate) * up) @ self.experts.down[e].to(dtype)
                 y_TD[t:t + 1] += y_1D if scale_input else y_1D * w
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
         mean_load = x_TD.shape[0] * self.top_k / self.n_experts
         self.stats = {"counts": torch.tensor(counts), "max_load": torch.tensor(max(counts) / mean_load),
                       "min_load": torch.tensor(min(counts) / mean_load)}

@@ -62,7 +62,7 @@ def apply_rope(x: torch.Tensor, rot: Rope) -> torch.Tensor:
     bf16 models rotate accurately.
     """
     rot = rot.unsqueeze(-3)  # broadcast over heads
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2)
+    xf = x.float().contiguous().unflatten(-1, (-1, 2))  # (B, T, H, Dh/2, 2); complex views need contiguity
     if torch.compiler.is_compiling():  # inductor generates no code for complex numbers: spell it out
         x0, x1, c, s = xf[..., 0], xf[..., 1], rot[..., 0], rot[..., 1]
         return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
