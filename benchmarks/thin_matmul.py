@@ -4,7 +4,10 @@ At N = 128 experts and 768 tokens each expert sees ~6 rows. This script measures
 threads) the machine's streaming bandwidth on 400 MB tensors, then the three products of one expert
 matmul's forward and backward over 128 experts of 256 x 1024 (the MoE benchmark's gate_up) for several
 rows per expert M: forward X @ W, input gradient G @ W^T, weight gradient X^T @ G, and that gradient
-computed transposed (G^T @ X, the (out, in) layout) - each as one bmm over the experts.
+computed transposed (G^T @ X, the (out, in) layout) - each as one bmm over the experts. Last, the
+decoding case: one row times 60 weights of 512 x 2048 (250 MB, so they stream from memory), as one
+matrix-vector product each (F.linear on (out, in), x @ w on (in, out)) and as one bmm over the two halves
+of the output columns (what `moe.row_matmul` does), with 1 and 2 threads.
 
     python benchmarks/thin_matmul.py
 """
@@ -58,6 +61,33 @@ def main() -> None:
         flops = 2 * E * M * d * h
         print(f"{M:>3} | {fwd:7.2f} {dx:7.2f} {dw:7.2f} {dwt:7.2f} | {w_gb / fwd * 1e3:18.0f} | "
               f"{flops / fwd / 1e6:14.0f}")
+    one_row_products()
+
+
+def one_row_products() -> None:
+    """GB/s of weights streamed by one-row products, plain and split in two halves, 1 and 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    w_od = [torch.randn(2048, 512, generator=g) for _ in range(60)]  # nn.Linear layout (out, in)
+    w_do = [w.t().contiguous() for w in w_od]  # experts' layout (in, out)
+    x = torch.randn(1, 512, generator=g)
+    two = x.expand(2, 1, 512)
+    gb = sum(w.numel() for w in w_od) * 4 / 1e9
+    cases = {
+        "F.linear (out,in)": lambda: [torch.nn.functional.linear(x, w) for w in w_od],
+        "x @ w (in,out)": lambda: [x @ w for w in w_do],
+        "halves bmm (out,in)": lambda: [torch.bmm(two, w.view(2, 1024, 512).transpose(1, 2)) for w in w_od],
+        "halves bmm (in,out)": lambda: [torch.bmm(two, w.view(512, 2, 1024).transpose(0, 1)) for w in w_do],
+    }
+    threads = torch.get_num_threads()
+    print(f"\none row x 60 weights of 512 x 2048 ({gb * 1e3:.0f} MB): weight GB/s")
+    print(f"{'product':20} | {'1 thread':>8} {'2 threads':>9}")
+    for name, fn in cases.items():
+        rates = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            rates.append(gb / best_ms(fn) * 1e3)
+        print(f"{name:20} | {rates[0]:8.1f} {rates[1]:9.1f}")
+    torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

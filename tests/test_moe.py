@@ -570,3 +570,27 @@ def test_cpu_decode_path_matches_reference_and_the_sorted_dispatch(router, share
     assert fast_bf16.dtype == general_bf16.dtype
     assert torch.equal(fast_bf16, general_bf16)
     assert int(counts.sum()) == 2 * k
+
+
+def test_row_matmul_split_in_halves_equals_the_plain_product():
+    """Decoding splits one-row products with big weights into two halves (one bmm, both threads): the same
+    numbers as the plain product, for the experts' (in, out) and nn.Linear's (out, in) layouts and SwiGLU."""
+    from nanollama4.moe import SPLIT_BYTES, SwiGLU, _split_pays, row_matmul
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 1, 512, generator=g)
+        w_do, w_od = torch.randn(512, 1024, generator=g), torch.randn(1024, 512, generator=g)
+        assert w_do.numel() * 4 >= SPLIT_BYTES
+        with torch.no_grad():
+            assert _split_pays(x, w_do)
+            torch.testing.assert_close(row_matmul(x, w_do), x @ w_do, atol=1e-5, rtol=1e-6)
+            torch.testing.assert_close(row_matmul(x, w_od, out_in=True), F.linear(x, w_od), atol=1e-5, rtol=1e-6)
+            assert not _split_pays(torch.randn(2, 512), w_do)  # more than one row: the plain product
+            ffn = SwiGLU(512, 1024)
+            fast = ffn(x)
+        torch.testing.assert_close(fast, ffn(x).detach(), atol=1e-5, rtol=1e-6)  # with grad: the plain path
+    finally:
+        torch.set_num_threads(threads)

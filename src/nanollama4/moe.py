@@ -20,6 +20,31 @@ from torch import nn
 
 from .config import ModelConfig
 
+SPLIT_BYTES = 1 << 20  # one-row products with larger weights are split across two threads (see row_matmul)
+
+
+def _split_pays(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """One row, CPU, eager inference, two threads, a weight too big to stay in cache, even output width."""
+    return (x.device.type == "cpu" and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and torch.get_num_threads() >= 2
+            and w.numel() * w.element_size() >= SPLIT_BYTES and w.shape[0] % 2 == 0 and w.shape[1] % 2 == 0)
+
+
+def row_matmul(x: torch.Tensor, w_DO: torch.Tensor, out_in: bool = False) -> torch.Tensor:
+    """x (..., D) @ w (D, O), or F.linear(x, w) for an (O, D) weight with out_in=True.
+
+    Decoding multiplies one row by each weight. On this CPU such a matrix-vector product runs on one
+    core and streams a weight that is not in cache at ~15-22 GB/s; one bmm over the two halves of the
+    output columns keeps both cores streaming (~28-31 GB/s, benchmarks/RESULTS.md). Otherwise this is
+    the plain product.
+    """
+    if not _split_pays(x, w_DO):
+        return F.linear(x, w_DO) if out_in else x @ w_DO
+    d_in = x.shape[-1]
+    half = (w_DO.shape[0] if out_in else w_DO.shape[1]) // 2
+    halves = w_DO.view(2, half, d_in).transpose(1, 2) if out_in else w_DO.view(d_in, 2, half).transpose(0, 1)
+    return torch.bmm(x.reshape(1, 1, d_in).expand(2, 1, d_in), halves).view(*x.shape[:-1], 2 * half)
+
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), no biases: the dense FFN and the shared expert."""
@@ -31,6 +56,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _split_pays(x, self.gate_proj.weight):  # decoding one token with big weights
+            gate, up = (row_matmul(x, lin.weight, out_in=True) for lin in (self.gate_proj, self.up_proj))
+            return row_matmul(F.silu(gate) * up, self.down_proj.weight, out_in=True)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -328,8 +356,8 @@ class MoE(nn.Module):
                 counts[e] += 1
                 w = weights_TK[t, j]
                 x_1D = x_TD[t:t + 1].to(dtype)
-                gate, up = ((x_1D * w if scale_input else x_1D) @ self.experts.gate_up[e].to(dtype)).chunk(2, -1)
-                y_1D = (F.silu(gate) * up) @ self.experts.down[e].to(dtype)
+                gate, up = row_matmul(x_1D * w if scale_input else x_1D, self.experts.gate_up[e].to(dtype)).chunk(2, -1)
+                y_1D = row_matmul(F.silu(gate) * up, self.experts.down[e].to(dtype))
                 y_TD[t:t + 1] += y_1D if scale_input else y_1D * w
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
