@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-slide", action="store_true",
                    help="fail instead of dropping the oldest tokens when the context reaches max_seq_len")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step: 5-30 s to start, then faster for long outputs")
+                   help="torch.compile the decode step: 2-30 s to start, then faster for long outputs")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")

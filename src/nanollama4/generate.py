@@ -15,6 +15,7 @@ import torch
 
 from .attention import KVCache
 from .model import Transformer
+from .moe import few_assignments
 
 
 class TextCodec(Protocol):
@@ -64,7 +65,7 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     and decoding goes on, so any length can be generated at the cost of one prefill per half-context.
 
     `compile` runs the one-token decode steps through torch.compile (see `compiled_decoder`): the first
-    call for a model and batch size compiles for a while (5-30 s here), then each step is much cheaper
+    call for a model and batch size compiles for a while (2-30 s here), then each step is much cheaper
     for small models, whose decoding is bound by the cost of launching hundreds of tiny operations
     rather than by arithmetic. MoE batches with more assignments than experts decode eagerly.
     """
@@ -115,7 +116,7 @@ def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
 def _compiles_well(model: Transformer, batch: int) -> bool:
     """Whether a decode step of this batch stays one graph (see compiled_decoder)."""
     cfg = model.cfg
-    return cfg.n_experts == 0 or batch * cfg.experts_per_token <= cfg.n_experts
+    return cfg.n_experts == 0 or batch * cfg.experts_per_token <= few_assignments(cfg.n_experts, compiling=True)
 
 
 def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, temperature: float,

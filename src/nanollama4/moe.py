@@ -86,10 +86,7 @@ class Experts(nn.Module):
         Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
         (Llama 4) or its output (tutorial).
         """
-        # Decoding: few assignments. Compiled decoding takes this path up to one assignment per expert
-        # (generate compiles only such batches), since the sorted dispatch reads group sizes on the host.
-        few = self.n_experts if torch.compiler.is_compiling() else self.n_experts // 2
-        if expert_A.numel() <= few:
+        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
             return self._gathered(x_TD, token_A, expert_A, weight_A, scale_input)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A = token_A[order_A], expert_A[order_A]
@@ -102,6 +99,11 @@ class Experts(nn.Module):
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+
+    def one_row(self, x_1D: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """SwiGLU of expert e on one row (1, d), multiplying views of its weights (host-side dispatch)."""
+        gate, up = row_matmul(x_1D, self.gate_up[e].to(dtype)).chunk(2, dim=-1)
+        return row_matmul(F.silu(gate) * up, self.down[e].to(dtype))
 
     def _gathered(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                   scale_input: bool) -> torch.Tensor:
@@ -118,11 +120,7 @@ class Experts(nn.Module):
         if scale_input:
             x_AD = x_AD * weight_A1
         if dev == "cpu" and not torch.compiler.is_compiling():
-            outs = []
-            for a, e in enumerate(expert_A.tolist()):
-                gate, up = (x_AD[a:a + 1] @ self.gate_up[e].to(dtype)).chunk(2, dim=-1)
-                outs.append((F.silu(gate) * up) @ self.down[e].to(dtype))
-            y_AD = torch.cat(outs)
+            y_AD = torch.cat([self.one_row(x_AD[a:a + 1], e, dtype) for a, e in enumerate(expert_A.tolist())])
         else:
             gate, up = torch.bmm(x_AD[:, None], self.gate_up[expert_A].to(dtype)).chunk(2, dim=-1)  # (A, 1, I)
             y_AD = torch.bmm(F.silu(gate) * up, self.down[expert_A].to(dtype)).squeeze(1)
@@ -167,6 +165,16 @@ class Experts(nn.Module):
         gate, up = torch.bmm(buf_ECD, gate_up).chunk(2, dim=-1)
         y_ECD = torch.bmm(F.silu(gate) * up, down)
         return y_ECD[expert_A, slot_A]
+
+
+def few_assignments(n_experts: int, compiling: bool) -> int:
+    """The most (token, expert) assignments multiplied one by one instead of sorted into groups.
+
+    Decoding-sized batches leave most experts idle, so sorting and one product per expert would waste
+    calls. Compiled code takes this path up to one assignment per expert, because the sorted dispatch
+    reads group sizes on the host (a graph break and a recompilation per group layout).
+    """
+    return n_experts if compiling else n_experts // 2
 
 
 def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -325,7 +333,7 @@ class MoE(nn.Module):
         n, k = B * T, self.top_k
         if x.device.type == "cpu" and not self.training and not torch.is_grad_enabled() \
                 and not torch.compiler.is_compiling() \
-                and r.valid_TK is None and 2 * n * k <= self.n_experts:
+                and r.valid_TK is None and n * k <= few_assignments(self.n_experts, compiling=False):
             return self._decode(x_TD, r).view(B, T, d)
         token_A = torch.arange(n, device=x.device).repeat_interleave(k)
         expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
@@ -356,8 +364,7 @@ class MoE(nn.Module):
                 counts[e] += 1
                 w = weights_TK[t, j]
                 x_1D = x_TD[t:t + 1].to(dtype)
-                gate, up = row_matmul(x_1D * w if scale_input else x_1D, self.experts.gate_up[e].to(dtype)).chunk(2, -1)
-                y_1D = row_matmul(F.silu(gate) * up, self.experts.down[e].to(dtype))
+                y_1D = self.experts.one_row(x_1D * w if scale_input else x_1D, e, dtype)
                 y_TD[t:t + 1] += y_1D if scale_input else y_1D * w
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
