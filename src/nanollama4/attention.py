@@ -173,6 +173,9 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                 k_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention over (B, T, heads, Dh) inputs; returns (B, Tq, H, Dh)."""
+        if _fp32_attention_pays(q):
+            with torch.autocast("cpu", enabled=False):
+                return self._attend(q.float(), k.float(), v.float(), q_pos, k_pos, mask).to(q.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
         plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
         if mask is None and self.chunk is None and plain_causal and q.shape[-2] > 1:
@@ -182,3 +185,13 @@ class Attention(nn.Module):
                 mask = attention_mask(q_pos, k_pos, self.chunk)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2)  # (B, Tq, H, Dh)
+
+
+def _fp32_attention_pays(q: torch.Tensor) -> bool:
+    """Whether to run bf16-autocast attention in float32: on the CPU its bf16 backward is slower.
+
+    Measured with torch 2.13's CPU flash attention, fwd+bwd for 8 heads of 32 at 64/128/256 positions:
+    bf16 36/43/32 ms against fp32 14/23/28 ms (forward alone is the same in both).
+    """
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+            and torch.is_grad_enabled())

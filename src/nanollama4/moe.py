@@ -92,7 +92,7 @@ class Experts(nn.Module):
         token_A, expert_A = token_A[order_A], expert_A[order_A]
         weight_A1 = weight_A[order_A].unsqueeze(1).to(x_TD.dtype)
         counts_E = count_per_expert(expert_A, self.n_experts)
-        x_AD = x_TD[token_A]
+        x_AD = x_TD.index_select(0, token_A)  # backward: index_add_, much faster here than index_put_
         if scale_input:
             x_AD = x_AD * weight_A1
         y_AD = self.run_groups(x_AD, expert_A, counts_E)
@@ -158,13 +158,18 @@ class Experts(nn.Module):
                 down: torch.Tensor) -> torch.Tensor:
         """Scatter rows into an (E, C, d) buffer (C = largest group rounded up to 64), two bmm's, gather back."""
         cap = -(-int(counts_E.max()) // 64) * 64 if counts_E.numel() else 0  # few distinct shapes: kernels reuse
+        A, D = x_AD.shape
         starts_E = torch.cumsum(counts_E, 0) - counts_E
-        slot_A = torch.arange(x_AD.shape[0], device=x_AD.device) - starts_E[expert_A]
-        buf_ECD = x_AD.new_zeros(self.n_experts, cap, x_AD.shape[1])
-        buf_ECD = buf_ECD.index_put((expert_A, slot_A), x_AD)
+        slot_A = torch.arange(A, device=x_AD.device) - starts_E[expert_A]
+        flat_A = expert_A * cap + slot_A  # each row's place in the flattened (E * C) buffer
+        # Gathers with flat indices (backward: index_add_) run several times faster here than the
+        # index_put / advanced indexing they replace; empty slots read an appended zero row.
+        source_S = torch.full((self.n_experts * cap,), A, dtype=torch.long, device=x_AD.device)
+        source_S[flat_A] = torch.arange(A, device=x_AD.device)
+        buf_ECD = torch.cat((x_AD, x_AD.new_zeros(1, D))).index_select(0, source_S).view(self.n_experts, cap, D)
         gate, up = torch.bmm(buf_ECD, gate_up).chunk(2, dim=-1)
         y_ECD = torch.bmm(F.silu(gate) * up, down)
-        return y_ECD[expert_A, slot_A]
+        return y_ECD.view(self.n_experts * cap, -1).index_select(0, flat_A)
 
 
 def few_assignments(n_experts: int, compiling: bool) -> int:
