@@ -419,3 +419,38 @@ def test_bf16_model_keeps_rope_frequencies_exact():
     assert model.inv_freq(torch.device("cpu")).dtype == torch.float32
     got = 8191.0 * model.inv_freq(torch.device("cpu")).double()
     assert (got - want).abs().max().item() < 1e-2
+
+
+def test_autocast_training_attention_runs_in_float32():
+    """Under CPU bf16 autocast with gradients, attention takes its float32 path (faster backward on this
+    CPU): the attention output equals float32 SDPA of the same bf16 q/k/v, rounded once to bf16, and the
+    gradients reach the projections in their float32 dtype."""
+    import nanollama4.attention as attention_module
+
+    cfg = preset("tiny", n_experts=0, nope_interval=0, attention_chunk_size=None)
+    torch.manual_seed(0)
+    attn = Attention(cfg, layer=0)
+    x = torch.randn(2, 9, cfg.d_model)
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append(q.dtype)
+        return real_sdpa(q, k, v, **kw)
+
+    model_rope = rope_angles(rope_frequencies(cfg), torch.arange(9))
+    try:
+        attention_module.F.scaled_dot_product_attention = spy
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = attn(x, torch.arange(9), model_rope)
+            with torch.no_grad():
+                attn(x, torch.arange(9), model_rope)  # inference keeps bf16
+    finally:
+        attention_module.F.scaled_dot_product_attention = real_sdpa
+    assert seen == [torch.float32, torch.bfloat16]
+    assert out.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        want = attn(x, torch.arange(9), model_rope)
+    assert (out.float() - want.float()).abs().max() <= 0.02 * want.abs().max()
+    out.float().sum().backward()
+    assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.dtype == torch.float32
