@@ -237,7 +237,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shakespeare-char": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                              head_dim=64, max_seq_len=256, attention_chunk_size=None, nope_interval=4,
                              ffn_dim=768, n_experts=8, experts_per_token=1, expert_dim=384,
-                             rope_theta=10000.0, bias_balance_rate=0.01),
+                             rope_theta=10000.0, bias_balance_rate=0.03),
     # The mission's arithmetic example: Llama-3-8B-like attention shapes, dense.
     "seed-example": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          head_dim=128, max_seq_len=8192, attention_chunk_size=None, nope_interval=0,
