@@ -188,10 +188,11 @@ class Attention(nn.Module):
 
 
 def _fp32_attention_pays(q: torch.Tensor) -> bool:
-    """Whether to run bf16-autocast attention in float32: on the CPU its bf16 backward is slower.
+    """Whether to run bf16-autocast attention in float32: on the CPU its bf16 backward is often slower.
 
-    Measured with torch 2.13's CPU flash attention, fwd+bwd for 8 heads of 32 at 64/128/256 positions:
-    bf16 36/43/32 ms against fp32 14/23/28 ms (forward alone is the same in both).
+    torch 2.13's CPU flash attention, fwd+bwd, 2 threads, 8 heads of 32 at 64/128/256 positions: bf16
+    36/43/32 ms against fp32 14/23/28 ms; 4 heads of 64 at 256 positions (the demo's shape): 23 against
+    23-24 ms, a wash. Forwards alone take the same time in both.
     """
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
             and torch.is_grad_enabled())

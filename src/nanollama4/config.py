@@ -160,7 +160,7 @@ class TrainConfig(_JsonConfig):
     batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
     seq_len: int = 128  # tokens per training window; at most the model's max_seq_len
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 for the 5-minute demo)
+    lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: float = 7e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 100  # linear warmup from 0 to lr
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
@@ -232,8 +232,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  max_seq_len=64, attention_chunk_size=8, ffn_dim=128, n_experts=4,
                  experts_per_token=2, expert_dim=64, floor_scale=4, attn_scale=0.1),
     # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU. 4 heads of 64
-    # rather than 8 of 32: the CPU's attention kernels run the wider heads ~20% faster, and in 5 minutes
-    # the model reached a lower validation loss (benchmarks/RESULTS.md, runs q15 and q21).
+    # rather than 8 of 32: the CPU's attention kernels run the wider heads 13-27% faster (fp32/bf16), and
+    # in 5 minutes the model reached a lower validation loss (benchmarks/RESULTS.md, runs q15 and q21).
     "shakespeare-char": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                              head_dim=64, max_seq_len=256, attention_chunk_size=None, nope_interval=4,
                              ffn_dim=768, n_experts=8, experts_per_token=1, expert_dim=384,
