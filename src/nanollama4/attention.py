@@ -162,7 +162,7 @@ class Attention(nn.Module):
             q, k = qk.split((H, KV), dim=2)
         elif self.temperature:
             scale = temperature_scale(positions, self.floor_scale, self.attn_scale)
-            q = (q * scale[..., None, None]).to(x.dtype)
+            q = (q * scale[..., None, None]).to(q.dtype)
         k_pos, mask = positions, None
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
@@ -173,8 +173,12 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                 k_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Scaled dot-product attention over (B, T, heads, Dh) inputs; returns (B, Tq, H, Dh)."""
-        if _fp32_attention_pays(q):
-            with torch.autocast("cpu", enabled=False):
+        if _autocast_training(q):
+            if q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORES_LIMIT:
+                if mask is None:
+                    mask = attention_mask(q_pos, k_pos, self.chunk)
+                return scores_attention(q, k, v, mask)
+            with torch.autocast("cpu", enabled=False):  # too long for explicit scores: float32 flash
                 return self._attend(q.float(), k.float(), v.float(), q_pos, k_pos, mask).to(q.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
         plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
@@ -187,12 +191,35 @@ class Attention(nn.Module):
         return out.transpose(1, 2)  # (B, Tq, H, Dh)
 
 
-def _fp32_attention_pays(q: torch.Tensor) -> bool:
-    """Whether to run bf16-autocast attention in float32: on the CPU its bf16 backward is often slower.
+SCORES_LIMIT = 1 << 24  # score elements (B * H * Tq * Tk) up to which training attention uses explicit scores
 
-    torch 2.13's CPU flash attention, fwd+bwd, 2 threads, 8 heads of 32 at 64/128/256 positions: bf16
-    36/43/32 ms against fp32 14/23/28 ms; 4 heads of 64 at 256 positions (the demo's shape): 23 against
-    23-24 ms, a wash. Forwards alone take the same time in both.
-    """
+
+def _autocast_training(q: torch.Tensor) -> bool:
+    """CPU, bf16 autocast, gradients on: where torch's fused attention kernels are slow (see below)."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
             and torch.is_grad_enabled())
+
+
+def scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Attention through an explicit score matrix: bf16 products, float32 softmax. Returns (B, Tq, H, Dh).
+
+    q (B, Tq, H, Dh), k and v (B, Tk, KV, Dh), `allowed` an attention_mask. Used for bf16-autocast
+    training on the CPU, where torch 2.13's flash-attention backward is slow in bf16 and float32 runs
+    the products 4x slower: for the demo's shape (16 x 256 positions, 4 heads of 64, 2 KV heads),
+    forward+backward takes 11.4 ms against 22.2 (float32 flash) and 23.2 (bf16 flash), 2 threads. The
+    query heads that share a KV head are stacked along the rows, so K and V are never repeated and
+    each product is one batched matmul per KV head. Memory grows with Tq * Tk (hence SCORES_LIMIT).
+    """
+    B, Tq, H, Dh = q.shape
+    Tk, KV = k.shape[1], k.shape[2]
+    rep = H // KV
+    q = (q * Dh ** -0.5).permute(0, 2, 1, 3).reshape(B * KV, rep * Tq, Dh)  # query head h = kv * rep + r
+    k = k.permute(0, 2, 3, 1).reshape(B * KV, Dh, Tk)
+    v = v.transpose(1, 2).reshape(B * KV, Tk, Dh)
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    if allowed.dim() == 4:  # per-row masks (B, 1, Tq, Tk)
+        bias = bias.unsqueeze(2).expand(B, KV, rep, Tq, Tk).reshape(B * KV, rep * Tq, Tk)
+    else:
+        bias = bias.repeat(rep, 1).expand(B * KV, rep * Tq, Tk)
+    probs = torch.softmax(torch.baddbmm(bias, q, k), dim=-1)  # (B * KV, rep * Tq, Tk)
+    return (probs @ v).view(B, KV, rep, Tq, Dh).reshape(B, H, Tq, Dh).transpose(1, 2)
