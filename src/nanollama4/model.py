@@ -30,7 +30,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # the same arithmetic in one fused op (its backward is ~20% cheaper)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            if torch.is_autocast_enabled(x.device.type):
+                # Cast once here rather than once per projection that reads the output (q, k and v;
+                # the experts' gather and the shared expert's gate and up), and as often in backward.
+                out = out.to(torch.get_autocast_dtype(x.device.type))
+            return out
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
