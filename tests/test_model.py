@@ -447,6 +447,22 @@ def test_autocast_training_attention_uses_explicit_scores():
         assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.dtype == torch.float32
 
 
+def test_rmsnorm_under_autocast_hands_out_the_autocast_dtype():
+    """Under CPU bf16 autocast the norm's output is already bf16 (one cast for all its readers): the float32
+    result rounded once, with the gain's gradient still in float32."""
+    from nanollama4.model import RMSNorm
+    norm = RMSNorm(16, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, norm(x).to(torch.bfloat16))
+    out.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("chunk", [None, 3])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 1), (3, 3)])
 def test_scores_attention_matches_sdpa(heads, kv_heads, chunk):

@@ -195,20 +195,21 @@ SCORES_LIMIT = 1 << 24  # score elements (B * H * Tq * Tk) up to which training 
 
 
 def _autocast_training(q: torch.Tensor) -> bool:
-    """CPU, bf16 autocast, gradients on: where torch's fused attention kernels are slow (see below)."""
+    """CPU, bf16 autocast, gradients on: where torch's fused attention kernels train slowly (scores_attention)."""
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
             and torch.is_grad_enabled())
 
 
 def scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Attention through an explicit score matrix: bf16 products, float32 softmax. Returns (B, Tq, H, Dh).
+    """Attention through an explicit score matrix, in the inputs' dtype. Returns (B, Tq, H, Dh).
 
     q (B, Tq, H, Dh), k and v (B, Tk, KV, Dh), `allowed` an attention_mask. Used for bf16-autocast
-    training on the CPU, where torch 2.13's flash-attention backward is slow in bf16 and float32 runs
-    the products 4x slower: for the demo's shape (16 x 256 positions, 4 heads of 64, 2 KV heads),
-    forward+backward takes 11.4 ms against 22.2 (float32 flash) and 23.2 (bf16 flash), 2 threads. The
-    query heads that share a KV head are stacked along the rows, so K and V are never repeated and
-    each product is one batched matmul per KV head. Memory grows with Tq * Tk (hence SCORES_LIMIT).
+    training on the CPU, where torch 2.13's flash attention trains slowly: its bf16 backward is slow,
+    and in float32 its products run at float32 speed. For the demo's shape (16 x 256 positions, 4 heads
+    of 64, 2 KV heads, 2 threads) forward+backward takes ~9 ms here against ~25 ms for either
+    (benchmarks/attention_train.py), with an output error 1.1-1.7x that of bf16 flash. The query heads
+    that share a KV head are stacked along the rows, so K and V are never repeated: one baddbmm (the
+    mask enters as its additive term), a softmax and one bmm. Memory grows with Tq * Tk (SCORES_LIMIT).
     """
     B, Tq, H, Dh = q.shape
     Tk, KV = k.shape[1], k.shape[2]
