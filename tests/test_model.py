@@ -447,6 +447,24 @@ def test_autocast_training_attention_uses_explicit_scores():
         assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.dtype == torch.float32
 
 
+def test_autocast_training_attention_falls_back_to_float32_flash_when_scores_are_too_big():
+    """Past SCORES_LIMIT score elements the explicit score matrix would cost too much memory: attention then
+    runs float32 SDPA instead, with the same result to bf16 rounding."""
+    cfg = preset("tiny", n_experts=0, nope_interval=0, attention_chunk_size=None)
+    torch.manual_seed(0)
+    attn = Attention(cfg, layer=0)
+    x, pos = torch.randn(2, 9, cfg.d_model), torch.arange(9)
+    rope = rope_angles(rope_frequencies(cfg), pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = attn(x, pos, rope)
+        with mock.patch("nanollama4.attention.SCORES_LIMIT", 2 * cfg.n_heads * 9 * 9 - 1), \
+                mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as sdpa:
+            out = attn(x, pos, rope)
+    assert [call.args[0].dtype for call in sdpa.call_args_list] == [torch.float32]
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - want.float()).abs().max() <= 0.02 * want.abs().max()
+
+
 def test_rmsnorm_under_autocast_hands_out_the_autocast_dtype():
     """Under CPU bf16 autocast the norm's output is already bf16 (one cast for all its readers): the float32
     result rounded once, with the gain's gradient still in float32."""
