@@ -2,7 +2,7 @@
 
 flash fp32 (what bf16-autocast training used before), flash bf16, and `scores_attention` in bf16 (what it
 uses now: one baddbmm with the causal mask as bias, softmax, one bmm). 4 heads of 64, 2 KV heads, 4096
-tokens per batch at each length; median ms over 7 runs after one warm-up; max output error of the bf16
+tokens per batch at each length; median ms over 7 runs after warm-up; max output error of the bf16
 versions against fp32 flash.
 
     python benchmarks/attention_train.py
@@ -10,12 +10,10 @@ versions against fp32 flash.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
+from moe_scaling import timed  # benchmarks/ is on the path when this runs as a script
 from nanollama4.attention import attention_mask, scores_attention
 from nanollama4.runtime import tune_allocator
 
@@ -28,10 +26,6 @@ def flash(q, k, v, mask):
     return out.transpose(1, 2)
 
 
-def scores(q, k, v, mask):
-    return scores_attention(q, k, v, mask)
-
-
 def fwd_bwd_ms(fn, q0, k0, v0, do, mask, dtype) -> tuple[float, torch.Tensor]:
     q, k, v = (t.to(dtype).requires_grad_(True) for t in (q0, k0, v0))
 
@@ -41,12 +35,7 @@ def fwd_bwd_ms(fn, q0, k0, v0, do, mask, dtype) -> tuple[float, torch.Tensor]:
         return out
 
     out = run()
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, out.detach().float()
+    return timed(run, 7, "cpu") * 1e3, out.detach().float()
 
 
 def main() -> None:
@@ -65,7 +54,7 @@ def main() -> None:
         mask = attention_mask(torch.arange(T), torch.arange(T), None)
         f32, ref = fwd_bwd_ms(flash, q0, k0, v0, do, mask, torch.float32)
         f16, out16 = fwd_bwd_ms(flash, q0, k0, v0, do, mask, torch.bfloat16)
-        s16, out = fwd_bwd_ms(scores, q0, k0, v0, do, mask, torch.bfloat16)
+        s16, out = fwd_bwd_ms(scores_attention, q0, k0, v0, do, mask, torch.bfloat16)
         print(f"{T:>5} {B:>3} | {f32:>10.2f} {f16:>10.2f} {s16:>11.2f} | {(out16 - ref).abs().max():>18.3g} "
               f"{(out - ref).abs().max():>11.3g}", flush=True)
 
