@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import randomize_
+from nanollama4 import kernels
 from nanollama4.config import ModelConfig
 from nanollama4.model import Transformer
-from nanollama4.moe import MoE, _grouped_mm_ok, assign_with_capacity, moe_reference
+from nanollama4.moe import Experts, MoE, _grouped_mm_ok, assign_with_capacity, moe_reference
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 HYP = settings(deadline=None, derandomize=True, database=None)  # the same examples on every run
@@ -78,13 +79,17 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
     y_ref, gx_ref, gp_ref = run_with_grads(moe, moe_reference, x, w, seed)
     ok = aligned(d, hidden)
     assert _grouped_mm_ok(x.view(-1, d), hidden) == ok
-    modes = ["auto", "loop", "padded"] + (["grouped"] if ok else [])
+    modes = ["auto", "loop", "padded", "kernel"] + (["grouped"] if ok else [])
     for mode in modes:
         moe.experts.dispatch = mode
-        with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy:
+        with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
+                mock.patch.object(kernels.GroupedMatmul, "apply", wraps=kernels.GroupedMatmul.apply) as kernel, \
+                mock.patch.object(Experts, "_gathered", autospec=True, side_effect=Experts._gathered) as few:
             y, gx, gp = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed)
-        # grouped_mm runs exactly when asked for, or under "auto" when the rows are 16-byte aligned
-        assert spy.called == (mode == "grouped" or (mode == "auto" and ok)), mode
+        # each runs exactly when asked for (unless a handful of assignments took the one-by-one path);
+        # "auto" takes our kernel for float32 on the CPU
+        assert spy.called == (mode == "grouped" and not few.called), mode
+        assert kernel.called == (mode in ("kernel", "auto") and not few.called), mode
         torch.testing.assert_close(y, y_ref, **TOL, msg=lambda m, mode=mode: f"{mode}: output: {m}")
         torch.testing.assert_close(gx, gx_ref, **TOL, msg=lambda m, mode=mode: f"{mode}: d/dx: {m}")
         assert gp.keys() == gp_ref.keys()
@@ -182,7 +187,7 @@ def test_unchosen_experts_get_zero_weight_output_and_gradient(router, k, cf):
         torch.testing.assert_close(dense.sum(-1)[has_slot], torch.ones(int(has_slot.sum())), atol=1e-6, rtol=0)
     torch.testing.assert_close(dense, want, atol=1e-6, rtol=1e-6)
 
-    for mode in ("loop", "padded", "grouped"):
+    for mode in ("loop", "padded", "grouped", "kernel"):
         moe.experts.dispatch = mode
         y, _, grads = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed=0)
         for e in unchosen:

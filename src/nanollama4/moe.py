@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import ModelConfig
 
 SPLIT_BYTES = 1 << 20  # one-row products with larger weights are split across two threads (see row_matmul)
@@ -67,9 +68,10 @@ class Experts(nn.Module):
     """N SwiGLU experts with fused weights, stored (in, out) as the reference checkpoints store them.
 
     gate_up (E, d, 2I) holds each expert's gate and up matrices side by side; down is (E, I, d).
-    `dispatch` picks how the chosen rows are multiplied; all three compute the same function:
-    "grouped" (one F.grouped_mm over contiguous per-expert groups), "loop" (a matmul per expert) and
-    "padded" (one bmm over a capacity-padded (E, C, d) buffer). "auto" takes the fastest measured.
+    `dispatch` picks how the chosen rows are multiplied; all four compute the same function:
+    "kernel" (our compiled CPU float32 grouped product, `kernels.py`), "grouped" (one F.grouped_mm over
+    contiguous per-expert groups), "loop" (a matmul per expert) and "padded" (one bmm over a
+    capacity-padded (E, C, d) buffer). "auto" takes the fastest measured.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
@@ -140,6 +142,9 @@ class Experts(nn.Module):
         mode = self.dispatch
         if mode == "auto":
             mode = _auto_mode(x_AD, self.hidden)
+        if mode == "kernel":
+            gate, up = kernels.grouped_matmul(x_AD, gate_up, counts_E).chunk(2, dim=-1)
+            return kernels.grouped_matmul(F.silu(gate) * up, down, counts_E)
         if mode == "grouped":
             offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
             gate, up = F.grouped_mm(x_AD, gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
@@ -188,7 +193,8 @@ def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def _auto_mode(x: torch.Tensor, hidden: int) -> str:
-    """The fastest mode measured (benchmarks/RESULTS.md): grouped for fp32 on CPU and bf16 on CUDA.
+    """The fastest mode measured (benchmarks/RESULTS.md): our kernel for fp32 on CPU (else grouped_mm),
+    grouped_mm for bf16 on CUDA.
 
     While compiling, fp32 takes the loop instead (grouped_mm's shape function accepts only bf16); its
     group sizes are read on the host, so a compiled fp32 MoE step runs its experts outside the graph.
@@ -199,6 +205,9 @@ def _auto_mode(x: torch.Tensor, hidden: int) -> str:
     """
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         return "padded"
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
+            and kernels.available():
+        return "kernel"
     fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
     if torch.compiler.is_compiling():
         fast = torch.bfloat16  # grouped_mm's shape function (used while compiling) accepts only bf16

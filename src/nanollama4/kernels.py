@@ -1,0 +1,103 @@
+"""Our one compiled kernel: the experts' grouped matrix products on the CPU in float32.
+
+torch's CPU products are built for large matrices. An expert that sees a few dozen rows spends most of
+a product packing its weight, and both cores synchronise on every product, so an MoE layer with many
+experts ran several times slower than a dense layer of the same active size (benchmarks/RESULTS.md).
+`csrc/grouped.cpp` gives each core whole experts and multiplies with register-tiled loops that read
+every weight element once. It is compiled with torch's C++ extension tools on first use (about 20 s,
+cached afterwards under ~/.cache/torch_extensions); where that is impossible (no compiler), or with
+NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer keeps torch's `grouped_mm`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "grouped.cpp"
+
+_module: ModuleType | None = None
+_tried = False
+
+
+def _flags() -> tuple[str, list[str]]:
+    """A name and compiler flags for the CPU's vector width; the name keeps builds for different CPUs apart."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    march = {"AVX512": ["-march=x86-64-v4"], "AVX2": ["-march=x86-64-v3"]}.get(capability, [])
+    return f"nanollama4_grouped_{capability.lower()}", ["-O3", "-fopenmp", *march]
+
+
+def load() -> ModuleType | None:
+    """The compiled module, building it on the first call; None when it cannot be built (warned once)."""
+    global _module, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get("NANOLLAMA4_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        if shutil.which("ninja") is None:  # the `ninja` wheel installs its binary next to this Python
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        name, cflags = _flags()
+        if not _built(name):
+            print("nanollama4: compiling the CPU expert kernels (once, about 20 s)...", file=sys.stderr, flush=True)
+        _module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+    except Exception as err:  # no compiler, no ninja, a read-only cache: fall back, but say so
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        warnings.warn(f"nanollama4: could not compile the CPU expert kernels ({first_line}); MoE layers use "
+                      "torch's grouped_mm instead (slower with many experts)", RuntimeWarning, stacklevel=2)
+        _module = None
+    return _module
+
+
+def _built(name: str) -> bool:
+    """Whether an earlier process already compiled this build (then loading takes a moment)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    except Exception:
+        return False
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (building it if needed)."""
+    return load() is not None
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """y_g = x_g @ w_g for consecutive row groups of x (counts_G rows each), with both gradients.
+
+    x (A, K) and w (G, K, N) float32 on the CPU; counts_G int64 on the CPU, summing to A.
+    """
+
+    @staticmethod
+    def forward(ctx, x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+        x_AK, w_GKN = x_AK.contiguous(), w_GKN.contiguous()
+        ctx.save_for_backward(x_AK, w_GKN, counts_G)
+        return _module.forward(x_AK, w_GKN, counts_G)
+
+    @staticmethod
+    def backward(ctx, dy_AN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x_AK, w_GKN, counts_G = ctx.saved_tensors
+        dy_AN = dy_AN.contiguous()
+        dx = _module.input_grad(dy_AN, w_GKN, counts_G) if ctx.needs_input_grad[0] else None
+        dw = _module.weight_grad(x_AK, dy_AN, counts_G) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    """x's rows, grouped consecutively by counts_G, each group times its own w_g -> (A, N). Needs `available()`."""
+    if load() is None:
+        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
+    return GroupedMatmul.apply(x_AK, w_GKN, counts_G)

@@ -1,0 +1,62 @@
+"""The compiled CPU grouped product (nanollama4.kernels) against plain float64 products, with gradients.
+
+It must build here: the test command installs everything, so a missing compiler or ninja is a failure,
+not a silent fallback to the slower grouped_mm.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanollama4 import kernels
+
+HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)
+
+
+def test_the_kernel_builds():
+    assert kernels.available(), "the CPU expert kernels did not compile: see the warning above"
+
+
+def check(counts: list[int], K: int, N: int, seed: int) -> None:
+    """y, dx and dw of the kernel against per-group float64 products, for a random cotangent."""
+    g = torch.Generator().manual_seed(seed)
+    counts_G = torch.tensor(counts, dtype=torch.long)
+    A, G = sum(counts), len(counts)
+    x = torch.randn(A, K, generator=g).requires_grad_()
+    w = torch.randn(G, K, N, generator=g).requires_grad_()
+    y = kernels.grouped_matmul(x, w, counts_G)
+    dy = torch.randn(A, N, generator=g)
+    y.backward(dy)
+    xs, dys, w64 = x.detach().double().split(counts), dy.double().split(counts), w.detach().double()
+    want_y = torch.cat([xs[i] @ w64[i] for i in range(G)])
+    want_dx = torch.cat([dys[i] @ w64[i].T for i in range(G)])
+    want_dw = torch.stack([xs[i].T @ dys[i] for i in range(G)])  # zero for a group without rows
+    tol = dict(atol=1e-5 * max(K, N) ** 0.5 * 4, rtol=1e-5)  # float32 sums of up to max(K, N, A) products
+    torch.testing.assert_close(y.double(), want_y, **tol)
+    torch.testing.assert_close(x.grad.double(), want_dx, **tol)
+    torch.testing.assert_close(w.grad.double(), want_dw, **tol)
+
+
+@HYP
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=9), K=st.integers(1, 80), N=st.integers(1, 140),
+       seed=st.integers(0, 2**16))
+def test_matches_plain_products(counts, K, N, seed):
+    """Any widths (the vector tails), empty groups (zero weight gradient), groups across tile sizes."""
+    check(counts, K, N, seed)
+
+
+@pytest.mark.parametrize(("counts", "K", "N"), [([700], 64, 96), ([500, 3, 0, 260], 37, 130), ([0, 0], 16, 16)])
+def test_large_groups_split_across_cores(counts, K, N):
+    """A group bigger than one core's share is cut into row slices (and weight-row slices for dw)."""
+    check(counts, K, N, seed=1)
+
+
+def test_bad_counts_are_rejected_with_a_message():
+    x, w = torch.randn(5, 4), torch.randn(2, 4, 16)
+    with pytest.raises(RuntimeError, match="add up to the number of rows"):
+        kernels.grouped_matmul(x, w, torch.tensor([2, 2]))
+    with pytest.raises(RuntimeError, match="must not be negative"):
+        kernels.grouped_matmul(x, w, torch.tensor([6, -1]))
