@@ -1,8 +1,9 @@
-"""How one MoE layer's cost grows with the number of experts N: ours (three dispatch modes) vs transformers.
+"""How one MoE layer's cost grows with the number of experts N: ours (each dispatch mode) vs transformers.
 
 Forward+backward of one MoE layer on 768 tokens (width 256, expert width 512, shared expert on), for
 N in {4, 16, 64, 128} and k in {1, 2}, fp32 and bf16, all in one process with the same weights; plus a
 single-token forward (the decode case). transformers' Llama4TextMoe runs every expert on every token.
+"kernel" (our compiled grouped product) exists for fp32 on the CPU only; "-" elsewhere.
 
     python benchmarks/moe_scaling.py [--quick] [--device cuda] [--dtypes bf16]
 """
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from nanollama4 import kernels
 from nanollama4.config import ModelConfig
 from nanollama4.moe import MoE
 from nanollama4.runtime import tune_allocator
@@ -89,7 +91,8 @@ def main() -> None:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"{TOKENS} tokens, width {WIDTH}, expert width {EXPERT_WIDTH}; times are medians in ms")
-    header = (f"{'dtype':5} {'k':>2} {'N':>4} | {'grouped':>8} {'loop':>8} {'padded':>8} | {'transformers':>12} "
+    header = (f"{'dtype':5} {'k':>2} {'N':>4} | {'kernel':>8} {'grouped':>8} {'loop':>8} {'padded':>8} | "
+              f"{'transformers':>12} "
               f"{'speedup':>8} | {'decode ours':>11} {'decode ref':>10}")
     print(header)
     print("-" * len(header))
@@ -102,7 +105,8 @@ def main() -> None:
                 x = torch.randn(1, TOKENS, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
                 x.requires_grad_(True)
                 row = {}
-                for mode in ("grouped", "loop", "padded"):
+                has_kernel = dev == "cpu" and dtype == torch.float32 and kernels.available()
+                for mode in ("kernel", "grouped", "loop", "padded")[0 if has_kernel else 1:]:
                     ours.experts.dispatch = mode
                     row[mode] = timed(fwd_bwd(ours, x, False), reps, dev) * 1e3
                 ours.experts.dispatch = "auto"
@@ -119,7 +123,9 @@ def main() -> None:
                     del ref
                 best = min(row.values())
                 base = base or best
-                print(f"{dname:5} {k:>2} {n:>4} | {row['grouped']:8.2f} {row['loop']:8.2f} {row['padded']:8.2f} | "
+                kernel = f"{row['kernel']:8.2f}" if has_kernel else f"{'-':>8}"
+                others = " ".join(f"{row[m]:8.2f}" for m in ("grouped", "loop", "padded"))
+                print(f"{dname:5} {k:>2} {n:>4} | {kernel} {others} | "
                       f"{ref_ms:12.1f} {ref_ms / best:7.1f}x | {dec:11.3f} {ref_dec:10.3f}   "
                       f"(best/best@N={ns[0]}: {best / base:.2f}x)", flush=True)
 
