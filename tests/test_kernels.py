@@ -6,12 +6,18 @@ not a silent fallback to the slower grouped_mm.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils import cpp_extension
 
 from nanollama4 import kernels
+from nanollama4.config import ModelConfig
+from nanollama4.moe import MoE
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)
 
@@ -60,3 +66,32 @@ def test_bad_counts_are_rejected_with_a_message():
         kernels.grouped_matmul(x, w, torch.tensor([2, 2]))
     with pytest.raises(RuntimeError, match="must not be negative"):
         kernels.grouped_matmul(x, w, torch.tensor([6, -1]))
+
+
+def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch):
+    """No compiler (or any build error): one warning naming the fallback, and auto dispatch still works."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'nanollama4_grouped': c++: not found\nmore detail")
+
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.warns(RuntimeWarning, match=r"could not compile .*c\+\+: not found.*grouped_mm instead"):
+        assert not kernels.available()
+    assert not kernels.available()  # decided once: no second warning, no second build
+    with pytest.raises(RuntimeError, match="not available"):
+        kernels.grouped_matmul(torch.randn(2, 4), torch.randn(1, 4, 16), torch.tensor([2]))
+    moe = MoE(ModelConfig(d_model=16, n_experts=4, experts_per_token=1, expert_dim=16, n_heads=2, n_kv_heads=1,
+                          head_dim=8))
+    with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy:
+        moe(torch.randn(1, 12, 16)).sum().backward()
+    assert spy.called
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setattr(kernels, "_module", None)
+    monkeypatch.setattr(kernels, "_tried", False)
+    monkeypatch.setenv("NANOLLAMA4_CPU_KERNELS", "0")
+    assert not kernels.available()
+
