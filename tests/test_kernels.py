@@ -17,7 +17,7 @@ from torch.utils import cpp_extension
 
 from nanollama4 import kernels
 from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE
+from nanollama4.moe import MoE, SwiGLU
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)
 
@@ -95,3 +95,38 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setenv("NANOLLAMA4_CPU_KERNELS", "0")
     assert not kernels.available()
 
+
+
+@pytest.mark.parametrize(("rows", "d", "hidden"), [(8, 16, 40), (300, 64, 96), (9, 7, 5)])
+def test_swiglu_on_the_kernel_matches_torch_linear(rows, d, hidden):
+    """The dense FFN / shared expert in float32 on the CPU runs on the kernel; same outputs and gradients."""
+    torch.manual_seed(0)
+    mlp = SwiGLU(d, hidden)
+    x = torch.randn(2, rows, d, requires_grad=True)
+    cot = torch.randn(2, rows, d)
+
+    def run(use_kernel: bool):
+        x.grad = None
+        mlp.zero_grad()
+        with mock.patch.object(kernels, "linear_pays", return_value=use_kernel), \
+                mock.patch.object(kernels.Linear, "apply", wraps=kernels.Linear.apply) as spy:
+            y = mlp(x)
+        (y * cot).sum().backward()
+        assert spy.called == use_kernel
+        return y.detach(), x.grad.clone(), [p.grad.clone() for p in mlp.parameters()]
+
+    y, gx, gp = run(True)
+    y_ref, gx_ref, gp_ref = run(False)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, gx_ref, atol=1e-5, rtol=1e-5)
+    for got, want in zip(gp, gp_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_linear_pays_only_for_float32_cpu_outside_autocast():
+    x = torch.randn(16, 8)
+    assert kernels.linear_pays(x)
+    assert not kernels.linear_pays(x[:1])  # one decoding row keeps its own path
+    assert not kernels.linear_pays(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not kernels.linear_pays(x)

@@ -1,4 +1,4 @@
-"""Our one compiled kernel: the experts' grouped matrix products on the CPU in float32.
+"""Our one compiled kernel: the feed-forward layers' matrix products on the CPU in float32.
 
 torch's CPU products are built for large matrices. An expert that sees a few dozen rows spends most of
 a product packing its weight, and both cores synchronise on every product, so an MoE layer with many
@@ -7,6 +7,10 @@ experts ran several times slower than a dense layer of the same active size (ben
 every weight element once. It is compiled with torch's C++ extension tools on first use (about 20 s,
 cached afterwards under ~/.cache/torch_extensions); where that is impossible (no compiler), or with
 NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer keeps torch's `grouped_mm`.
+
+The same loops also beat torch's fp32 products at dense sizes on our CPU (~2x), so the dense SwiGLU
+(the dense FFN and the shared expert) uses them too, through `linear`: every feed-forward product
+then runs on the same code, and the MoE-vs-dense comparison measures routing, not kernels.
 """
 
 from __future__ import annotations
@@ -101,3 +105,34 @@ def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tens
     if load() is None:
         raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
     return GroupedMatmul.apply(x_AK, w_GKN, counts_G)
+
+
+class Linear(torch.autograd.Function):
+    """x @ w.T for an (out, in) weight, as nn.Linear computes it: the grouped kernel with one group."""
+
+    @staticmethod
+    def forward(ctx, x_AK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        x_AK, w_1NK = x_AK.contiguous(), w_NK.contiguous()[None]
+        counts = torch.tensor([x_AK.shape[0]])
+        ctx.save_for_backward(x_AK, w_1NK, counts)
+        return _module.input_grad(x_AK, w_1NK, counts)
+
+    @staticmethod
+    def backward(ctx, dy_AN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x_AK, w_1NK, counts = ctx.saved_tensors
+        dy_AN = dy_AN.contiguous()
+        dx = _module.forward(dy_AN, w_1NK, counts) if ctx.needs_input_grad[0] else None
+        dw = _module.weight_grad(dy_AN, x_AK, counts)[0] if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) without bias, through our kernel (see `linear_pays`)."""
+    return Linear.apply(x.reshape(-1, x.shape[-1]), w_NK).view(*x.shape[:-1], w_NK.shape[0])
+
+
+def linear_pays(x: torch.Tensor) -> bool:
+    """Whether `linear` is the faster way for x: float32 on the CPU outside autocast and compilation, with
+    enough rows (a single decoding row has its own two-core path, `moe.row_matmul`)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and x.shape[:-1].numel() >= 8 and available())
