@@ -155,10 +155,18 @@ void rows_dx(int64_t rows, const float* dy, const float* w, float* dx, int64_t K
 }
 
 // Input gradient of one small group: dy (m x N) @ w (K x N)^T.
+// Rows are taken kChunk at a time, so that a chunk's output gradient stays in cache while every weight
+// row passes over it (unchunked, a large group's dy was re-read from L3 once per four weight rows).
 void small_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, int64_t N) {
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) rows_dx<4>(m, dy, w + k * N, dx + k, K, N);
-  for (; k < K; ++k) rows_dx<1>(m, dy, w + k * N, dx + k, K, N);
+  constexpr int64_t kChunk = 64;  // 3072 rows of 1024: 5.6 -> 4.3 ms
+  for (int64_t r = 0; r < m; r += kChunk) {
+    const int64_t rows = std::min<int64_t>(kChunk, m - r);
+    const float* g = dy + r * N;
+    float* o = dx + r * K;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) rows_dx<4>(rows, g, w + k * N, o + k, K, N);
+    for (; k < K; ++k) rows_dx<1>(rows, g, w + k * N, o + k, K, N);
+  }
 }
 
 // dw[C rows, V vectors] = x[:m, C columns]^T @ dy[:m, V vectors]: each output element is written once.
