@@ -18,16 +18,19 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from torch.autograd.function import once_differentiable
 
 SOURCE = Path(__file__).parent / "csrc" / "grouped.cpp"
 
 _module: ModuleType | None = None
 _tried = False
+_lock = threading.Lock()  # a second thread waits for the first one's build instead of seeing None
 
 
 def _flags() -> tuple[str, list[str]]:
@@ -42,7 +45,15 @@ def load() -> ModuleType | None:
     global _module, _tried
     if _tried:
         return _module
-    _tried = True
+    with _lock:
+        if not _tried:
+            _module = _build()
+            _tried = True
+    return _module
+
+
+def _build() -> ModuleType | None:
+    """Compile the kernel (or load an earlier process's build); None, with a warning, when that fails."""
     if os.environ.get("NANOLLAMA4_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -55,20 +66,21 @@ def load() -> ModuleType | None:
         name, cflags = _flags()
         if not _built(name):
             print("nanollama4: compiling the CPU expert kernels (once, about 20 s)...", file=sys.stderr, flush=True)
-        _module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+        # -fopenmp links libgomp by name; torch's Linux wheels ship that same library, so the kernel's
+        # threads are torch's threads (and follow torch.set_num_threads).
+        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as err:  # no compiler, no ninja, a read-only cache: fall back, but say so
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         warnings.warn(f"nanollama4: could not compile the CPU expert kernels ({first_line}); MoE layers use "
-                      "torch's grouped_mm instead (slower with many experts)", RuntimeWarning, stacklevel=2)
-        _module = None
-    return _module
+                      "torch's grouped_mm instead (slower with many experts)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _built(name: str) -> bool:
     """Whether an earlier process already compiled this build (then loading takes a moment)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     try:
+        from torch.utils.cpp_extension import _get_build_directory  # private: guarded
+
         return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
     except Exception:
         return False
@@ -92,6 +104,7 @@ class GroupedMatmul(torch.autograd.Function):
         return _module.forward(x_AK, w_GKN, counts_G)
 
     @staticmethod
+    @once_differentiable  # the gradients are not themselves differentiable: double backward raises
     def backward(ctx, dy_AN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x_AK, w_GKN, counts_G = ctx.saved_tensors
         dy_AN = dy_AN.contiguous()
@@ -118,6 +131,7 @@ class Linear(torch.autograd.Function):
         return _module.input_grad(x_AK, w_1NK, counts)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy_AN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x_AK, w_1NK, counts = ctx.saved_tensors
         dy_AN = dy_AN.contiguous()
@@ -127,7 +141,9 @@ class Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) without bias, through our kernel (see `linear_pays`)."""
+    """F.linear(x, w) without bias, through our kernel (see `linear_pays`). Needs `available()`."""
+    if load() is None:
+        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
     return Linear.apply(x.reshape(-1, x.shape[-1]), w_NK).view(*x.shape[:-1], w_NK.shape[0])
 
 

@@ -57,7 +57,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.linear_pays(x):  # float32 on the CPU: our kernel, like the routed experts
+        # float32 on the CPU: our kernel, like the routed experts. Like row_matmul below, this multiplies by
+        # the projections' weights directly (forward hooks or wrappers on them are bypassed).
+        if kernels.linear_pays(x):
             gate, up = (kernels.linear(x, lin.weight) for lin in (self.gate_proj, self.up_proj))
             return kernels.linear(F.silu(gate) * up, self.down_proj.weight)
         if _split_pays(x, self.gate_proj.weight):  # decoding one token with big weights

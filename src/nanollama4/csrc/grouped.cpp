@@ -233,14 +233,18 @@ void per_core(int64_t G, const Span& span, const Cost& cost, int64_t align, cons
   for (int64_t g = 0; g < G; ++g) {
     const int64_t n = span(g);
     const double c = cost(g, n);
+    if (n == 0) {  // one empty piece (the weight gradient of a group without rows is still zeroed)
+      pieces.push_back({g, 0, 0});
+      cumulative.push_back(cumulative.back() + c);
+      continue;
+    }
     int64_t parts = c > 0 ? static_cast<int64_t>(c * 2 * cores / total) : 1;  // ~2 slices per core at most
     parts = std::max<int64_t>(1, std::min(parts, n / align));
-    const int64_t step = (n / parts + align - 1) / align * align;
-    for (int64_t lo = 0; lo < n || lo == 0; lo += step) {
-      const int64_t hi = std::min(n, lo + std::max<int64_t>(step, 1));
+    const int64_t step = (n / parts + align - 1) / align * align;  // >= align >= 1
+    for (int64_t lo = 0; lo < n; lo += step) {
+      const int64_t hi = std::min(n, lo + step);
       pieces.push_back({g, lo, hi});
-      cumulative.push_back(cumulative.back() + (n ? c * (hi - lo) / n : c));
-      if (hi >= n) break;
+      cumulative.push_back(cumulative.back() + c * (hi - lo) / n);
     }
   }
   const int64_t P = static_cast<int64_t>(pieces.size());
@@ -278,8 +282,8 @@ std::vector<int64_t> group_starts(const at::Tensor& counts, int64_t groups, int6
 
 }  // namespace
 
+// The products read and write raw float pointers only, so they run the same under any grad mode.
 at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
-  x = x.detach(); w = w.detach();  // worker threads do not inherit the caller's no-grad mode
   check(x, 2, "x"); check(w, 3, "w");
   const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
   TORCH_CHECK(x.size(1) == K, "x must be A x K for w G x K x N");
@@ -298,7 +302,6 @@ at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
 }
 
 at::Tensor input_grad(at::Tensor dy, at::Tensor w, at::Tensor counts) {
-  dy = dy.detach(); w = w.detach();
   check(dy, 2, "dy"); check(w, 3, "w");
   const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
   TORCH_CHECK(dy.size(1) == N, "dy must be A x N for w G x K x N");
@@ -317,8 +320,8 @@ at::Tensor input_grad(at::Tensor dy, at::Tensor w, at::Tensor counts) {
 }
 
 at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
-  x = x.detach(); dy = dy.detach();
   check(x, 2, "x"); check(dy, 2, "dy");
+  TORCH_CHECK(counts.dim() == 1, "counts must be a vector with one entry per group");
   const int64_t G = counts.size(0), K = x.size(1), N = dy.size(1);
   TORCH_CHECK(x.size(0) == dy.size(0), "x and dy must have the same rows");
   const auto start = group_starts(counts, G, x.size(0));
@@ -342,7 +345,9 @@ at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "y_g = x_g @ w_g for consecutive row groups");
-  m.def("input_grad", &input_grad, "dx_g = dy_g @ w_g^T for consecutive row groups");
-  m.def("weight_grad", &weight_grad, "dw_g = x_g^T @ dy_g for consecutive row groups");
+  // Like torch's own operators, these let other Python threads run while they compute.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("forward", &forward, "y_g = x_g @ w_g for consecutive row groups", release());
+  m.def("input_grad", &input_grad, "dx_g = dy_g @ w_g^T for consecutive row groups", release());
+  m.def("weight_grad", &weight_grad, "dw_g = x_g^T @ dy_g for consecutive row groups", release());
 }
