@@ -11,12 +11,11 @@ plain `torch.mm` over all rows with one weight (what a dense layer of that size 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from moe_scaling import timed  # benchmarks/ is on the path when this runs as a script
 from nanollama4 import kernels
 from nanollama4.runtime import tune_allocator
 
@@ -25,14 +24,8 @@ SHAPES = [(16, 128, 512, 768), (64, 128, 512, 768), (64, 256, 128, 768), (4, 256
           (128, 256, 1024, 768), (128, 512, 256, 768), (1, 256, 1024, 768), (4, 256, 1024, 3072)]
 
 
-def median_ms(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+def median_ms(fn) -> float:
+    return timed(fn, 20, "cpu") * 1e3
 
 
 def row(ext, G: int, K: int, N: int, A: int, g: torch.Generator) -> str:

@@ -91,6 +91,11 @@ def available() -> bool:
     return load() is not None
 
 
+def _require() -> None:
+    if not available():
+        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
+
+
 class GroupedMatmul(torch.autograd.Function):
     """y_g = x_g @ w_g for consecutive row groups of x (counts_G rows each), with both gradients.
 
@@ -115,8 +120,7 @@ class GroupedMatmul(torch.autograd.Function):
 
 def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
     """x's rows, grouped consecutively by counts_G, each group times its own w_g -> (A, N). Needs `available()`."""
-    if load() is None:
-        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
+    _require()
     return GroupedMatmul.apply(x_AK, w_GKN, counts_G)
 
 
@@ -142,8 +146,7 @@ class Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) without bias, through our kernel (see `linear_pays`). Needs `available()`."""
-    if load() is None:
-        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
+    _require()
     return Linear.apply(x.reshape(-1, x.shape[-1]), w_NK).view(*x.shape[:-1], w_NK.shape[0])
 
 

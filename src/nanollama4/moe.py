@@ -11,6 +11,7 @@ the auxiliary-loss-free alternative, a per-expert bias that steers only the top-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -57,15 +58,17 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 on the CPU: our kernel, like the routed experts. Like row_matmul below, this multiplies by
-        # the projections' weights directly (forward hooks or wrappers on them are bypassed).
+        # float32 on the CPU: our kernel, like the routed experts; decoding one token with big weights: the
+        # two-core row product. Both multiply by the projections' weights directly (forward hooks or
+        # wrappers on the projections are bypassed).
         if kernels.linear_pays(x):
-            gate, up = (kernels.linear(x, lin.weight) for lin in (self.gate_proj, self.up_proj))
-            return kernels.linear(F.silu(gate) * up, self.down_proj.weight)
-        if _split_pays(x, self.gate_proj.weight):  # decoding one token with big weights
-            gate, up = (row_matmul(x, lin.weight, out_in=True) for lin in (self.gate_proj, self.up_proj))
-            return row_matmul(F.silu(gate) * up, self.down_proj.weight, out_in=True)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            product = kernels.linear
+        elif _split_pays(x, self.gate_proj.weight):
+            product = functools.partial(row_matmul, out_in=True)
+        else:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = (product(x, lin.weight) for lin in (self.gate_proj, self.up_proj))
+        return product(F.silu(gate) * up, self.down_proj.weight)
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -147,13 +150,13 @@ class Experts(nn.Module):
         mode = self.dispatch
         if mode == "auto":
             mode = _auto_mode(x_AD, self.hidden)
-        if mode == "kernel":
-            gate, up = kernels.grouped_matmul(x_AD, gate_up, counts_E).chunk(2, dim=-1)
-            return kernels.grouped_matmul(F.silu(gate) * up, down, counts_E)
-        if mode == "grouped":
-            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            gate, up = F.grouped_mm(x_AD, gate_up, offs=offs_E).chunk(2, dim=-1)  # (A, I) each
-            return F.grouped_mm(F.silu(gate) * up, down, offs=offs_E)
+        if mode in ("kernel", "grouped"):
+            if mode == "kernel":
+                product = functools.partial(kernels.grouped_matmul, counts_G=counts_E)
+            else:
+                product = functools.partial(F.grouped_mm, offs=torch.cumsum(counts_E, 0).to(torch.int32))
+            gate, up = product(x_AD, gate_up).chunk(2, dim=-1)  # (A, I) each
+            return product(F.silu(gate) * up, down)
         if mode == "padded":
             return self._padded(x_AD, expert_A, counts_E, gate_up, down)
         # unbind/split make one backward node each; indexing gate_up[e] per expert would instead build

@@ -280,43 +280,38 @@ std::vector<int64_t> group_starts(const at::Tensor& counts, int64_t groups, int6
   return start;
 }
 
-}  // namespace
-
-// The products read and write raw float pointers only, so they run the same under any grad mode.
-at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
-  check(x, 2, "x"); check(w, 3, "w");
+// Row products: out_g = a_g @ (w_g or w_g^T), each output row from its own input row, so a large group
+// is sliced by rows. `tile(m, a, w_g, out, K, N)` is small_xw (a: A x K) or small_dx (a: A x N).
+// They read and write raw float pointers only, so they run the same under any grad mode.
+template <typename Tile>
+at::Tensor row_products(const at::Tensor& a, const at::Tensor& w, const at::Tensor& counts, bool transposed,
+                        int64_t align, Tile tile) {
+  check(a, 2, transposed ? "dy" : "x"); check(w, 3, "w");
   const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(x.size(1) == K, "x must be A x K for w G x K x N");
-  const auto start = group_starts(counts, G, x.size(0));
-  auto y = at::empty({x.size(0), N}, x.options());
-  const float *px = x.data_ptr<float>(), *pw = w.data_ptr<float>();
+  const int64_t in = transposed ? N : K, out = transposed ? K : N;
+  TORCH_CHECK(a.size(1) == in, transposed ? "dy must be A x N for w G x K x N" : "x must be A x K for w G x K x N");
+  const auto start = group_starts(counts, G, a.size(0));
+  auto y = at::empty({a.size(0), out}, a.options());
+  const float *pa = a.data_ptr<float>(), *pw = w.data_ptr<float>();
   float* py = y.data_ptr<float>();
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 6,
+      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, align,
       [&](const Piece& p) {
         const int64_t row = start[p.g] + p.lo;
-        small_xw(p.hi - p.lo, px + row * K, pw + p.g * K * N, py + row * N, K, N);
+        tile(p.hi - p.lo, pa + row * in, pw + p.g * K * N, py + row * out, K, N);
       });
   return y;
 }
 
+}  // namespace
+
+at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
+  return row_products(x, w, counts, false, 6, small_xw);
+}
+
 at::Tensor input_grad(at::Tensor dy, at::Tensor w, at::Tensor counts) {
-  check(dy, 2, "dy"); check(w, 3, "w");
-  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(dy.size(1) == N, "dy must be A x N for w G x K x N");
-  const auto start = group_starts(counts, G, dy.size(0));
-  auto dx = at::empty({dy.size(0), K}, dy.options());
-  const float *pg = dy.data_ptr<float>(), *pw = w.data_ptr<float>();
-  float* px = dx.data_ptr<float>();
-  per_core(
-      G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 4,
-      [&](const Piece& p) {
-        const int64_t row = start[p.g] + p.lo;
-        small_dx(p.hi - p.lo, pg + row * N, pw + p.g * K * N, px + row * K, K, N);
-      });
-  return dx;
+  return row_products(dy, w, counts, true, 4, small_dx);
 }
 
 at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
