@@ -30,7 +30,7 @@ def main() -> None:
     tune_allocator()
     schemes = {"none": {}, f"aux loss {args.aux}": {"aux_loss_coef": args.aux},
                f"bias {args.bias}": {"bias_balance_rate": args.bias}}
-    tc = TrainConfig(max_steps=args.steps, eval_interval=args.steps, bf16=True, seed=1337)
+    tc = TrainConfig(max_steps=args.steps, eval_interval=args.steps, bf16=True, seed=1337, seq_len=128)
     print(f"shakespeare-char, {args.steps} steps, batch {tc.batch_size} x {tc.seq_len}, bf16, seed {tc.seed}; "
           "load = expert's share of routed tokens x n_experts, mean of the last 50 steps")
     for name, over in schemes.items():

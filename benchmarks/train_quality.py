@@ -31,7 +31,7 @@ def main() -> None:
     moe = preset("shakespeare-char")
     configs = {"moe": moe,
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
-    tc = TrainConfig(**{"bf16": True, **parse_overrides(args.set, TrainConfig)}, max_time=budget)
+    tc = TrainConfig(**{"bf16": True, "seq_len": 128, **parse_overrides(args.set, TrainConfig)}, max_time=budget)
     rows = []
     for name in args.models.split(","):
         run = Path(args.out) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -10,11 +10,15 @@ with an atomic rename. A crash at any moment therefore leaves the previous check
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,47 @@ from .model import Transformer
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or describes a model we cannot build."""
+
+
+LOCK_NAME = ".nanollama4-lock"  # in every run directory: held by the process training there
+
+
+# ---------------------------------------------------------------------------------------------- run ownership
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR's lock file for the duration: one process trains in a run directory at a time.
+
+    An OS lock (flock) rather than a "busy" marker: the kernel drops it when the holder exits, however it
+    exits, so a crashed or killed run never leaves its directory locked. The file says who holds it.
+    """
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise CheckpointError(f"{run_dir} is in use by another training ({holder}); wait for it to finish, "
+                                  "or stop it, or train in another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir holds a run with a checkpoint (new training there would throw it away)."""
+    return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or any(run_dir.glob("step-*"))
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding a NaN or an infinity, else None."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- file helpers
@@ -93,6 +138,10 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
             raise
         raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
     tensors = read_safetensors(ckpt / "model.safetensors")
+    bad = non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"{ckpt / 'model.safetensors'} holds non-finite values (in {bad}); the run diverged "
+                              "before this was saved: use an earlier checkpoint")
     model = Transformer(cfg)
     if cfg.tie_embeddings:
         tensors["lm_head.weight"] = tensors.get("embed.weight", torch.empty(0))
@@ -135,17 +184,26 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
 def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
                     tokenizer_save: Callable[[Path], Any], train_config: dict[str, Any],
                     train_state: dict[str, Any], rng: dict[str, torch.Tensor], best: bool = False) -> Path:
-    """Write RUN_DIR/step-N atomically and point `last` (and `best` if asked) at it. Returns the folder."""
+    """Write RUN_DIR/step-N atomically and point `last` (and `best` if asked) at it. Returns the folder.
+
+    Refuses (CheckpointError) weights or optimizer state that are not finite: a checkpoint is only ever
+    something a run can continue from.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:07d}"
+    tensors = model_tensors(model)
+    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    bad = non_finite(tensors) or non_finite(opt_tensors)
+    if bad is not None:
+        raise CheckpointError(f"step {step} not saved: {bad} holds non-finite values; the last checkpoint in "
+                              f"{run_dir} is kept")
     if not final.exists():
         tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
         tmp.chmod(0o755)
         try:
-            save_file(model_tensors(model), tmp / "model.safetensors", metadata={"format": "pt"})
+            save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
             tokenizer_save(tmp / "tokenizer.json")
-            opt_tensors, opt_meta = optimizer_tensors(optimizer)
             save_file(opt_tensors, tmp / "optimizer.safetensors")
             (tmp / "optimizer.json").write_text(json.dumps(opt_meta) + "\n")
             (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
@@ -192,6 +250,10 @@ def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "last") -> Pa
     for name in (prefer, "last", "best"):
         if (path / name / "config.json").exists():
             return (path / name).resolve()
+    for name in (prefer, "last", "best"):
+        if (path / name).is_dir():
+            raise CheckpointError(f"{path / name} ({(path / name).resolve().name}) has no config.json; the "
+                                  "checkpoint is incomplete: restore the file or use another checkpoint")
     raise CheckpointError(f"{path} holds no checkpoint (no config.json, no last/ or best/); "
                           "is it a training run directory?")
 

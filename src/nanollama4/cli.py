@@ -1,12 +1,15 @@
 """`nanollama4 <command>`: the command-line entry point. The only module that parses arguments.
 
-Errors meant for people (bad config, missing file) are printed as one line and exit with status 2;
-anything else is a bug and keeps its traceback.
+Every value is checked here, at the boundary, so that a bad one is reported with the option's name.
+Exit status: 0 done; 2 an error meant for people (bad option or config, missing or corrupt file, a run
+that cannot go on), printed as one line; 3 a training stopped by SIGINT/SIGTERM after saving (resumable);
+130 Ctrl-C before training started (nothing saved). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import fields
@@ -14,9 +17,80 @@ from dataclasses import fields
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from .memory import format_count, format_kv_table, format_params_table, kv_cache, param_counts
 
+EXIT_ERROR = 2  # an error meant for people, printed as one line
+EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint: resume it
+EXIT_CTRL_C = 130  # Ctrl-C outside the training loop (the shell's convention for SIGINT)
+DEFAULT_PRESET = "shakespeare-char"
+_FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint already decided these
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (its default prints the usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_ERROR)
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def _temperature(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 (greedy) or more")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]: the probability mass to sample from")
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _one_char(text: str) -> str:
+    if len(text) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a single character")
+    return text
+
+
+def _text(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
-    return preset(args.preset, **parse_overrides(getattr(args, "set", None) or []))
+    return preset(args.preset or DEFAULT_PRESET, **parse_overrides(getattr(args, "set", None) or []))
 
 
 def cmd_params(args: argparse.Namespace) -> None:
@@ -81,24 +155,36 @@ def _split_overrides(pairs: list[str]) -> tuple[dict, dict]:
     return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
 
 
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int:
     from .train import train
 
     model_over, train_over = _split_overrides(args.set or [])
+    if "vocab_size" in model_over:
+        raise ValueError("vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
+                         "--set bpe_vocab_size=N)")
     if args.max_steps is not None:
         train_over["max_steps"] = args.max_steps
     if args.max_time is not None:
-        train_over["max_time"] = parse_duration(args.max_time)
+        train_over["max_time"] = args.max_time
     if args.resume:
-        if model_over:
-            raise ValueError(f"model fields cannot change on --resume (got {sorted(model_over)})")
+        refused = [f"--{name}" for name in ("preset", "out") if getattr(args, name) is not None]
+        refused += [f"--set {key}" for key in sorted(model_over)]
+        refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} cannot change on --resume: the run keeps its directory, model, "
+                             "tokenizer and seed (start a new run with --out for that)")
+        if args.max_steps is not None:  # the budget given replaces the saved one, whichever kind it was
+            train_over.setdefault("max_time", None)
+        if args.max_time is not None:
+            train_over.setdefault("max_steps", None)
         from .train import resume_config
 
         run_dir, model_cfg, tc = args.resume, None, resume_config(args.resume, **train_over)
     else:
+        name = args.preset or DEFAULT_PRESET
         tc = TrainConfig(**train_over)
-        run_dir = args.out or f"runs/{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-        model_cfg = preset(args.preset, **model_over)
+        run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        model_cfg = preset(name, **model_over)
     result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
@@ -106,21 +192,24 @@ def cmd_train(args: argparse.Namespace) -> None:
     if result.interrupted:
         print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
               f"--max-steps N (or --max-time T)")
-        return
+        return EXIT_INTERRUPTED
     from .plots import plot_run
 
     for path in plot_run(result.run_dir):
         print(f"plot: {path}")
     print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from .generate import generate, stream
     from .train import load_any
 
-    model, tokenizer = load_any(args.path)
     if not args.prompt:
         raise ValueError("the prompt is empty; pass --prompt with some text")
+    model, tokenizer = load_any(args.path)
+    if args.replace_unknown is not None:
+        tokenizer = _replacing(tokenizer, args.replace_unknown)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (),
                    slide=not args.no_slide, compile=args.compile)
@@ -132,6 +221,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print()
     else:
         print(args.prompt + generate(model, tokenizer, args.prompt, **options))
+
+
+def _replacing(tokenizer, char: str):
+    """The tokenizer, mapping characters it does not know to `char` (byte-level BPE knows every character)."""
+    from .tokenizer import CharTokenizer
+
+    return CharTokenizer(tokenizer.chars, replace=char) if isinstance(tokenizer, CharTokenizer) else tokenizer
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -150,11 +246,13 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanollama4", description="A readable Llama 4-style MoE language model.")
+    parser = _Parser(prog="nanollama4", description="A readable Llama 4-style MoE language model.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add_preset(p: argparse.ArgumentParser, default: str = "shakespeare-char") -> None:
-        p.add_argument("--preset", default=default, choices=sorted(PRESETS), help="named model config")
+    def add_preset(p: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET) -> None:
+        # train's is None so that --resume can tell a --preset given from the default
+        p.add_argument("--preset", default=default, choices=sorted(PRESETS),
+                       help=f"named model config (default {DEFAULT_PRESET})")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
 
     p = sub.add_parser("params", help="total and active-per-token parameters, by component")
@@ -163,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("kv-cache", help="KV-cache size per token and for a sequence")
     add_preset(p)
-    p.add_argument("--seq-len", type=int, default=8192, help="sequence length in tokens")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, help="sequence length in tokens")
     p.add_argument("--dtype", default="float16", help="cache dtype: float32, bfloat16, float16, float8")
     p.set_defaults(func=cmd_kv_cache)
 
@@ -172,27 +270,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
-    add_preset(p)
-    p.add_argument("--data", help="a text file or a folder of .txt files (default: Shakespeare's works)")
-    p.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
+    add_preset(p, default=None)
+    p.add_argument("--data", type=_text,
+                   help="a text file or a folder of .txt files (default: Shakespeare's works); with --resume, the "
+                        "run's corpus at a new path")
+    p.add_argument("--out", type=_text, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
-    budget.add_argument("--max-time", help="stop after this long, e.g. 300, 5m, 1.5h")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR exactly where it stopped")
+    budget.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps (of the whole run)")
+    budget.add_argument("--max-time", type=_duration,
+                        help="stop after this long, e.g. 300, 5m, 1.5h (of the whole run)")
+    p.add_argument("--resume", metavar="RUN_DIR", type=_text,
+                   help="continue the run in RUN_DIR exactly where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=300)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=300)
+    p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy; higher = more random")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=_top_p, default=None, help="sample among the most likely tokens holding this mass")
+    p.add_argument("--seed", type=_whole, default=0)
+    p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
+                   help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)")
+    p.add_argument("--stop", action="append", type=_text, metavar="TEXT", help="stop before this text (repeatable)")
     p.add_argument("--no-slide", action="store_true",
                    help="fail instead of dropping the oldest tokens when the context reaches max_seq_len")
     p.add_argument("--compile", action="store_true",
@@ -200,12 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=_text)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", type=_text)
     p.set_defaults(func=cmd_plot)
     return parser
 
@@ -217,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tune_allocator()
     try:
-        args.func(args)
+        return args.func(args) or 0
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # our errors carry a message meant for people
         if isinstance(e, RuntimeError):
             from .train import TrainingError  # the one RuntimeError we raise; any other is a bug
@@ -225,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(e, TrainingError):
                 raise
         print(f"nanollama4 {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"nanollama4 {args.command}: interrupted", file=sys.stderr)
+        return EXIT_CTRL_C
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -162,7 +163,7 @@ class TrainConfig(_JsonConfig):
     """
 
     batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
-    seq_len: int = 128  # tokens per training window; at most the model's max_seq_len
+    seq_len: int | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: float = 7e-5  # learning rate at the end of the cosine decay
@@ -182,11 +183,14 @@ class TrainConfig(_JsonConfig):
     tokenizer: str = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: int = 2048  # vocabulary size when tokenizer = "bpe"
     threads: int = 0  # torch CPU threads; 0 = torch's default
-    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu" or "cuda"
+    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N"
+    invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches", "bpe_vocab_size"):
             value = getattr(self, name)
+            if name == "seq_len" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -203,23 +207,37 @@ class TrainConfig(_JsonConfig):
             raise ValueError(f"max_steps ({self.max_steps}) must be positive or None")
         if self.decay_steps is not None and self.decay_steps <= 0:
             raise ValueError(f"decay_steps ({self.decay_steps}) must be positive or None")
-        if self.max_time is not None and self.max_time <= 0:
-            raise ValueError(f"max_time ({self.max_time}) must be positive or None")
+        if self.max_time is not None and not (isinstance(self.max_time, (int, float))
+                                               and math.isfinite(self.max_time) and self.max_time > 0):
+            raise ValueError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
         if self.tokenizer not in ("char", "bpe"):
             raise ValueError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
+        if self.invalid_utf8 not in ("error", "replace"):
+            raise ValueError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
+                             "offset) or 'replace' (read bad bytes as U+FFFD)")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed, validated again."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 
 def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '10m' or '1.5h'."""
+    """Seconds from '90', '90s', '10m' or '1.5h': positive and finite ('nan' would never end a run)."""
     units = {"s": 1, "m": 60, "h": 3600}
     raw = text.strip().lower()
     try:
-        if raw and raw[-1] in units:
-            return float(raw[:-1]) * units[raw[-1]]
-        return float(raw)
+        seconds = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
     except ValueError:
-        raise ValueError(f"duration {text!r} must look like 300, 300s, 10m or 1.5h") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
+    return seconds
 
 
 def _llama4_common() -> dict[str, Any]:

@@ -68,15 +68,26 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
     return files
 
 
-def read_corpus(files: Sequence[Path]) -> str:
-    """The files' text, concatenated in order.
+def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
+    """The files' text, concatenated in order, with line ends normalised to "\\n".
 
-    Read as UTF-8 with errors="replace": a stray invalid byte becomes U+FFFD instead of stopping the run
-    (the char tokenizer then shows it as an ordinary vocabulary entry). Line ends are normalised to "\\n".
+    A byte that is not UTF-8 (a Latin-1 file, a binary one) is an error naming the file and its offset,
+    because reading it as U+FFFD would quietly train on damaged text; invalid_utf8="replace" accepts that.
     """
     if not files:
         raise DataError("no corpus files given; pass a text file or a folder of .txt files")
-    text = "".join(Path(f).read_text(encoding="utf-8", errors="replace") for f in files)
+    if invalid_utf8 not in ("error", "replace"):
+        raise DataError(f"invalid_utf8 ({invalid_utf8!r}) must be 'error' or 'replace'")
+    parts = []
+    for f in files:
+        raw = Path(f).read_bytes()
+        try:
+            text = raw.decode("utf-8", errors="strict" if invalid_utf8 == "error" else "replace")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{f} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it "
+                            "to UTF-8, or pass --set invalid_utf8=replace to read such bytes as U+FFFD") from None
+        parts.append(text.replace("\r\n", "\n").replace("\r", "\n"))
+    text = "".join(parts)
     if not text.strip():
         where = files[0] if len(files) == 1 else Path(files[0]).parent
         raise DataError(f"corpus at {where} is empty; pass a text file (or folder of .txt files) with text in it")
@@ -134,13 +145,14 @@ class TokenDataset:
 
     @classmethod
     def build(cls, source: str | Path | Sequence[Path] | None, tokenizer: Tokenizer, cache_dir: str | Path,
-              val_fraction: float = 0.1) -> TokenDataset:
+              val_fraction: float = 0.1, invalid_utf8: str = "error") -> TokenDataset:
         """Tokenize the corpus once into `cache_dir` (or reuse a matching cache entry) and memory-map it.
 
-        `source` is a list of files, or a path / None as for `find_corpus_files`.
+        `source` is a list of files, or a path / None as for `find_corpus_files`; `invalid_utf8` is as for
+        `read_corpus`.
         """
         files = [Path(f) for f in source] if isinstance(source, (list, tuple)) else find_corpus_files(source)
-        text = read_corpus(files)
+        text = read_corpus(files, invalid_utf8)
         content_sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
         fingerprint = tokenizer.fingerprint()
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32)

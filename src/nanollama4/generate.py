@@ -8,6 +8,7 @@ and a row generates exactly what it would generate by itself.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -50,6 +51,18 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """A ValueError naming the first setting that cannot sample (top_p 0 keeps no token; NaN compares false)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a non-negative integer")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature ({temperature!r}) must be 0 (greedy) or a positive number")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k ({top_k!r}) must be a positive integer or None")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p ({top_p!r}) must be in (0, 1] or None")
+
+
 @torch.no_grad()
 def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -71,6 +84,7 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     limit = model.cfg.max_seq_len
     longest = max(len(p) for p in prompts)
     if not slide and longest + max_new_tokens > limit:

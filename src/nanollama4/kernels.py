@@ -5,8 +5,9 @@ a product packing its weight, and both cores synchronise on every product, so an
 experts ran several times slower than a dense layer of the same active size (benchmarks/RESULTS.md).
 `csrc/grouped.cpp` gives each core whole experts and multiplies with register-tiled loops that read
 every weight element once. It is compiled with torch's C++ extension tools on first use (about 20 s,
-cached afterwards under ~/.cache/torch_extensions); where that is impossible (no compiler), or with
-NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer keeps torch's `grouped_mm`.
+cached afterwards under ~/.cache/torch_extensions, one build per source and flags); where that is
+impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer
+keeps torch's `grouped_mm`.
 
 The same loops also beat torch's fp32 products at dense sizes on our CPU (~2x), so the dense SwiGLU
 (the dense FFN and the shared expert) uses them too, through `linear`: every feed-forward product
@@ -15,11 +16,14 @@ then runs on the same code, and the MoE-vs-dense comparison measures routing, no
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
-import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -53,22 +57,30 @@ def load() -> ModuleType | None:
 
 
 def _build() -> ModuleType | None:
-    """Compile the kernel (or load an earlier process's build); None, with a warning, when that fails."""
+    """Compile the kernel (or import an earlier process's build); None, with a warning, when that fails.
+
+    A build is named by a hash of the source, the flags and the torch and Python versions, and an existing
+    build is imported directly, without asking ninja: two ninja binaries (the venv's, the system's) read
+    each other's build logs as stale, so leaving the decision to whichever is on PATH rebuilt the kernel
+    whenever PATH changed. A build that does run always says so, and always uses the same ninja.
+    """
     if os.environ.get("NANOLLAMA4_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils import cpp_extension
 
-        if shutil.which("ninja") is None:  # the `ninja` wheel installs its binary next to this Python
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        name, cflags = _flags()
-        if not _built(name):
-            print("nanollama4: compiling the CPU expert kernels (once, about 20 s)...", file=sys.stderr, flush=True)
-        # -fopenmp links libgomp by name; torch's Linux wheels ship that same library, so the kernel's
-        # threads are torch's threads (and follow torch.set_num_threads).
-        return cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+        name, cflags = build_name()
+        build_dir = Path(cpp_extension.get_default_build_root()) / name
+        library = build_dir / f"{name}.so"
+        if library.exists() and not (build_dir / "lock").exists():  # torch holds `lock` while it builds
+            return _import(name, library)
+        print("nanollama4: compiling the CPU expert kernels (once, about 20 s)...", file=sys.stderr, flush=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _ninja_first_on_path():
+            # -fopenmp links libgomp by name; torch's Linux wheels ship that same library, so the kernel's
+            # threads are torch's threads (and follow torch.set_num_threads).
+            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                                      build_directory=str(build_dir))
     except Exception as err:  # no compiler, no ninja, a read-only cache: fall back, but say so
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         warnings.warn(f"nanollama4: could not compile the CPU expert kernels ({first_line}); MoE layers use "
@@ -76,14 +88,33 @@ def _build() -> ModuleType | None:
         return None
 
 
-def _built(name: str) -> bool:
-    """Whether an earlier process already compiled this build (then loading takes a moment)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private: guarded
+def build_name() -> tuple[str, list[str]]:
+    """The build's name (CPU vector width + a hash of everything that changes the binary) and its flags."""
+    stem, cflags = _flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, sys.version)).encode())
+    return f"{stem}_{key.hexdigest()[:12]}", cflags
 
-        return any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
-    except Exception:
-        return False
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def _ninja_first_on_path() -> Iterator[None]:
+    """PATH with the `ninja` wheel's binary (a dependency, so always there) first, for the build only."""
+    import ninja
+
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def available() -> bool:

@@ -116,7 +116,8 @@ class CharTokenizer(_SavedAsJson):
             more = f" (and {len(unknown) - _MAX_SHOWN} more)" if len(unknown) > _MAX_SHOWN else ""
             noun = "character" if len(unknown) == 1 else "characters"
             raise TokenizerError(f"cannot encode {len(unknown)} {noun} not in the vocabulary: {shown}{more}; "
-                                 "pass replace='?' (a character in the vocabulary) to substitute them")
+                                 "substitute a character that is in it (--replace-unknown '?' on the command line, "
+                                 "replace='?' in Python)")
         rid = self._replacement_id(replace)
         return [self.stoi.get(c, rid) for c in text]
 

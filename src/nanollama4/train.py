@@ -23,19 +23,22 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import (
+    LOCK_NAME,
     CheckpointError,
+    holds_run,
     load_model,
     load_optimizer_state,
     load_train_state,
     read_json,
     read_safetensors,
     resolve_checkpoint,
+    run_lock,
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .data import DataError, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .model import Transformer
-from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from .tokenizer import BPETokenizer, CharTokenizer, TokenizerError, load_tokenizer
 
 
 class TrainingError(RuntimeError):
@@ -62,8 +65,17 @@ def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
 
 
 def pick_device(name: str) -> torch.device:
+    """The torch device for a TrainConfig.device name, or a TrainingError when this machine lacks it."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise TrainingError(f"device {name!r} is not available: this torch ({torch.__version__}) sees no CUDA "
+                                "GPU; use --set device=cpu (or auto)")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise TrainingError(f"device {name!r} is not available: this machine has {torch.cuda.device_count()} "
+                                f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return torch.device(name)
 
 
@@ -185,11 +197,59 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
           resume: bool = False, progress: bool = True, cache_dir: Path | None = None) -> TrainResult:
     """Train a model in run_dir (new) or continue the run there (resume=True). Returns where it stopped.
 
-    model_cfg's vocab_size is replaced by the tokenizer's. With resume, model_cfg is ignored (the
-    checkpoint's model is used) and `tc` is used as given: build it with `resume_config(run_dir, ...)`
-    so that everything but what you mean to change (usually the budget) stays as the run had it.
+    model_cfg's vocab_size is replaced by the tokenizer's, and tc.seq_len None by the model's max_seq_len.
+    With resume, model_cfg is ignored (the checkpoint's model is used) and `tc` is used as given: build it
+    with `resume_config(run_dir, ...)` so that everything but what you mean to change (usually the budget)
+    stays as the run had it; `data` then replaces the run's corpus path (the text must suit its tokenizer).
+
+    The process holds run_dir's lock throughout (`checkpoint.run_lock`): a second training there stops at
+    once. A new run goes only into a new, empty, or never-checkpointed folder of ours.
     """
     run_dir = Path(run_dir)
+    if tc.max_steps is None and tc.max_time is None:
+        raise TrainingError("give a budget: --max-steps N or --max-time 10m")
+    if resume:
+        resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
+    else:
+        if model_cfg is None:
+            raise TrainingError("a new run needs a model config")
+        _check_new_run_dir(run_dir)
+        find_corpus_files(data)  # a missing corpus fails before the run directory is created
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
+    with run_lock(run_dir):
+        if not resume and holds_run(run_dir):  # another process may have saved here since the check above
+            raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                                "or pick another --out")
+        return _train(model_cfg, tc, run_dir, data, resume, progress, cache_dir)
+
+
+def _check_new_run_dir(run_dir: Path) -> None:
+    """Refuse an --out that is a file, holds a run, or is a non-empty folder that is not one of our runs."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"--out {run_dir} is a file, not a folder; pass a new or empty folder")
+    if not run_dir.is_dir():
+        return
+    if holds_run(run_dir) and not (run_dir / LOCK_NAME).exists():
+        raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                            "or pick another --out")
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if entries and not (run_dir / LOCK_NAME).exists():
+        raise TrainingError(f"{run_dir} is not empty ({len(entries)} entries, e.g. {entries[0]!r}) and is not a "
+                            "training run; pass a new or empty folder as --out")
+
+
+def _corpus_path(data: str | Path | None) -> str | None:
+    """How a run records its corpus: an absolute path (None = the default corpus), so that resume and eval
+    work from any working directory."""
+    return None if data is None else str(Path(data).expanduser().resolve())
+
+
+def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
+           progress: bool, cache_dir: Path | None) -> TrainResult:
+    """The body of `train`, run with run_dir locked."""
     if tc.threads:
         torch.set_num_threads(tc.threads)
     device = pick_device(tc.device)
@@ -199,27 +259,31 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         start_state, rng = load_train_state(ckpt)
         tokenizer = load_tokenizer(ckpt / "tokenizer.json")
         model = load_model(ckpt)
-        data = start_state.get("data")
-    else:
-        if model_cfg is None:
-            raise TrainingError("a new run needs a model config")
-        if (run_dir / "last").exists() or any(run_dir.glob("step-*")):
-            raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                                "or pick another --out")
-    if tc.max_steps is None and tc.max_time is None:
-        raise TrainingError("give a budget: --max-steps N or --max-time 10m")
+        _check_budget_ahead(tc, start_state, run_dir)
+        if data is None:
+            data = start_state.get("data")
+            if data is not None and not Path(data).exists():
+                raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
+                                "the same text")
+        if tc.seq_len > model.cfg.max_seq_len:
+            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
 
     files = find_corpus_files(data)
     if not resume:
-        text = read_corpus(files)
+        text = read_corpus(files, tc.invalid_utf8)
         tokenizer = (CharTokenizer.from_text(text) if tc.tokenizer == "char"
                      else BPETokenizer.train(text, tc.bpe_vocab_size))
         model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
+        if tc.seq_len is None:
+            tc = tc.replace(seq_len=model_cfg.max_seq_len)
         if tc.seq_len > model_cfg.max_seq_len:
             raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
         torch.manual_seed(tc.seed)
         model = Transformer(model_cfg)
-    dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir())
+    try:
+        dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir(), invalid_utf8=tc.invalid_utf8)
+    except TokenizerError as e:
+        raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: {e}") from None
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
 
@@ -234,7 +298,6 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     step = int(start_state.get("step", 0))
     best = start_state.get("best_val_loss")
     elapsed_before = float(start_state.get("elapsed", 0.0))
-    run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         _truncate_metrics(metrics_path, step)
@@ -243,18 +306,24 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     if tc.compile:
         model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
-    train_state = {"data": None if data is None else str(data)}
+    train_state = {"data": _corpus_path(data)}
 
     saved_step = step
 
-    def checkpoint(val: float | None) -> None:
+    def validate_and_save() -> float:
+        """Validate, log it, and checkpoint the step reached (a non-finite validation loss stops the run)."""
         nonlocal best, saved_step
+        val = evaluate(model, val_batches, device, tc.bf16)
+        if not math.isfinite(val):
+            raise _diverged(f"the validation loss became {val}", step, run_dir)
+        metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
         saved_step = step
-        is_best = val is not None and (best is None or val < best)
+        is_best = best is None or val < best
         best = val if is_best else best
         save_checkpoint(run_dir, step, model, optimizer, tokenizer.save, tc.to_dict(),
                         {**train_state, "best_val_loss": best, "val_loss": val, "elapsed": elapsed},
                         _rng_state(gen), best=is_best)
+        return val
 
     bar = tqdm(total=tc.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -278,10 +347,11 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
                 aux_sum += out.aux.item()
             lm_loss, aux_loss = lm_sum / tc.grad_accum, aux_sum / tc.grad_accum
             if not math.isfinite(lm_loss + aux_loss):
-                raise TrainingError(f"the loss became {lm_loss + aux_loss} at step {step + 1}; nothing was saved "
-                                    f"after the last checkpoint in {run_dir}; lower lr (--set lr=...) and resume")
+                raise _diverged(f"the loss became {lm_loss + aux_loss}", step + 1, run_dir)
             clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+            if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
+                raise _diverged(f"the gradient norm became {grad_norm}", step + 1, run_dir)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             model.update_router_biases()
@@ -297,23 +367,41 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
             metrics.write(json.dumps(line) + "\n")
             done = bool((tc.max_steps and step >= tc.max_steps) or (tc.max_time and elapsed >= tc.max_time))
             if step % tc.eval_interval == 0 or done or flag["stop"]:
-                val = evaluate(model, val_batches, device, tc.bf16)
-                metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
-                checkpoint(val)
+                val = validate_and_save()
             metrics.flush()
             bar.update(1)
             eta = f"{tc.max_time - elapsed:.0f}s" if tc.max_time else None  # the bar's own ETA needs max_steps
             bar.set_postfix(loss=f"{lm_loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
                             tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s", **({"left": eta} if eta else {}))
         if step != saved_step:  # a signal arrived between steps: save what the last step reached
-            val = evaluate(model, val_batches, device, tc.bf16)
-            metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
-            checkpoint(val)
+            val = validate_and_save()
     bar.close()
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=step, val_loss=val, best_val_loss=best,
                        tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"])
 
+
+
+def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
+    """The error for a non-finite loss or gradient: nothing of that step was applied or saved."""
+    if holds_run(run_dir):
+        last = resolve_checkpoint(run_dir, prefer="last").name
+        advice = (f"{run_dir}/last ({last}) is intact; lower lr (--set lr=...) and continue with "
+                  f"--resume {run_dir}")
+    else:
+        advice = f"no checkpoint was saved in {run_dir} yet; lower lr (--set lr=...) and train again"
+    return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
+
+
+def _check_budget_ahead(tc: TrainConfig, state: dict[str, Any], run_dir: Path) -> None:
+    """On resume, a budget the run has already used up would do nothing and report success: refuse it."""
+    step, elapsed = int(state.get("step", 0)), float(state.get("elapsed", 0.0))
+    if tc.max_steps is not None and step >= tc.max_steps:
+        raise TrainingError(f"{run_dir} is already at step {step} and --max-steps counts the whole run; "
+                            f"pass --max-steps above {step} (or --max-time)")
+    if tc.max_time is not None and elapsed >= tc.max_time:
+        raise TrainingError(f"{run_dir} has already trained for {elapsed:.0f} s and --max-time counts the whole "
+                            f"run; pass --max-time above {elapsed:.0f}s (or --max-steps)")
 
 
 def load_run(path: str | Path, prefer: str = "best") -> tuple[Transformer, Any, dict[str, Any]]:
@@ -345,7 +433,8 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     tc = TrainConfig.from_dict(tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir())
+    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir(),
+                                 invalid_utf8=tc.invalid_utf8)
     device = pick_device(tc.device)
     loss = full_validation_loss(model.to(device), dataset.val_tokens, tc.seq_len, device, tc.bf16)
     return loss, int(dataset.n_val), tc.seq_len
