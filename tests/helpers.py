@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import random
+from pathlib import Path
+
 import torch
 
 # Expert weights are stored (in, out), so their fan-in is dim -2: our names and the reference's.
@@ -20,3 +25,66 @@ def randomize_(module: torch.nn.Module, seed: int = 1234, gain: float = 1.0) -> 
             else:
                 fan_in = p.shape[-2] if name.endswith(_EXPERT_WEIGHTS) else p.shape[-1]
                 p.copy_(torch.randn(p.shape, generator=g) * gain * fan_in ** -0.5)
+
+
+# ---------------------------------------------------------------------------------------------- runs and the CLI
+WORDS = ("the a cat dog sat on mat and ran to house tree big small red blue quick brown fox jumps over lazy "
+         "king queen said went old new light dark night day river stone bird sings slowly").split()
+
+
+def write_corpus(path: Path, n_lines: int = 300, seed: int = 0) -> Path:
+    """A few hundred lines of lowercase English-like text (no capitals, no digits)."""
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) + "." for _ in range(n_lines)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def snapshot(run_dir: Path, lock: bool = False) -> dict[str, tuple]:
+    """Every file (sha256, size, mtime) and symlink (target) under run_dir.
+
+    The lock file is left out unless `lock`: a process that takes the lock writes its name there, which is
+    the lock's purpose, not a change to the run (a process refused the lock must leave it alone: lock=True).
+    """
+    snap: dict[str, tuple] = {}
+    for p in sorted(run_dir.rglob("*")):
+        rel = str(p.relative_to(run_dir))
+        if rel == "run.lock" and not lock:
+            continue
+        if p.is_symlink():
+            snap[rel] = ("link", os.readlink(p))
+        elif p.is_file():
+            st = p.stat()
+            snap[rel] = ("file", hashlib.sha256(p.read_bytes()).hexdigest(), st.st_size, st.st_mtime_ns)
+        else:
+            snap[rel] = ("dir",)
+    return snap
+
+
+def assert_one_line(err: BaseException | str) -> str:
+    text = str(err).strip()
+    assert text, "empty error message"
+    assert "\n" not in text and "Traceback" not in text, f"error is not one line:\n{text}"
+    return text
+
+
+def assert_cli_error(rc: int, err: str, command: str) -> str:
+    """Exit status 2 and exactly one line on stderr, `nanollama4 COMMAND: error: ...`; returns that line."""
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"stderr is not one line:\n{err}"
+    assert lines[0].startswith(f"nanollama4 {command}: error:"), lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """nanollama4.cli.main in this process: (exit status, stdout, stderr), argparse's exits included."""
+    from nanollama4.cli import main
+
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err

@@ -95,10 +95,24 @@ def test_corpus_errors(tmp_path):
         TokenDataset.build(blank, CharTokenizer.from_text("a"), tmp_path / "cache")
 
 
-def test_invalid_utf8_is_replaced(tmp_path):
+@pytest.mark.parametrize(("content", "offset", "byte"), [(b"ok \xff ok", 3, "0xff"),
+                                                          ("caf\u00e9 ok".encode("latin-1"), 3, "0xe9"),
+                                                          (b"\x89PNG\r\n\x1a\n\x00\x00", 0, "0x89")],
+                         ids=["stray-byte", "latin-1", "binary"])
+def test_invalid_utf8_is_an_error_naming_file_and_offset(tmp_path, content, offset, byte):
+    """It used to become U+FFFD without a word (a Latin-1 'é' trained as a replacement character)."""
     path = tmp_path / "bytes.txt"
-    path.write_bytes(b"ok \xff ok")
-    assert read_corpus([path]) == "ok \ufffd ok"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as info:
+        read_corpus([path])
+    assert str(info.value) == (f"{path} is not UTF-8 text (byte {byte} at offset {offset}); convert it to UTF-8, "
+                               "or pass --set invalid_utf8=replace to read such bytes as U+FFFD")
+
+
+def test_invalid_utf8_is_replaced_when_asked(tmp_path):
+    path = tmp_path / "bytes.txt"
+    path.write_bytes(b"ok \xff ok\r\nnext")
+    assert read_corpus([path], invalid_utf8="replace") == "ok \ufffd ok\nnext"
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):

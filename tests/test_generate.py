@@ -437,24 +437,39 @@ def test_cli_generate_from_a_transformers_checkpoint(tmp_path, capsys):
     assert plain == "the quick fox" + tok.decode(ids) + "\n"
 
 
+def _slide_by_hand(model, prompt: list[int], n: int, keep: int) -> list[int]:
+    """Greedy tokens as documented for slide=True, with no cache: predict from the whole context while it is
+    shorter than max_seq_len; a full context keeps only its last `keep` tokens (from position 0 again)."""
+    limit, ctx, out = model.cfg.max_seq_len, list(prompt), []
+    while len(out) < n:
+        if len(ctx) >= limit:
+            ctx = ctx[-keep:]
+        with torch.no_grad():
+            t = int(model(torch.tensor([ctx]))[0, -1].argmax())
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
 def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
     """With slide=True a full context keeps its last max_seq_len // 2 tokens, re-prefilled from position 0:
-    the tokens after the slide equal a fresh greedy run from those tokens, and the ones before it equal
-    the non-sliding run."""
+    the cached generation equals the same procedure done by hand without a cache, over several slides, and
+    keeping 6 or 12 tokens instead of 8 would have given other tokens (so the test sees the window size)."""
     from nanollama4.config import preset as _preset
     from nanollama4.generate import generate_ids as _generate_ids
 
     torch.manual_seed(0)
     model = nanollama4.Transformer(_preset("tiny", max_seq_len=16)).eval()
+    randomize_(model, seed=21, gain=2.0)  # varied greedy output, not a short cycle
     prompt = [3, 1, 4, 1, 5]
     with pytest.raises(ValueError, match="max_seq_len"):
         _generate_ids(model, [prompt], 30, temperature=0)
-    out = _generate_ids(model, [prompt], 30, temperature=0, slide=True)[0]
-    assert len(out) == 30
-    first = _generate_ids(model, [prompt], 11, temperature=0)[0]  # 5 + 11 = 16 fills the context
-    assert out[:11] == first
-    window = (prompt + first)[-8:]  # the slide keeps max_seq_len // 2 = 8 tokens
-    assert out[11:19] == _generate_ids(model, [window], 8, temperature=0)[0]
+    out = _generate_ids(model, [prompt], 40, temperature=0, slide=True)[0]
+    assert out[:11] == _generate_ids(model, [prompt], 11, temperature=0)[0]  # 5 + 11 = 16 fills the context
+    assert out == _slide_by_hand(model, prompt, 40, keep=8)
+    assert len(set(out)) > 6, out
+    for other in (6, 12):
+        assert _slide_by_hand(model, prompt, 40, keep=other) != out, other
 
 
 # ---------------------------------------------------------------------------------------------- compiled decode

@@ -6,6 +6,10 @@ not a silent fallback to the slower grouped_mm.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -96,12 +100,13 @@ def test_bad_counts_are_rejected_with_a_message():
         kernels.grouped_matmul(x, w, torch.tensor([6, -1]))
 
 
-def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch):
+def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch, tmp_path):
     """No compiler (or any build error): one warning naming the fallback, and auto dispatch still works."""
 
     def broken(*args, **kwargs):
         raise RuntimeError("Error building extension 'nanollama4_grouped': c++: not found\nmore detail")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no earlier build to import
     monkeypatch.setattr(kernels, "_module", None)
     monkeypatch.setattr(kernels, "_tried", False)
     monkeypatch.setattr(cpp_extension, "load", broken)
@@ -115,6 +120,54 @@ def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch)
     with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy:
         moe(torch.randn(1, 12, 16)).sum().backward()
     assert spy.called
+
+
+def test_a_build_is_keyed_by_source_and_flags_and_always_announced(monkeypatch, tmp_path, capsys):
+    """Every build prints the notice (it used to be skipped whenever some .so existed, so a rebuild was
+    silent), gets its own folder per source and flags, and runs with the venv's ninja first on PATH."""
+    import ninja
+
+    calls = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory):
+        calls.append((name, build_directory, os.environ["PATH"].split(os.pathsep)[0]))
+        return "module"
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    path_before = os.environ["PATH"]
+    assert kernels._build() == "module"
+    assert "compiling the CPU expert kernels" in capsys.readouterr().err
+    name, build_dir, first_on_path = calls[0]
+    assert name == kernels.build_name()[0] and Path(build_dir) == tmp_path / name
+    assert first_on_path == ninja.BIN_DIR and os.environ["PATH"] == path_before  # for the build only
+
+    (tmp_path / name / f"{name}.so").write_bytes(b"")  # a stale or other-version build beside a new source
+    edited = tmp_path / "grouped.cpp"
+    edited.write_text(kernels.SOURCE.read_text() + "\n// edited\n")
+    monkeypatch.setattr(kernels, "SOURCE", edited)
+    assert kernels._build() == "module"
+    assert "compiling" in capsys.readouterr().err
+    assert calls[1][0] != name and calls[1][0].startswith(name.rsplit("_", 1)[0])
+
+
+def test_an_existing_build_loads_without_running_any_ninja(tmp_path):
+    """Whichever ninja is first on PATH (it used to rebuild for 25 s when the venv's and the system's
+    alternated), a build that exists is imported as it is: a `ninja` that fails loudly is never called."""
+    assert kernels.available()  # this process built or imported it
+    name = kernels.build_name()[0]
+    library = kernels.build_root() / name / f"{name}.so"
+    before = library.stat().st_mtime_ns
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ninja").write_text("#!/bin/sh\necho ninja was called >&2\nexit 1\n")
+    (fake_bin / "ninja").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
+    code = "import nanollama4.kernels as k, sys; sys.exit(0 if k.available() else 1)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "compiling" not in proc.stderr and "ninja was called" not in proc.stderr, proc.stderr
+    assert library.stat().st_mtime_ns == before
 
 
 def test_switched_off_by_environment(monkeypatch):

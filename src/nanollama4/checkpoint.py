@@ -1,7 +1,8 @@
 """Training checkpoints: safetensors and JSON only, written atomically, resumed exactly.
 
 A run directory looks like
-    RUN_DIR/metrics.jsonl, plots/, step-0000500/, step-0001000/, last -> step-0001000, best -> step-0000500
+    RUN_DIR/metrics.jsonl, plots/, step-0000500/, step-0001000/, last -> step-0001000, best -> step-0000500,
+    run.lock (locked by the process training there; it also marks the folder as a run of ours)
 Each step-* folder is complete on its own (model, config, tokenizer, optimizer, train state). It is
 written under a temporary name, fsynced and renamed into place; `last` and `best` are symlinks swapped
 with an atomic rename. A crash at any moment therefore leaves the previous checkpoint intact.
@@ -34,7 +35,7 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or describes a model we cannot build."""
 
 
-LOCK_NAME = ".nanollama4-lock"  # in every run directory: held by the process training there
+LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
 
 
 # ---------------------------------------------------------------------------------------------- run ownership

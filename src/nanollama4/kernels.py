@@ -70,7 +70,7 @@ def _build() -> ModuleType | None:
         from torch.utils import cpp_extension
 
         name, cflags = build_name()
-        build_dir = Path(cpp_extension.get_default_build_root()) / name
+        build_dir = build_root() / name
         library = build_dir / f"{name}.so"
         if library.exists() and not (build_dir / "lock").exists():  # torch holds `lock` while it builds
             return _import(name, library)
@@ -93,6 +93,13 @@ def build_name() -> tuple[str, list[str]]:
     stem, cflags = _flags()
     key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, sys.version)).encode())
     return f"{stem}_{key.hexdigest()[:12]}", cflags
+
+
+def build_root() -> Path:
+    """Where builds go: $TORCH_EXTENSIONS_DIR, else torch's per-user cache folder (torch_extensions)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
 def _import(name: str, library: Path) -> ModuleType:
