@@ -25,6 +25,7 @@ from tqdm import tqdm
 from .checkpoint import (
     LOCK_NAME,
     CheckpointError,
+    atomic_write,
     holds_run,
     load_model,
     load_optimizer_state,
@@ -183,14 +184,16 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone."""
     if not path.exists():
         return
+    lines = path.read_text().splitlines()
     kept = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)
         except json.JSONDecodeError:
             continue
-    path.write_text("".join(k + "\n" for k in kept))
+    if kept != lines:  # a resume that stops before its first step leaves the file as it was
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
 
 
 def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, data: str | None = None,
