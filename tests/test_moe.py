@@ -100,19 +100,27 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("d", "hidden"), [(8, 4), (8, 6), (16, 8), (12, 12), (6, 8), (8, 5)])
-def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden, dtype):
+def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden, dtype, monkeypatch):
     """The intermediate silu(gate) * up is (A, I): grouped_mm wants its row stride 16-byte aligned too.
 
     (8, 6) float32 and (8, 4) bfloat16 have aligned d and 2I but a misaligned I, which grouped_mm rejects.
+    On the CPU that decision is reached in float32 when our kernel is unavailable (with it, auto takes the
+    kernel; in bfloat16 auto takes the padded bmm), so the kernel is switched off here and the test asserts
+    which product ran, not only that the result is right.
     """
+    monkeypatch.setattr(kernels, "available", lambda: False)
     moe = make_moe(d, 4, 2, hidden, seed=3).to(dtype)
     x = torch.randn(1, 7, d, generator=torch.Generator().manual_seed(4)).to(dtype)
     ok = aligned(d, hidden, elem=torch.finfo(dtype).bits // 8)
+    assert _grouped_mm_ok(x.view(-1, d), hidden) == ok
+    with torch.no_grad(), mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
+            mock.patch.object(Experts, "_padded", autospec=True, side_effect=Experts._padded) as padded:
+        y = moe(x)  # "auto" must never pick a product that raises
+    assert spy.called == (ok and dtype == torch.float32), (spy.called, ok)
+    assert padded.called == (dtype == torch.bfloat16)
     with torch.no_grad():
-        y = moe(x)  # "auto" must never pick a kernel that raises
         moe.experts.dispatch = "loop"
         torch.testing.assert_close(y, moe(x), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
-    assert _grouped_mm_ok(x.view(-1, d), hidden) == ok
 
 
 # ------------------------------------------------------------------------------------------- 2. noise and eval

@@ -7,6 +7,9 @@ import math
 import random
 from pathlib import Path
 
+import matplotlib.colors
+import matplotlib.image
+import numpy as np
 import pytest
 
 from nanollama4.plots import _parse_metrics, plot_run, read_metrics
@@ -46,6 +49,31 @@ def _assert_png(path: Path) -> None:
     assert len(data) > 5_000
 
 
+def _pixels_like(path: Path, rgb: tuple[float, float, float], tol: float = 0.08) -> np.ndarray:
+    """(row, column) of every pixel of the PNG within `tol` of the colour `rgb` in each channel."""
+    image = matplotlib.image.imread(path)[..., :3]
+    return np.argwhere((np.abs(image - np.array(rgb)) < tol).all(-1))
+
+
+def _assert_loss_curves_drawn(path: Path, val: bool = True) -> None:
+    """The train curve (tab:blue) and the validation points (tab:orange) are in the picture, not just axes."""
+    assert len(_pixels_like(path, matplotlib.colors.to_rgb("tab:blue"))) > 500
+    assert (len(_pixels_like(path, matplotlib.colors.to_rgb("tab:orange"))) > 100) == val
+
+
+def _assert_overload_on_the_right(path: Path) -> None:
+    """_write_run overloads one expert per layer in the second half of training: red cells there (and in the
+    colour bar at the far right), blue underloaded cells elsewhere."""
+    image = matplotlib.image.imread(path)[..., :3]
+    panels = image[:, : int(image.shape[1] * 0.85)]  # leave out the colour bar
+    r, g, b = panels[..., 0], panels[..., 1], panels[..., 2]
+    red = np.argwhere((r > 0.7) & (g < 0.5) & (b < 0.45))
+    blue = np.argwhere((b > 0.6) & (r < 0.5))
+    assert len(red) > 1000 and len(blue) > 1000, (len(red), len(blue))
+    early = red[:, 1] < 0.4 * panels.shape[1]  # the first ~third of the steps: no overload there
+    assert early.mean() < 0.05, early.mean()
+
+
 def test_moe_run(tmp_path: Path) -> None:
     _write_run(tmp_path)
     train, val = read_metrics(tmp_path / "metrics.jsonl")
@@ -56,12 +84,16 @@ def test_moe_run(tmp_path: Path) -> None:
     for p in paths:
         assert p.parent == tmp_path / "plots"
         _assert_png(p)
+    _assert_loss_curves_drawn(paths[0])
+    _assert_overload_on_the_right(paths[1])
     assert not [p for p in (tmp_path / "plots").iterdir() if p.name.startswith(".")]  # no temp files left
 
 
 def test_many_steps_are_binned(tmp_path: Path) -> None:
     _write_run(tmp_path, n_steps=1000, val_every=200)
-    _assert_png(plot_run(tmp_path)[1])
+    path = plot_run(tmp_path)[1]
+    _assert_png(path)
+    _assert_overload_on_the_right(path)
 
 
 def test_dense_run_only_loss(tmp_path: Path) -> None:
@@ -69,6 +101,7 @@ def test_dense_run_only_loss(tmp_path: Path) -> None:
     paths = plot_run(tmp_path)
     assert [p.name for p in paths] == ["loss.png"]
     _assert_png(paths[0])
+    _assert_loss_curves_drawn(paths[0])
     assert not (tmp_path / "plots" / "expert_load.png").exists()
 
 

@@ -101,9 +101,10 @@ def cmd_params(args: argparse.Namespace) -> None:
 
 def cmd_kv_cache(args: argparse.Namespace) -> None:
     cfg = _model_config(args)
+    table = format_kv_table(kv_cache(cfg, args.seq_len, args.dtype))  # a bad dtype fails before any output
     print(f"preset {args.preset}: {cfg.n_layers} layers, {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads "
           f"of {cfg.head_dim}")
-    print(format_kv_table(kv_cache(cfg, args.seq_len, args.dtype)))
+    print(table)
 
 
 def cmd_summary(args: argparse.Namespace) -> None:

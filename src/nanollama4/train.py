@@ -218,6 +218,11 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
             raise TrainingError("a new run needs a model config")
         _check_new_run_dir(run_dir)
         find_corpus_files(data)  # a missing corpus fails before the run directory is created
+        if tc.seq_len is None:
+            tc = tc.replace(seq_len=model_cfg.max_seq_len)
+        if tc.seq_len > model_cfg.max_seq_len:
+            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
+    pick_device(tc.device)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -277,10 +282,6 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
         tokenizer = (CharTokenizer.from_text(text) if tc.tokenizer == "char"
                      else BPETokenizer.train(text, tc.bpe_vocab_size))
         model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
-        if tc.seq_len is None:
-            tc = tc.replace(seq_len=model_cfg.max_seq_len)
-        if tc.seq_len > model_cfg.max_seq_len:
-            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
         torch.manual_seed(tc.seed)
         model = Transformer(model_cfg)
     try:
