@@ -56,8 +56,11 @@ def _pixels_like(path: Path, rgb: tuple[float, float, float], tol: float = 0.08)
 
 
 def _assert_loss_curves_drawn(path: Path, val: bool = True) -> None:
-    """The train curve (tab:blue) and the validation points (tab:orange) are in the picture, not just axes."""
-    assert len(_pixels_like(path, matplotlib.colors.to_rgb("tab:blue"))) > 500
+    """The smoothed train curve (tab:blue), the raw one (tab:blue at alpha 0.35 on white) and the validation
+    points (tab:orange) are in the picture, not just axes."""
+    blue = np.array(matplotlib.colors.to_rgb("tab:blue"))
+    assert len(_pixels_like(path, tuple(blue))) > 500
+    assert len(_pixels_like(path, tuple(0.35 * blue + 0.65), tol=0.05)) > 600
     assert (len(_pixels_like(path, matplotlib.colors.to_rgb("tab:orange"))) > 100) == val
 
 
