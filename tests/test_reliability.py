@@ -188,7 +188,7 @@ def test_a_second_training_on_the_same_folder_stops_at_once_naming_the_holder(co
     try:
         holder = (run / "run.lock").read_text().strip()
         assert holder.startswith(f"pid {proc.pid} on {socket.gethostname()}, since "), holder
-        for argv in (["train", "--resume", str(run), "--max-steps", "200000", "--quiet"],
+        for argv in (["train", "--resume", str(run), "--max-time", "3", "--quiet"],  # short, should it run
                      ["train", *TINY, "--data", str(corpus), "--out", str(run), "--max-steps", "3"]):
             start = time.monotonic()
             rc, _, err = run_cli(argv, capsys)
