@@ -12,7 +12,9 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
+from typing import Any
 
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from .memory import format_count, format_kv_table, format_params_table, kv_cache, param_counts
@@ -39,13 +41,6 @@ def _whole(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
 
 
-def _positive_int(text: str) -> int:
-    value = _whole(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
 def _finite(text: str) -> float:
     try:
         value = float(text)
@@ -56,18 +51,22 @@ def _finite(text: str) -> float:
     return value
 
 
-def _temperature(text: str) -> float:
-    value = _finite(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 (greedy) or more")
-    return value
+def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
+    """An argparse type: parse the text, then insist on `ok`, saying `rule` otherwise."""
+
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} {rule}")
+        return value
+
+    return check
 
 
-def _top_p(text: str) -> float:
-    value = _finite(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]: the probability mass to sample from")
-    return value
+_positive_int = _checked(_whole, lambda v: v >= 1, "must be at least 1")
+_temperature = _checked(_finite, lambda v: v >= 0, "must be 0 (greedy) or more")
+_top_p = _checked(_finite, lambda v: 0 < v <= 1, "must be in (0, 1]: the probability mass to sample from")
+_one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
 
 
 def _duration(text: str) -> float:
@@ -75,12 +74,6 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _one_char(text: str) -> str:
-    if len(text) != 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a single character")
-    return text
 
 
 def _text(text: str) -> str:
