@@ -22,7 +22,7 @@ import torch
 import nanollama4
 from nanollama4.attention import KVCache
 from nanollama4.config import preset
-from nanollama4.generate import iter_tokens, sample
+from nanollama4.generation import iter_tokens, sample
 from nanollama4.memory import kv_cache
 from nanollama4.runtime import tune_allocator
 

@@ -18,7 +18,7 @@ from helpers import randomize_
 from nanollama4.attention import KVCache
 from nanollama4.cli import main
 from nanollama4.config import ModelConfig, TrainConfig, preset
-from nanollama4.generate import filter_logits, generate, generate_ids, next_token, sample, stream
+from nanollama4.generation import filter_logits, generate, generate_ids, next_token, sample, stream
 from nanollama4.memory import kv_cache
 from nanollama4.model import Transformer
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
@@ -456,7 +456,7 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
     the cached generation equals the same procedure done by hand without a cache, over several slides, and
     keeping 6 or 12 tokens instead of 8 would have given other tokens (so the test sees the window size)."""
     from nanollama4.config import preset as _preset
-    from nanollama4.generate import generate_ids as _generate_ids
+    from nanollama4.generation import generate_ids as _generate_ids
 
     torch.manual_seed(0)
     model = nanollama4.Transformer(_preset("tiny", max_seq_len=16)).eval()
@@ -482,7 +482,7 @@ def test_compiled_decode_equals_eager(chunked_model):
     """
     import torch._dynamo
 
-    from nanollama4.generate import compiled_decoder
+    from nanollama4.generation import compiled_decoder
 
     cfg = chunked_model.cfg
     decode = compiled_decoder(chunked_model)
@@ -516,7 +516,7 @@ def test_compiled_decoder_keeps_no_model_alive():
     import gc
     import weakref
 
-    from nanollama4.generate import compiled_decoder
+    from nanollama4.generation import compiled_decoder
 
     model = random_model(seed=5)
     compiled_decoder(model)

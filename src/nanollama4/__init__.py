@@ -2,7 +2,7 @@
 
 from .attention import KVCache
 from .config import PRESETS, ModelConfig, TrainConfig, preset
-from .generate import generate, stream
+from .generation import generate, stream
 from .hf import export_hf, load_hf
 from .memory import kv_cache, param_counts
 from .model import Loss, Transformer

@@ -28,12 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
+from .errors import CheckpointError
 from .model import Transformer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, or describes a model we cannot build."""
-
 
 LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
 

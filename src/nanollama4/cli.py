@@ -17,6 +17,7 @@ from dataclasses import fields
 from typing import Any
 
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
+from .errors import ConfigError, Nanollama4Error
 from .memory import format_count, format_kv_table, format_params_table, kv_cache, param_counts
 
 EXIT_ERROR = 2  # an error meant for people, printed as one line
@@ -72,7 +73,7 @@ _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
-    except ValueError as e:
+    except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -144,7 +145,7 @@ def _split_overrides(pairs: list[str]) -> tuple[dict, dict]:
         elif key in model_keys:
             model_pairs.append(pair)
         else:
-            raise ValueError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
+            raise ConfigError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
                              f"training {', '.join(sorted(train_keys))}")
     return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
 
@@ -154,7 +155,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     model_over, train_over = _split_overrides(args.set or [])
     if "vocab_size" in model_over:
-        raise ValueError("vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
+        raise ConfigError("vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
                          "--set bpe_vocab_size=N)")
     if args.max_steps is not None:
         train_over["max_steps"] = args.max_steps
@@ -165,7 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         refused += [f"--set {key}" for key in sorted(model_over)]
         refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
         if refused:
-            raise ValueError(f"{', '.join(refused)} cannot change on --resume: the run keeps its directory, model, "
+            raise ConfigError(f"{', '.join(refused)} cannot change on --resume: the run keeps its directory, model, "
                              "tokenizer and seed (start a new run with --out for that)")
         if args.max_steps is not None:  # the budget given replaces the saved one, whichever kind it was
             train_over.setdefault("max_time", None)
@@ -196,11 +197,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .generate import generate, stream
+    from .generation import generate, stream
     from .train import load_any
 
     if not args.prompt:
-        raise ValueError("the prompt is empty; pass --prompt with some text")
+        raise ConfigError("the prompt is empty; pass --prompt with some text")
     model, tokenizer = load_any(args.path)
     if args.replace_unknown is not None:
         tokenizer = _replacing(tokenizer, args.replace_unknown)
@@ -316,12 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_allocator()
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, RuntimeError) as e:  # our errors carry a message meant for people
-        if isinstance(e, RuntimeError):
-            from .train import TrainingError  # the one RuntimeError we raise; any other is a bug
-
-            if not isinstance(e, TrainingError):
-                raise
+    except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
         print(f"nanollama4 {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from .errors import ConfigError
+
 RouterKind = Literal["sigmoid", "softmax"]
 RouterNoise = Literal["none", "fixed", "learned"]
 
@@ -28,7 +30,7 @@ class _JsonConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
+            raise ConfigError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
         return cls(**data)
 
 
@@ -87,49 +89,50 @@ class ModelConfig(_JsonConfig):
                      "max_seq_len", "ffn_dim", "expert_dim", "moe_every", "rope_original_max_len", "floor_scale"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive number")
+                raise ConfigError(f"{name} ({value!r}) must be a positive number")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}); "
+            raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}); "
                              "pick n_kv_heads among its divisors")
         if self.head_dim % 2 and self.nope_interval != 1:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
         if not isinstance(self.nope_interval, int) or self.nope_interval < 0:
-            raise ValueError(f"nope_interval ({self.nope_interval!r}) must be 0 (no NoPE layers) or a positive integer")
+            raise ConfigError(f"nope_interval ({self.nope_interval!r}) must be 0 (no NoPE layers) or a positive "
+                              "integer")
         if self.attention_chunk_size is not None and (
                 not isinstance(self.attention_chunk_size, int) or self.attention_chunk_size <= 0):
-            raise ValueError(f"attention_chunk_size ({self.attention_chunk_size!r}) must be a positive integer "
+            raise ConfigError(f"attention_chunk_size ({self.attention_chunk_size!r}) must be a positive integer "
                              "or None (no chunking)")
         if self.rope_scaling is not None:
             if self.rope_scaling <= 0:
-                raise ValueError(f"rope_scaling ({self.rope_scaling}) must be a positive factor or None")
+                raise ConfigError(f"rope_scaling ({self.rope_scaling}) must be a positive factor or None")
             if not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
-                raise ValueError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and "
+                raise ConfigError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and "
                                  f"<= rope_high_freq_factor ({self.rope_high_freq_factor})")
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ValueError(f"n_experts ({self.n_experts!r}) must be 0 (dense model) or a positive integer")
+            raise ConfigError(f"n_experts ({self.n_experts!r}) must be 0 (dense model) or a positive integer")
         if self.n_experts:
             if not isinstance(self.experts_per_token, int) or self.experts_per_token <= 0:
-                raise ValueError(f"experts_per_token ({self.experts_per_token!r}) must be a positive integer")
+                raise ConfigError(f"experts_per_token ({self.experts_per_token!r}) must be a positive integer")
             if self.experts_per_token > self.n_experts:
-                raise ValueError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
+                raise ConfigError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
                                  f"({self.n_experts})")
         if self.router not in ("sigmoid", "softmax"):
-            raise ValueError(f"router ({self.router!r}) must be 'sigmoid' (Llama 4) or 'softmax' (tutorial)")
+            raise ConfigError(f"router ({self.router!r}) must be 'sigmoid' (Llama 4) or 'softmax' (tutorial)")
         if self.router_noise not in ("none", "fixed", "learned"):
-            raise ValueError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
+            raise ConfigError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
         if self.router_noise != "none" and self.router != "softmax":
-            raise ValueError("router_noise applies to the softmax router only; set router=softmax or "
+            raise ConfigError("router_noise applies to the softmax router only; set router=softmax or "
                              "router_noise=none")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
+            raise ConfigError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} ({value!r}) must be a non-negative number")
+                raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
 
     # ------------------------------------------------------------------ derived layout
     def uses_rope(self, layer: int) -> bool:
@@ -192,30 +195,30 @@ class TrainConfig(_JsonConfig):
             if name == "seq_len" and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} ({value!r}) must be a non-negative number")
+                raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+            raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
+            raise ConfigError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
         if self.warmup_steps < 0 or self.threads < 0:
-            raise ValueError("warmup_steps and threads must be non-negative")
+            raise ConfigError("warmup_steps and threads must be non-negative")
         if self.max_steps is not None and self.max_steps <= 0:
-            raise ValueError(f"max_steps ({self.max_steps}) must be positive or None")
+            raise ConfigError(f"max_steps ({self.max_steps}) must be positive or None")
         if self.decay_steps is not None and self.decay_steps <= 0:
-            raise ValueError(f"decay_steps ({self.decay_steps}) must be positive or None")
+            raise ConfigError(f"decay_steps ({self.decay_steps}) must be positive or None")
         if self.max_time is not None and not (isinstance(self.max_time, (int, float))
                                                and math.isfinite(self.max_time) and self.max_time > 0):
-            raise ValueError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
+            raise ConfigError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
         if self.tokenizer not in ("char", "bpe"):
-            raise ValueError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
+            raise ConfigError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ValueError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
+            raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
         if self.invalid_utf8 not in ("error", "replace"):
-            raise ValueError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
+            raise ConfigError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
                              "offset) or 'replace' (read bad bytes as U+FFFD)")
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -236,7 +239,7 @@ def parse_duration(text: str) -> float:
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
+        raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
     return seconds
 
 
@@ -276,7 +279,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset(name: str, **overrides: Any) -> ModelConfig:
     """A named preset, optionally with some fields changed."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return ModelConfig.from_dict({**PRESETS[name], **overrides})
 
 
@@ -290,11 +293,11 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise ValueError(f"override {pair!r} must look like key=value")
+            raise ConfigError(f"override {pair!r} must look like key=value")
         key, raw = pair.split("=", 1)
         key = key.strip()
         if key not in by_name:
-            raise ValueError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
+            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
         out[key] = _parse_value(key, raw.strip(), str(by_name[key].type))
     return out
 
@@ -316,7 +319,7 @@ def _parse_value(key: str, raw: str, type_name: str) -> Any:
             return float(raw)
     except ValueError:
         kind = type_name.split(" ")[0].split("|")[0]
-        raise ValueError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
+        raise ConfigError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
     return raw
 
 

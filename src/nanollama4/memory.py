@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .config import ModelConfig
+from .errors import ConfigError
 
 _BYTES_PER_VALUE = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                     "float8": 1, "fp8": 1, "int8": 1}
@@ -104,9 +105,9 @@ class KVCacheReport:
 def kv_cache(cfg: ModelConfig, seq_len: int, dtype: str = "float16") -> KVCacheReport:
     """KV-cache memory needed to generate up to `seq_len` tokens with `cfg` in `dtype`."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"seq_len ({seq_len!r}) must be a positive integer")
+        raise ConfigError(f"seq_len ({seq_len!r}) must be a positive integer")
     if dtype not in _BYTES_PER_VALUE:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_BYTES_PER_VALUE)}")
+        raise ConfigError(f"unknown dtype {dtype!r}; valid: {', '.join(_BYTES_PER_VALUE)}")
     per_layer = 2 * cfg.n_kv_heads * cfg.head_dim
     bpv = _BYTES_PER_VALUE[dtype]
     positions = 0

@@ -16,6 +16,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
+from .errors import MissingRunFile
+
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
 
@@ -51,7 +53,7 @@ def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 def _metrics_path(run_dir: str | os.PathLike) -> Path:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}; is this a training run directory?")
+        raise MissingRunFile(f"no metrics.jsonl in {run_dir}; is this a training run directory?")
     return path
 
 

@@ -16,12 +16,10 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from .errors import TokenizerError
+
 CHAR_KIND = "nanollama4-char"  # the "kind" key that marks our character-tokenizer JSON
 _MAX_SHOWN = 20  # unknown characters listed in an error message
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built, loaded, or cannot encode/decode the given input."""
 
 
 @runtime_checkable

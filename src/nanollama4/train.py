@@ -37,13 +37,10 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import DataError, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .errors import DataError, TokenizerError, TrainingError
 from .model import Transformer
-from .tokenizer import BPETokenizer, CharTokenizer, TokenizerError, load_tokenizer
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot continue (non-finite loss, unusable run directory); the message says why."""
+from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 
 @dataclass

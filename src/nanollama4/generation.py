@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from .attention import KVCache
+from .errors import GenerationError
 from .model import Transformer
 from .moe import few_assignments
 
@@ -54,13 +55,13 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     """A ValueError naming the first setting that cannot sample (top_p 0 keeps no token; NaN compares false)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be a non-negative integer")
+        raise GenerationError(f"max_new_tokens ({max_new_tokens!r}) must be a non-negative integer")
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature ({temperature!r}) must be 0 (greedy) or a positive number")
+        raise GenerationError(f"temperature ({temperature!r}) must be 0 (greedy) or a positive number")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k ({top_k!r}) must be a positive integer or None")
+        raise GenerationError(f"top_k ({top_k!r}) must be a positive integer or None")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p ({top_p!r}) must be in (0, 1] or None")
+        raise GenerationError(f"top_p ({top_p!r}) must be in (0, 1] or None")
 
 
 @torch.no_grad()
@@ -83,12 +84,12 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     rather than by arithmetic. MoE batches with more assignments than experts decode eagerly.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise GenerationError("every prompt needs at least one token")
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     limit = model.cfg.max_seq_len
     longest = max(len(p) for p in prompts)
     if not slide and longest + max_new_tokens > limit:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+        raise GenerationError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len ({limit}); shorten the prompt, ask for fewer tokens, or slide the context")
     model.eval()
     generator = None if seed is None else torch.Generator(device=_device(model)).manual_seed(seed)

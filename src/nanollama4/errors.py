@@ -1,0 +1,40 @@
+"""The errors meant for people: one base class, one subclass per kind of mistake.
+
+The command line prints a `Nanollama4Error` as one line and exits with status 2; any other exception
+is a bug and keeps its traceback. Each subclass also derives from the builtin a caller would expect
+(a bad value is a ValueError, a failed run a RuntimeError), so `except ValueError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class Nanollama4Error(Exception):
+    """Base of every error whose message tells a person what to fix."""
+
+
+class ConfigError(Nanollama4Error, ValueError):
+    """A config field, override, preset name or command-line value that is not valid."""
+
+
+class DataError(Nanollama4Error, ValueError):
+    """The corpus cannot be found or read, or is too small for what was asked of it."""
+
+
+class TokenizerError(Nanollama4Error, ValueError):
+    """A tokenizer cannot be built, loaded, or cannot encode/decode the given input."""
+
+
+class CheckpointError(Nanollama4Error, ValueError):
+    """A checkpoint that is missing, corrupt, or describes a model we cannot build."""
+
+
+class GenerationError(Nanollama4Error, ValueError):
+    """Generation settings or a prompt that cannot be used (empty prompt, top_p 0, too long a context)."""
+
+
+class TrainingError(Nanollama4Error, RuntimeError):
+    """A run that cannot continue (non-finite loss, unusable run directory); the message says why."""
+
+
+class MissingRunFile(Nanollama4Error, FileNotFoundError):
+    """A file a run directory should hold (metrics.jsonl) is not there."""
