@@ -1,4 +1,4 @@
-"""Our compiled grouped product (nanollama4.kernels) against torch's, fp32 on the CPU, in one process.
+"""Our compiled grouped product (nanollama4.ops.kernels) against torch's, fp32 on the CPU, in one process.
 
 For rows sorted into G groups, the three products of a linear layer's training step: forward x_g @ w_g,
 input gradient dy_g @ w_g^T and weight gradient x_g^T @ dy_g. Ours (one call each), torch's
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_scaling import timed  # benchmarks/ is on the path when this runs as a script
-from nanollama4 import kernels
+from nanollama4.ops import kernels
 from nanollama4.runtime import tune_allocator
 
 # (groups, K, N, rows): the throughput benchmark's experts, the MoE-scaling benchmark's, and large groups

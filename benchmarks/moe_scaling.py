@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from nanollama4 import kernels
+from nanollama4 import ops
 from nanollama4.config import ModelConfig
 from nanollama4.moe import MoE
+from nanollama4.ops import kernels
 from nanollama4.runtime import tune_allocator
 
 TOKENS, WIDTH, EXPERT_WIDTH = 768, 256, 512
@@ -27,7 +28,7 @@ TOKENS, WIDTH, EXPERT_WIDTH = 768, 256, 512
 def make_ours(n: int, k: int, dtype: torch.dtype, device: str) -> MoE:
     cfg = ModelConfig(d_model=WIDTH, n_experts=n, experts_per_token=k, expert_dim=EXPERT_WIDTH, n_heads=2,
                       n_kv_heads=1, head_dim=8)
-    moe = MoE(cfg)
+    moe = ops.install(MoE(cfg))  # the shared expert's products as in a Transformer
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in moe.parameters():

@@ -7,7 +7,7 @@ rows per expert M: forward X @ W, input gradient G @ W^T, weight gradient X^T @ 
 computed transposed (G^T @ X, the (out, in) layout) - each as one bmm over the experts. Last, the
 decoding case: one row times 60 weights of 512 x 2048 (250 MB, so they stream from memory), as one
 matrix-vector product each (F.linear on (out, in), x @ w on (in, out)) and as one bmm over the two halves
-of the output columns (what `moe.row_matmul` does), with 1 and 2 threads.
+of the output columns (what `ops.linear.row_matmul` does), with 1 and 2 threads.
 
     python benchmarks/thin_matmul.py
 """

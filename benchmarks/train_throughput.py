@@ -2,7 +2,7 @@
 and ours vs our own dense model with the same active parameters. One process, batch 12 x 64, fp32.
 Tokens/s come from the median step time after two warm-up steps, the same rule for every model.
 In fp32 on the CPU both of our models run their feed-forward products (routed experts, shared expert,
-dense FFN) on our compiled kernel (nanollama4.kernels); transformers runs torch's.
+dense FFN) on our compiled kernel (nanollama4.ops.kernels); transformers runs torch's.
 
     python benchmarks/train_throughput.py [--steps 16] [--experts 4,16,64] [--threads 2]
 """

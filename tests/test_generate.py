@@ -18,7 +18,7 @@ from helpers import randomize_
 from nanollama4.attention import KVCache
 from nanollama4.cli import main
 from nanollama4.config import ModelConfig, TrainConfig, preset
-from nanollama4.generation import filter_logits, generate, generate_ids, next_token, sample, stream
+from nanollama4.generation import Sampling, filter_logits, generate, generate_ids, next_token, sample, stream
 from nanollama4.memory import kv_cache
 from nanollama4.model import Transformer
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
@@ -259,13 +259,13 @@ def test_top_k_and_top_p_together():
 def test_temperature_zero_is_argmax():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
     for kw in (dict(top_k=None, top_p=None), dict(top_k=5, top_p=0.5)):
-        assert torch.equal(next_token(logits, 0.0, generator=None, **kw), logits.argmax(-1))
+        assert torch.equal(next_token(logits, Sampling(temperature=0.0, **kw), generator=None), logits.argmax(-1))
 
 
 def test_sampling_respects_the_filters():
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(4)).expand(2000, 20)
     g = torch.Generator().manual_seed(0)
-    picked = set(next_token(logits, 1.0, top_k=3, top_p=None, generator=g).tolist())
+    picked = set(next_token(logits, Sampling(temperature=1.0, top_k=3, top_p=None), generator=g).tolist())
     assert picked == set(logits[0].topk(3).indices.tolist())
 
 

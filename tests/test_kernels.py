@@ -1,4 +1,4 @@
-"""The compiled CPU grouped product (nanollama4.kernels) against plain float64 products, with gradients.
+"""The compiled CPU grouped product (nanollama4.ops.kernels) against plain float64 products, with gradients.
 
 It must build here: the test command installs everything, so a missing compiler or ninja is a failure,
 not a silent fallback to the slower grouped_mm.
@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils import cpp_extension
 
-from nanollama4 import kernels
+from nanollama4 import ops
 from nanollama4.config import ModelConfig
 from nanollama4.moe import MoE, SwiGLU
+from nanollama4.ops import kernels
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)
 
@@ -84,7 +85,7 @@ def test_gradients_refuse_a_second_backward():
 def test_compiled_code_does_not_call_the_kernel():
     """A graph cannot trace into the extension: while compiling, SwiGLU takes torch's products."""
     torch._dynamo.reset()
-    mlp = SwiGLU(16, 32)
+    mlp = ops.install(SwiGLU(16, 32))
     x = torch.randn(24, 16)
     with mock.patch.object(kernels.Linear, "apply", wraps=kernels.Linear.apply) as spy:
         got = torch.compile(mlp, backend="eager", fullgraph=True)(x)
@@ -163,7 +164,7 @@ def test_an_existing_build_loads_without_running_any_ninja(tmp_path):
     (fake_bin / "ninja").write_text("#!/bin/sh\necho ninja was called >&2\nexit 1\n")
     (fake_bin / "ninja").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"}
-    code = "import nanollama4.kernels as k, sys; sys.exit(0 if k.available() else 1)"
+    code = "import nanollama4.ops.kernels as k, sys; sys.exit(0 if k.available() else 1)"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "compiling" not in proc.stderr and "ninja was called" not in proc.stderr, proc.stderr
@@ -182,7 +183,7 @@ def test_switched_off_by_environment(monkeypatch):
 def test_swiglu_on_the_kernel_matches_torch_linear(rows, d, hidden):
     """The dense FFN / shared expert in float32 on the CPU runs on the kernel; same outputs and gradients."""
     torch.manual_seed(0)
-    mlp = SwiGLU(d, hidden)
+    mlp = ops.install(SwiGLU(d, hidden))
     x = torch.randn(2, rows, d, requires_grad=True)
     cot = torch.randn(2, rows, d)
 

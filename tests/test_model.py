@@ -14,11 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from helpers import randomize_
-from nanollama4 import kernels
-from nanollama4.attention import Attention, attention_mask, scores_attention
+from nanollama4 import ops
+from nanollama4.attention import Attention, attention_mask
 from nanollama4.config import ModelConfig, preset
 from nanollama4.model import Transformer
-from nanollama4.moe import MoE, _grouped_mm_ok, moe_reference
+from nanollama4.moe import MoE, moe_reference
+from nanollama4.ops import kernels
+from nanollama4.ops.attention import scores_attention
+from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
 from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
 
 # ---------------------------------------------------------------------------------------------------- RoPE
@@ -446,11 +449,11 @@ def test_autocast_training_attention_uses_explicit_scores():
     for layer, overrides in ((0, dict(nope_interval=0)), (0, dict(nope_interval=1))):
         cfg = preset("tiny", n_experts=0, attention_chunk_size=None, **overrides)
         torch.manual_seed(0)
-        attn = Attention(cfg, layer=layer)
+        attn = ops.install(Attention(cfg, layer=layer))
         x, pos = torch.randn(2, 9, cfg.d_model), torch.arange(9)
         rope = rope_angles(rope_frequencies(cfg), pos)
         with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as sdpa, \
-                mock.patch("nanollama4.attention.scores_attention", wraps=scores_attention) as scores:
+                mock.patch("nanollama4.ops.attention.scores_attention", wraps=scores_attention) as scores:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = attn(x, pos, rope)
                 with torch.no_grad():
@@ -468,12 +471,12 @@ def test_autocast_training_attention_falls_back_to_float32_flash_when_scores_are
     runs float32 SDPA instead, with the same result to bf16 rounding."""
     cfg = preset("tiny", n_experts=0, nope_interval=0, attention_chunk_size=None)
     torch.manual_seed(0)
-    attn = Attention(cfg, layer=0)
+    attn = ops.install(Attention(cfg, layer=0))
     x, pos = torch.randn(2, 9, cfg.d_model), torch.arange(9)
     rope = rope_angles(rope_frequencies(cfg), pos)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = attn(x, pos, rope)
-        with mock.patch("nanollama4.attention.SCORES_LIMIT", 2 * cfg.n_heads * 9 * 9 - 1), \
+        with mock.patch("nanollama4.ops.attention.SCORES_LIMIT", 2 * cfg.n_heads * 9 * 9 - 1), \
                 mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as sdpa:
             out = attn(x, pos, rope)
     assert [call.args[0].dtype for call in sdpa.call_args_list] == [torch.float32]

@@ -19,7 +19,8 @@ MaskMemo = dict[tuple[bool, int | None], torch.Tensor]  # (window, chunk) -> thi
 
 
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS-normalise the last dim with no gain (the reference's "L2Norm" of q and k), in float32."""
+    """RMS-normalise the last dim with no gain, in float32, cast back: the reference's "L2Norm" of q and k,
+    and RMSNorm before its gain."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -143,6 +144,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.attend = sdpa_attend  # how scores are computed; `ops.install` may put a faster one here
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -167,60 +169,24 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
             mask = cache.mask(positions, k_pos, self.chunk)
-        out = self._attend(q, k, v, positions, k_pos, mask)
+        out = self.attend(q, k, v, positions, k_pos, self.chunk, mask)  # (B, T, H, Dh)
         return self.o_proj(out.reshape(B, T, H * Dh))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                k_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Scaled dot-product attention over (B, T, heads, Dh) inputs; returns (B, Tq, H, Dh)."""
-        if _autocast_training(q):
-            if q.shape[0] * q.shape[2] * q.shape[1] * k.shape[1] <= SCORES_LIMIT:
-                if mask is None:
-                    mask = attention_mask(q_pos, k_pos, self.chunk)
-                return scores_attention(q, k, v, mask)
-            with torch.autocast("cpu", enabled=False):  # too long for explicit scores: float32 flash
-                return self._attend(q.float(), k.float(), v.float(), q_pos, k_pos, mask).to(q.dtype)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
-        plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
-        if mask is None and self.chunk is None and plain_causal and q.shape[-2] > 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            if mask is None:
-                mask = attention_mask(q_pos, k_pos, self.chunk)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return out.transpose(1, 2)  # (B, Tq, H, Dh)
 
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                chunk: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, Tq, H, Dh) over k, v (B, Tk, KV, Dh) -> (B, Tq, H, Dh).
 
-SCORES_LIMIT = 1 << 24  # score elements (B * H * Tq * Tk) up to which training attention uses explicit scores
-
-
-def _autocast_training(q: torch.Tensor) -> bool:
-    """CPU, bf16 autocast, gradients on: where torch's fused attention kernels train slowly (scores_attention)."""
-    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and torch.is_autocast_enabled("cpu")
-            and torch.is_grad_enabled())
-
-
-def scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Attention through an explicit score matrix, in the inputs' dtype. Returns (B, Tq, H, Dh).
-
-    q (B, Tq, H, Dh), k and v (B, Tk, KV, Dh), `allowed` an attention_mask. Used for bf16-autocast
-    training on the CPU, where torch 2.13's flash attention trains slowly: its bf16 backward is slow,
-    and in float32 its products run at float32 speed. For the demo's shape (16 x 256 positions, 4 heads
-    of 64, 2 KV heads, 2 threads) forward+backward takes ~9 ms here against ~25 ms for either
-    (benchmarks/attention_train.py), with an output error 1.1-1.7x that of bf16 flash. The query heads
-    that share a KV head are stacked along the rows, so K and V are never repeated: one baddbmm (the
-    mask enters as its additive term), a softmax and one bmm. Memory grows with Tq * Tk (SCORES_LIMIT).
+    `mask` (an attention_mask) is built from the positions when not given; a plain causal, unchunked pass
+    over a whole sequence needs none.
     """
-    B, Tq, H, Dh = q.shape
-    Tk, KV = k.shape[1], k.shape[2]
-    rep = H // KV
-    q = (q * Dh ** -0.5).permute(0, 2, 1, 3).reshape(B * KV, rep * Tq, Dh)  # query head h = kv * rep + r
-    k = k.permute(0, 2, 3, 1).reshape(B * KV, Dh, Tk)
-    v = v.transpose(1, 2).reshape(B * KV, Tk, Dh)
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-    if allowed.dim() == 4:  # per-row masks (B, 1, Tq, Tk)
-        bias = bias.unsqueeze(2).expand(B, KV, rep, Tq, Tk).reshape(B * KV, rep * Tq, Tk)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
+    plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
+    if mask is None and chunk is None and plain_causal and q.shape[-2] > 1:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
-        bias = bias.repeat(rep, 1).expand(B * KV, rep * Tq, Tk)
-    probs = torch.softmax(torch.baddbmm(bias, q, k), dim=-1)  # (B * KV, rep * Tq, Tk)
-    return (probs @ v).view(B, KV, rep, Tq, Dh).reshape(B, H, Tq, Dh).transpose(1, 2)
+        if mask is None:
+            mask = attention_mask(q_pos, k_pos, chunk)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)
+

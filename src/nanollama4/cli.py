@@ -105,8 +105,8 @@ def cmd_summary(args: argparse.Namespace) -> None:
     """Print a preset's layout and parameter counts, then time one forward pass of a random batch."""
     import torch
 
-    from . import kernels
     from .model import Transformer
+    from .ops import kernels
 
     cfg = _model_config(args)
     counts = param_counts(cfg)
@@ -197,7 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .generation import generate, stream
+    from .generation import Sampling, generate, stream
     from .train import load_any
 
     if not args.prompt:
@@ -205,9 +205,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     model, tokenizer = load_any(args.path)
     if args.replace_unknown is not None:
         tokenizer = _replacing(tokenizer, args.replace_unknown)
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop or (),
-                   slide=not args.no_slide, compile=args.compile)
+    sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        seed=args.seed, stop=tuple(args.stop or ()))
+    options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, slide=not args.no_slide,
+                   compile=args.compile)
     tokenizer.encode(args.prompt)  # unknown characters fail here, before any output
     if args.stream:
         print(args.prompt, end="", flush=True)

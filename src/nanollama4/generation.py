@@ -7,22 +7,56 @@ and a row generates exactly what it would generate by itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .attention import KVCache
 from .errors import GenerationError
 from .model import Transformer
-from .moe import few_assignments
+from .ops.experts import few_assignments
+from .tokenizer import Tokenizer
 
 
-class TextCodec(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen and where a row stops: one object, validated once, passed whole.
+
+    The generation functions also take these fields as keywords (`generate(..., temperature=0)`),
+    which build a Sampling (or change the one given).
+    """
+
+    temperature: float = 1.0  # 0 = greedy (always the most likely token); higher = more random
+    top_k: int | None = None  # sample among the k most likely tokens only
+    top_p: float | None = None  # sample among the most likely tokens holding this probability mass
+    seed: int | None = None  # seeds the sampler's own generator; None = torch's global RNG
+    stop: tuple[str, ...] = ()  # text: a row ends right before the first of these (not returned)
+    stop_ids: tuple[int, ...] = ()  # token ids: a row ends at the first of these
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise GenerationError(f"temperature ({self.temperature!r}) must be 0 (greedy) or a positive number")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise GenerationError(f"top_k ({self.top_k!r}) must be a positive integer or None")
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # NaN fails this too
+            raise GenerationError(f"top_p ({self.top_p!r}) must be in (0, 1] or None")
+
+
+def _sampling(sampling: Sampling | None, changes: dict[str, Any]) -> Sampling:
+    """`sampling` with the keyword settings applied (a default Sampling when None)."""
+    try:
+        return dataclasses.replace(sampling or Sampling(), **changes)
+    except TypeError as e:
+        raise GenerationError(f"unknown sampling setting ({e}); valid: "
+                              f"{', '.join(f.name for f in dataclasses.fields(Sampling))}") from None
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
@@ -43,31 +77,18 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-               generator: torch.Generator | None) -> torch.Tensor:
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row from logits (B, vocab): argmax when temperature is 0, else sample."""
-    if temperature <= 0:
+    if sampling.temperature <= 0:
         return logits.argmax(-1)
-    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(-1)
+    probs = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """A ValueError naming the first setting that cannot sample (top_p 0 keeps no token; NaN compares false)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise GenerationError(f"max_new_tokens ({max_new_tokens!r}) must be a non-negative integer")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise GenerationError(f"temperature ({temperature!r}) must be 0 (greedy) or a positive number")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise GenerationError(f"top_k ({top_k!r}) must be a positive integer or None")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise GenerationError(f"top_p ({top_p!r}) must be in (0, 1] or None")
 
 
 @torch.no_grad()
 def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                seed: int | None = None, slide: bool = False, compile: bool = False) -> Iterator[torch.Tensor]:
+                sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
+                **settings: Any) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt (B,) at each step, max_new_tokens times.
 
     The prompts are prefilled in one forward pass (left-padded to the longest), then each step feeds
@@ -85,20 +106,22 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt needs at least one token")
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens ({max_new_tokens!r}) must be a non-negative integer")
+    sampling = _sampling(sampling, settings)
     limit = model.cfg.max_seq_len
     longest = max(len(p) for p in prompts)
     if not slide and longest + max_new_tokens > limit:
         raise GenerationError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len ({limit}); shorten the prompt, ask for fewer tokens, or slide the context")
     model.eval()
-    generator = None if seed is None else torch.Generator(device=_device(model)).manual_seed(seed)
+    generator = None if sampling.seed is None else torch.Generator(device=_device(model)).manual_seed(sampling.seed)
     keep = max(1, limit // 2)
     rows = [list(p) if len(p) < limit else list(p)[-keep:] for p in prompts]  # a full prompt slides first
     remaining = max_new_tokens
     while remaining > 0:
         steps = min(remaining, limit - max(len(r) for r in rows))
-        for tok in _decode_window(model, rows, steps, temperature, top_k, top_p, generator, compile):
+        for tok in _decode_window(model, rows, steps, sampling, generator, compile):
             for row, t in zip(rows, tok.tolist(), strict=True):
                 row.append(t)
             yield tok
@@ -134,9 +157,8 @@ def _compiles_well(model: Transformer, batch: int) -> bool:
     return cfg.n_experts == 0 or batch * cfg.experts_per_token <= few_assignments(cfg.n_experts, compiling=True)
 
 
-def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, temperature: float,
-                   top_k: int | None, top_p: float | None, generator: torch.Generator | None,
-                   compile: bool = False) -> Iterator[torch.Tensor]:
+def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, sampling: Sampling,
+                   generator: torch.Generator | None, compile: bool = False) -> Iterator[torch.Tensor]:
     """Prefill prompts (left-padded, per-row positions) into a fresh cache and decode `steps` tokens."""
     device, dtype = _device(model), next(model.parameters()).dtype
     B, longest = len(prompts), max(len(p) for p in prompts)
@@ -146,78 +168,79 @@ def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, tem
         ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         positions[b, longest - len(p):] = torch.arange(len(p))
     cache = KVCache(model.cfg, B, longest + steps, dtype=dtype, device=device)
-    logits = model(ids, cache=cache, positions=positions)[:, -1]
+    logits = model(ids, cache=cache, positions=positions, last_only=True)[:, -1]
     next_pos = positions[:, -1:] + 1  # (B, 1)
     decode = compiled_decoder(model) if compile and _compiles_well(model, B) else model
     for step in range(steps):
-        tok = next_token(logits, temperature, top_k, top_p, generator)
+        tok = next_token(logits, sampling, generator)
         yield tok
         if step + 1 < steps:
-            logits = decode(tok[:, None], cache=cache, positions=next_pos)[:, -1]
+            logits = decode(tok[:, None], cache=cache, positions=next_pos, last_only=True)[:, -1]
             next_pos = next_pos + 1
 
 
 def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, stop_ids: Sequence[int] = (), slide: bool = False,
-                 compile: bool = False) -> list[list[int]]:
+                 sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
+                 **settings: Any) -> list[list[int]]:
     """New token ids for each prompt; a row ends at (and keeps) its first stop id."""
+    sampling = _sampling(sampling, settings)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, slide, compile):
+    for tok in iter_tokens(model, prompts, max_new_tokens, sampling, slide=slide, compile=compile):
         for b, t in enumerate(tok.tolist()):
             if not done[b]:
                 out[b].append(t)
-                done[b] = t in stop_ids
+                done[b] = t in sampling.stop_ids
         if all(done):
             break
     return out
 
 
-def generate(model: Transformer, tokenizer: TextCodec, prompt: str | Sequence[str], max_new_tokens: int = 256,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
-             slide: bool = False, compile: bool = False) -> str | list[str]:
+def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | Sequence[str], max_new_tokens: int = 256,
+             sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
+             **settings: Any) -> str | list[str]:
     """Continue one prompt (returns its continuation) or a list of prompts (returns a list).
 
-    temperature 0 is greedy. Generation for a row stops at a stop id or right before a stop string,
-    which is not included in the returned text. `slide` lets the context slide past max_seq_len and
-    `compile` compiles the decode step (see iter_tokens).
+    Generation for a row stops at a stop id or right before a stop string, which is not included in the
+    returned text. `slide` lets the context slide past max_seq_len and `compile` compiles the decode
+    step (see iter_tokens).
     """
+    sampling = _sampling(sampling, settings)
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     encoded = [tokenizer.encode(p) for p in prompts]
     texts = ["" for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, seed, slide, compile):
+    for tok in iter_tokens(model, encoded, max_new_tokens, sampling, slide=slide, compile=compile):
         for b, t in enumerate(tok.tolist()):
             if done[b]:
                 continue
-            if t in stop_ids:
+            if t in sampling.stop_ids:
                 done[b] = True
                 continue
             ids[b].append(t)
-            texts[b], done[b] = _cut_at_stop(tokenizer.decode(ids[b]), stop)
+            texts[b], done[b] = _cut_at_stop(tokenizer.decode(ids[b]), sampling.stop)
         if all(done):
             break
     return texts[0] if isinstance(prompt, str) else texts
 
 
-def stream(model: Transformer, tokenizer: TextCodec, prompt: str, max_new_tokens: int = 256,
-           temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           seed: int | None = None, stop: Sequence[str] = (), stop_ids: Sequence[int] = (),
-           slide: bool = False, compile: bool = False) -> Iterator[str]:
+def stream(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 256,
+           sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
+           **settings: Any) -> Iterator[str]:
     """Yield the continuation of one prompt piece by piece, as soon as each token is decoded.
 
     Text is decoded from all new ids each time and only the new suffix is yielded, so a multi-byte
     character split across BPE tokens appears once it is complete.
     """
+    sampling = _sampling(sampling, settings)
+    stop = sampling.stop
     ids: list[int] = []
     shown = 0  # characters already yielded
     hold = max((len(s) - 1 for s in stop), default=0)  # the tail that could still grow into a stop string
-    for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, temperature, top_k, top_p, seed,
-                           slide, compile):
-        if int(tok[0]) in stop_ids:
+    for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, sampling, slide=slide,
+                           compile=compile):
+        if int(tok[0]) in sampling.stop_ids:
             break
         ids.append(int(tok[0]))
         text, hit = _cut_at_stop(tokenizer.decode(ids), stop)
@@ -241,15 +264,15 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 
 
 @torch.no_grad()
-def sample(model: Transformer, ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None
-           ) -> torch.Tensor:
+def sample(model: Transformer, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling | None = None,
+           generator: torch.Generator | None = None, **settings: Any) -> torch.Tensor:
     """The plain loop without a cache: recompute the whole context for each new token (a reference and a
     baseline for the benchmark). Continues ids (B, T); returns (B, T + new)."""
+    sampling = _sampling(sampling, settings)
     model.eval()
     limit = model.cfg.max_seq_len
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -limit:])[:, -1, :].float()  # (B, vocab)
-        nxt = next_token(logits, temperature, top_k, top_p, generator)
+        logits = model(ids[:, -limit:], last_only=True)[:, -1, :].float()  # (B, vocab)
+        nxt = next_token(logits, sampling, generator)
         ids = torch.cat([ids, nxt[:, None].to(ids.device)], dim=1)
     return ids

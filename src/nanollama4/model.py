@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, KVCache, LayerCache
+from . import ops
+from .attention import Attention, KVCache, LayerCache, rms_unit
 from .config import ModelConfig
 from .moe import MoE, SwiGLU
 from .rope import Rope, rope_angles, rope_frequencies
@@ -36,9 +37,7 @@ class RMSNorm(nn.Module):
                 # the experts' gather and the shared expert's gate and up), and as often in backward.
                 out = out.to(torch.get_autocast_dtype(x.device.type))
             return out
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return rms_unit(x, self.eps) * self.weight
 
 
 class Block(nn.Module):
@@ -80,6 +79,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
+        ops.install(self)  # the fast products, beside the plain math above (see ops/__init__.py)
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) matrices, residual-output projections shrunk by 1/sqrt(2 n_layers), unit gains.
@@ -103,11 +103,13 @@ class Transformer(nn.Module):
         return self._inv_freq[device]
 
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab), in the model's dtype.
+                positions: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab), in the model's dtype; (B, 1, vocab) with last_only.
 
         Tokens sit at positions start_pos, start_pos+1, ...; or pass `positions` (B, T) per row, where
         -1 marks left padding. With a KVCache the keys/values are kept for the next call (decoding).
+        `last_only` runs the LM head on the last position alone, all that sampling needs (a long prompt
+        with a large vocabulary would otherwise build a (B, T, vocab) tensor to read one row of).
         """
         T = ids.shape[1]
         if positions is None:
@@ -118,6 +120,8 @@ class Transformer(nn.Module):
             cache.new_step()
         for i, block in enumerate(self.blocks):
             x = block(x, positions, rope, None if cache is None else cache.layers[i])
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.norm(x))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> Loss:

@@ -1,17 +1,23 @@
-"""Feed-forward layers: the SwiGLU MLP and the mixture of experts built from it.
+"""Feed-forward layers: the SwiGLU MLP and the mixture of experts built from it, top to bottom.
 
 An MoE layer sends each token to the top-k of N routed experts (plus an always-on shared expert).
-Only the chosen experts run: assignments are sorted by expert, the experts run as one grouped matrix
-product over contiguous groups, and results are added back per token, so compute grows with k, not N.
+Only the chosen experts run: assignments are sorted by expert, each expert multiplies its contiguous
+group of rows, and results are added back per token, so compute grows with k, not N.
 
 Training-time routing, all optional (config): noise on the softmax router's logits, an expert capacity
 with overflow to each token's next-best expert, the Switch load-balancing loss and router z-loss, and
 the auxiliary-loss-free alternative, a per-expert bias that steers only the top-k choice.
+
+How the grouped rows are multiplied (a per-expert loop, grouped_mm, our CPU kernel, a padded bmm) is
+chosen by name from the table in `ops.experts`; this file says what is multiplied, not how fast.
+
+Shape suffixes: T tokens (batch x sequence, flattened), D model width, H expert hidden width, E experts,
+K experts per token (top-k), A assignments (kept (token, expert) pairs, at most T x K). So x_TD is the
+tokens' input, experts_TK each token's chosen experts, counts_E the rows per expert.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -19,33 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
 from .config import ModelConfig
-
-SPLIT_BYTES = 1 << 20  # one-row products with larger weights are split across two threads (see row_matmul)
-
-
-def _split_pays(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """One row, CPU, eager inference, two threads, a weight too big to stay in cache, even output width."""
-    return (x.device.type == "cpu" and x.shape[:-1].numel() == 1 and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and torch.get_num_threads() >= 2
-            and w.numel() * w.element_size() >= SPLIT_BYTES and w.shape[0] % 2 == 0 and w.shape[1] % 2 == 0)
-
-
-def row_matmul(x: torch.Tensor, w_DO: torch.Tensor, out_in: bool = False) -> torch.Tensor:
-    """x (..., D) @ w (D, O), or F.linear(x, w) for an (O, D) weight with out_in=True.
-
-    Decoding multiplies one row by each weight. On this CPU such a matrix-vector product runs on one
-    core and streams a weight that is not in cache at ~15-22 GB/s; one bmm over the two halves of the
-    output columns keeps both cores streaming (~28-31 GB/s, benchmarks/RESULTS.md). Otherwise this is
-    the plain product.
-    """
-    if not _split_pays(x, w_DO):
-        return F.linear(x, w_DO) if out_in else x @ w_DO
-    d_in = x.shape[-1]
-    half = (w_DO.shape[0] if out_in else w_DO.shape[1]) // 2
-    halves = w_DO.view(2, half, d_in).transpose(1, 2) if out_in else w_DO.view(d_in, 2, half).transpose(0, 1)
-    return torch.bmm(x.reshape(1, 1, d_in).expand(2, 1, d_in), halves).view(*x.shape[:-1], 2 * half)
+from .ops.experts import few_assignments, few_rows, product_named
 
 
 class SwiGLU(nn.Module):
@@ -58,179 +39,19 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 on the CPU: our kernel, like the routed experts; decoding one token with big weights: the
-        # two-core row product. Both multiply by the projections' weights directly (forward hooks or
-        # wrappers on the projections are bypassed).
-        if kernels.linear_pays(x):
-            product = kernels.linear
-        elif _split_pays(x, self.gate_proj.weight):
-            product = functools.partial(row_matmul, out_in=True)
-        else:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = (product(x, lin.weight) for lin in (self.gate_proj, self.up_proj))
-        return product(F.silu(gate) * up, self.down_proj.weight)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-
-# ---------------------------------------------------------------------------------------------- experts
-class Experts(nn.Module):
-    """N SwiGLU experts with fused weights, stored (in, out) as the reference checkpoints store them.
-
-    gate_up (E, d, 2I) holds each expert's gate and up matrices side by side; down is (E, I, d).
-    `dispatch` picks how the chosen rows are multiplied; all four compute the same function:
-    "kernel" (our compiled CPU float32 grouped product, `kernels.py`), "grouped" (one F.grouped_mm over
-    contiguous per-expert groups), "loop" (a matmul per expert) and "padded" (one bmm over a
-    capacity-padded (E, C, d) buffer). "auto" takes the fastest measured.
-    """
-
-    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.n_experts, self.hidden = n_experts, hidden
-        self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
-        self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
-        self.dispatch = "auto"
-
-    def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
-                scale_input: bool) -> torch.Tensor:
-        """Sum over assignments a of weight_a-scaled SwiGLU_{expert_a}(x[token_a]), per token. Returns (T, d).
-
-        Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
-        (Llama 4) or its output (tutorial).
-        """
-        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
-            return self._gathered(x_TD, token_A, expert_A, weight_A, scale_input)
-        order_A = torch.argsort(expert_A, stable=True)
-        token_A, expert_A = token_A[order_A], expert_A[order_A]
-        weight_A1 = weight_A[order_A].unsqueeze(1).to(x_TD.dtype)
-        counts_E = count_per_expert(expert_A, self.n_experts)
-        x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
-        if scale_input:
-            x_AD = x_AD * weight_A1
-        y_AD = self.run_groups(x_AD, expert_A, counts_E)
-        if not scale_input:
-            y_AD = y_AD * weight_A1
-        return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
-
-    def one_row(self, x_1D: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """SwiGLU of expert e on one row (1, d), multiplying views of its weights (host-side dispatch)."""
-        gate, up = row_matmul(x_1D, self.gate_up[e].to(dtype)).chunk(2, dim=-1)
-        return row_matmul(F.silu(gate) * up, self.down[e].to(dtype))
-
-    def _gathered(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
-                  scale_input: bool) -> torch.Tensor:
-        """A handful of assignments (decoding): no sort and no kernel call per idle expert.
-
-        On the CPU, reading the expert ids on the host costs nothing, so each assignment multiplies by a
-        view of its expert's weights; elsewhere, and while compiling (no host reads in a graph), the
-        chosen experts' weights are gathered (copied) for one bmm.
-        """
-        dev = x_TD.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
-        weight_A1 = weight_A.to(dtype)[:, None]
-        x_AD = x_TD[token_A].to(dtype)
-        if scale_input:
-            x_AD = x_AD * weight_A1
-        if dev == "cpu" and not torch.compiler.is_compiling():
-            y_AD = torch.cat([self.one_row(x_AD[a:a + 1], e, dtype) for a, e in enumerate(expert_A.tolist())])
-        else:
-            gate, up = torch.bmm(x_AD[:, None], self.gate_up[expert_A].to(dtype)).chunk(2, dim=-1)  # (A, 1, I)
-            y_AD = torch.bmm(F.silu(gate) * up, self.down[expert_A].to(dtype)).squeeze(1)
-        if not scale_input:
-            y_AD = y_AD * weight_A1
-        return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
-
-    def run_groups(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU of rows sorted by expert (expert_A ascending, counts_E rows each) -> (A, d).
-
-        Under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does
-        not know grouped_mm/bmm on raw parameters, so the cast is explicit here).
-        """
-        dev = x_AD.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_AD.dtype
-        x_AD, gate_up, down = x_AD.to(dtype), self.gate_up.to(dtype), self.down.to(dtype)
-        mode = self.dispatch
-        if mode == "auto":
-            mode = _auto_mode(x_AD, self.hidden)
-        if mode in ("kernel", "grouped"):
-            if mode == "kernel":
-                product = functools.partial(kernels.grouped_matmul, counts_G=counts_E)
-            else:
-                product = functools.partial(F.grouped_mm, offs=torch.cumsum(counts_E, 0).to(torch.int32))
-            gate, up = product(x_AD, gate_up).chunk(2, dim=-1)  # (A, I) each
-            return product(F.silu(gate) * up, down)
-        if mode == "padded":
-            return self._padded(x_AD, expert_A, counts_E, gate_up, down)
-        # unbind/split make one backward node each; indexing gate_up[e] per expert would instead build
-        # a full-size zero gradient for every expert.
-        outs = []
-        for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), gate_up.unbind(0), down.unbind(0), strict=True):
-            gate, up = (x_e @ w1).chunk(2, dim=-1)
-            outs.append((F.silu(gate) * up) @ w2)
-        return torch.cat(outs) if outs else x_AD.new_zeros(0, down.shape[-1])
-
-    def _padded(self, x_AD: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
-        """Scatter rows into an (E, C, d) buffer (C = largest group rounded up to 64), two bmm's, gather back."""
-        cap = -(-int(counts_E.max()) // 64) * 64 if counts_E.numel() else 0  # few distinct shapes: kernels reuse
-        A, D = x_AD.shape
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        slot_A = torch.arange(A, device=x_AD.device) - starts_E[expert_A]
-        flat_A = expert_A * cap + slot_A  # each row's place in the flattened (E * C) buffer
-        # Copy in and gather out with flat row indices (backward: a gather and an index_add_) rather than
-        # index with (expert, slot) pairs: with the gather above, one bf16 expert layer's fwd+bwd at
-        # 4096 tokens went from 22.8 to 15.9 ms.
-        buf_ECD = x_AD.new_zeros(self.n_experts * cap, D).index_copy(0, flat_A, x_AD).view(self.n_experts, cap, D)
-        gate, up = torch.bmm(buf_ECD, gate_up).chunk(2, dim=-1)
-        y_ECD = torch.bmm(F.silu(gate) * up, down)
-        return y_ECD.view(self.n_experts * cap, -1).index_select(0, flat_A)
-
-
-def few_assignments(n_experts: int, compiling: bool) -> int:
-    """The most (token, expert) assignments multiplied one by one instead of sorted into groups.
-
-    Decoding-sized batches leave most experts idle, so sorting and one product per expert would waste
-    calls. Compiled code takes this path up to one assignment per expert, because the sorted dispatch
-    reads group sizes on the host (a graph break and a recompilation per group layout).
-    """
-    return n_experts if compiling else n_experts // 2
-
-
-def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """bincount(expert_A, minlength=n_experts), in a form whose output shape torch.compile knows ahead."""
-    zeros_E = torch.zeros(n_experts, dtype=torch.long, device=expert_A.device)
-    return zeros_E.index_add_(0, expert_A, torch.ones_like(expert_A))
-
-
-def _auto_mode(x: torch.Tensor, hidden: int) -> str:
-    """The fastest mode measured (benchmarks/RESULTS.md): our kernel for fp32 on CPU (else grouped_mm),
-    grouped_mm for bf16 on CUDA.
-
-    While compiling, fp32 takes the loop instead (grouped_mm's shape function accepts only bf16); its
-    group sizes are read on the host, so a compiled fp32 MoE step runs its experts outside the graph.
-
-    On CPU, grouped_mm's bf16 path misses the fast bf16 kernels; there one bmm over a padded buffer
-    (its size rounded so that kernels are reused across steps) won in training (410-430 vs 470-580 ms
-    per step for the per-expert loop on the demo model), and reading the group sizes costs nothing.
-    """
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        return "padded"
-    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
-            and kernels.available():
-        return "kernel"
-    fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
-    if torch.compiler.is_compiling():
-        fast = torch.bfloat16  # grouped_mm's shape function (used while compiling) accepts only bf16
-    return "grouped" if x.dtype == fast and _grouped_mm_ok(x, hidden) else "loop"
-
-
-def _grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
-    """F.grouped_mm wants 16-byte-aligned rows in every operand (widths d, 2I and the (A, I) intermediate);
-    on CUDA it also wants bf16 (its Hopper kernels)."""
-    if x.dtype not in ((torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)):
-        return False
-    size = x.element_size()
-    return x.device.type in ("cpu", "cuda") and all(n * size % 16 == 0 for n in (x.shape[-1], hidden))
 
 # ---------------------------------------------------------------------------------------------- routing
+class Float32Linear(nn.Linear):
+    """x @ W.T on float32 copies of x and W, whatever the model's dtype: the router's logits decide the
+    top-k, and bf16 rounding of them would flip near-ties. (Under autocast the product itself follows
+    autocast, like every linear.)"""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 @dataclass
 class Routing:
     """One routing decision for T tokens: which experts, with what weight, and what got in the way."""
@@ -287,6 +108,63 @@ def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int
     return experts_TK, valid_TK, rerouted
 
 
+# ---------------------------------------------------------------------------------------------- experts
+class Experts(nn.Module):
+    """N SwiGLU experts with fused weights, stored (in, out) as the reference checkpoints store them.
+
+    gate_up (E, D, 2H) holds each expert's gate and up matrices side by side; down is (E, H, D).
+    `dispatch` names how grouped rows are multiplied ("auto", or one of `ops.experts.PRODUCTS`); all
+    compute the same function.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.n_experts, self.hidden = n_experts, hidden
+        self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
+        self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.dispatch = "auto"
+
+    def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
+                scale_input: bool) -> torch.Tensor:
+        """Sum over assignments a of weight_a-scaled SwiGLU_{expert_a}(x[token_a]), per token. Returns (T, D).
+
+        Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
+        (Llama 4) or its output (tutorial). Sort by expert -> multiply each group -> add back per token;
+        a handful of assignments (decoding) skips the sort.
+        """
+        dev = x_TD.device.type
+        # under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does not
+        # know products on raw parameters, so the cast is explicit)
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
+        gate_up_EDH, down_EHD = self.gate_up.to(dtype), self.down.to(dtype)
+        few = expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
+        if few:  # weights applied in the product's dtype
+            x_AD, weight_A1 = x_TD.index_select(0, token_A).to(dtype), weight_A.unsqueeze(1).to(dtype)
+        else:  # weights applied in the model's dtype, before the product's cast
+            order_A = torch.argsort(expert_A, stable=True)
+            token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
+            x_AD, weight_A1 = x_TD.index_select(0, token_A), weight_A.unsqueeze(1).to(x_TD.dtype)
+        if scale_input:
+            x_AD = x_AD * weight_A1
+        x_AD = x_AD.to(dtype)  # index_select: its backward is an index_add_ (x_TD[token_A] would index_put_)
+        if few:
+            y_AD = few_rows(x_AD, gate_up_EDH, down_EHD, expert_A)
+        else:
+            counts_E = count_per_expert(expert_A, self.n_experts)
+            product = product_named(self.dispatch, x_AD, self.hidden)
+            y_AD = product(x_AD, gate_up_EDH, down_EHD, counts_E, expert_A)
+        if not scale_input:
+            y_AD = y_AD * weight_A1
+        return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+
+
+def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """bincount(expert_A, minlength=n_experts), in a form whose output shape torch.compile knows ahead."""
+    zeros_E = torch.zeros(n_experts, dtype=torch.long, device=expert_A.device)
+    return zeros_E.index_add_(0, expert_A, torch.ones_like(expert_A))
+
+
+# ---------------------------------------------------------------------------------------------- the layer
 class MoE(nn.Module):
     """Router + routed experts + shared expert, on flattened tokens.
 
@@ -304,8 +182,8 @@ class MoE(nn.Module):
         self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
         self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
         self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
-        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.noise = nn.Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
+        self.router = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
         # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
@@ -323,10 +201,10 @@ class MoE(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> Routing:
         """Decide experts and weights for each token; router math in float32 whatever the model dtype."""
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        logits_TE = self.router(x_TD)
         scores_TE = logits_TE
         if self.training and self.noise_kind != "none":
-            std = F.softplus(F.linear(x_TD.float(), self.noise.weight.float())) if self.noise is not None \
+            std = F.softplus(self.noise(x_TD)) if self.noise is not None \
                 else self.noise_std
             scores_TE = logits_TE + torch.randn_like(logits_TE) * std
         choice_TE = scores_TE + self.router_bias
@@ -352,10 +230,6 @@ class MoE(nn.Module):
         x_TD = x.reshape(B * T, d)
         r = self.route(x_TD)
         n, k = B * T, self.top_k
-        if x.device.type == "cpu" and not self.training and not torch.is_grad_enabled() \
-                and not torch.compiler.is_compiling() \
-                and r.valid_TK is None and n * k <= few_assignments(self.n_experts, compiling=False):
-            return self._decode(x_TD, r).view(B, T, d)
         token_A = torch.arange(n, device=x.device).repeat_interleave(k)
         expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
         if r.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
@@ -367,34 +241,7 @@ class MoE(nn.Module):
         self._record(r, expert_A, n)
         return y_TD.view(B, T, d)
 
-    def _decode(self, x_TD: torch.Tensor, r: Routing) -> torch.Tensor:
-        """Inference on the CPU for a handful of tokens (decoding): the same function, far fewer kernel calls.
-
-        Reading the chosen expert ids on the host costs nothing on the CPU, so each (token, expert) pair
-        multiplies by a view of that expert's weights and adds into its token's row; the shared expert is
-        added last, in the same order of additions as `forward`. The load is counted on the host too.
-        """
-        dev = x_TD.device.type
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
-        scale_input = self.kind == "sigmoid"
-        y_TD = torch.zeros_like(x_TD)
-        weights_TK = r.weights_TK.to(dtype)
-        counts = [0] * self.n_experts
-        for t, row in enumerate(r.experts_TK.tolist()):
-            for j, e in enumerate(row):
-                counts[e] += 1
-                w = weights_TK[t, j]
-                x_1D = x_TD[t:t + 1].to(dtype)
-                y_1D = self.experts.one_row(x_1D * w if scale_input else x_1D, e, dtype)
-                y_TD[t:t + 1] += y_1D if scale_input else y_1D * w
-        if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
-        mean_load = x_TD.shape[0] * self.top_k / self.n_experts
-        self.stats = {"counts": torch.tensor(counts), "max_load": torch.tensor(max(counts) / mean_load),
-                      "min_load": torch.tensor(min(counts) / mean_load)}
-        self.aux_loss = torch.zeros(())
-        return y_TD
-
+    # ------------------------------------------------------------------------------------------ statistics, losses
     def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
         """Statistics and auxiliary losses of this pass, as tensors: reading them is the caller's sync.
 

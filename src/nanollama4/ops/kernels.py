@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 from torch.autograd.function import once_differentiable
 
-SOURCE = Path(__file__).parent / "csrc" / "grouped.cpp"
+SOURCE = Path(__file__).parent.parent / "csrc" / "grouped.cpp"
 
 _module: ModuleType | None = None
 _tried = False
@@ -131,7 +131,7 @@ def available() -> bool:
 
 def _require() -> None:
     if not available():
-        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.kernels.available() first")
+        raise RuntimeError("the CPU expert kernels are not available; check nanollama4.ops.kernels.available() first")
 
 
 class GroupedMatmul(torch.autograd.Function):
@@ -190,6 +190,6 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 
 def linear_pays(x: torch.Tensor) -> bool:
     """Whether `linear` is the faster way for x: float32 on the CPU outside autocast and compilation, with
-    enough rows (a single decoding row has its own two-core path, `moe.row_matmul`)."""
+    enough rows (a single decoding row has its own two-core path, `ops.linear.row_matmul`)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling() and x.shape[:-1].numel() >= 8 and available())

@@ -1,0 +1,140 @@
+"""The ways to multiply rows grouped by expert: one table of named functions, and the few-row path.
+
+Every product takes rows sorted by expert, x_AD (A, D) with counts_E rows per expert, and the experts'
+fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_e(x_a) for each row,
+(A, D). They compute the same function; they differ in speed by device, dtype and shape:
+
+  loop     one matmul pair per expert (the readable one)
+  grouped  torch's F.grouped_mm over the contiguous groups
+  kernel   our compiled CPU float32 grouped product (ops/kernels.py)
+  padded   one bmm over an (E, C, D) buffer, C the largest group rounded up
+
+`auto_product` names the fastest measured for an input (benchmarks/RESULTS.md). `few_rows` serves a
+handful of (token, expert) assignments, as in decoding, without sorting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from . import kernels
+from .linear import row_matmul
+
+Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def loop_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
+                 expert_A: torch.Tensor) -> torch.Tensor:
+    """One expert at a time. split/unbind make one backward node each; indexing gate_up[e] per expert would
+    instead build a full-size zero gradient for every expert."""
+    outs = []
+    for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), gate_up_EDH.unbind(0), down_EHD.unbind(0), strict=True):
+        gate, up = (x_e @ w1).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w2)
+    return torch.cat(outs) if outs else x_AD.new_zeros(0, down_EHD.shape[-1])
+
+
+def _swiglu_of(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_AD: torch.Tensor,
+               gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor) -> torch.Tensor:
+    gate, up = product(x_AD, gate_up_EDH).chunk(2, dim=-1)  # (A, H) each
+    return product(F.silu(gate) * up, down_EHD)
+
+
+def grouped_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
+                    expert_A: torch.Tensor) -> torch.Tensor:
+    offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    return _swiglu_of(lambda x, w: F.grouped_mm(x, w, offs=offsets_E), x_AD, gate_up_EDH, down_EHD)
+
+
+def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
+                   expert_A: torch.Tensor) -> torch.Tensor:
+    return _swiglu_of(lambda x, w: kernels.grouped_matmul(x, w, counts_E), x_AD, gate_up_EDH, down_EHD)
+
+
+def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
+                   expert_A: torch.Tensor) -> torch.Tensor:
+    """Scatter rows into an (E, C, D) buffer (C = largest group rounded up to 64, so that few distinct
+    shapes occur and kernels are reused), two bmm's, gather back. Rows move in and out by flat indices
+    (backward: a gather and an index_add_) rather than (expert, slot) pairs, which was slower."""
+    E = gate_up_EDH.shape[0]
+    cap = -(-int(counts_E.max()) // 64) * 64 if counts_E.numel() else 0
+    A, D = x_AD.shape
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    slot_A = torch.arange(A, device=x_AD.device) - starts_E[expert_A]
+    flat_A = expert_A * cap + slot_A  # each row's place in the flattened (E * C) buffer
+    buf_ECD = x_AD.new_zeros(E * cap, D).index_copy(0, flat_A, x_AD).view(E, cap, D)
+    gate, up = torch.bmm(buf_ECD, gate_up_EDH).chunk(2, dim=-1)
+    y_ECD = torch.bmm(F.silu(gate) * up, down_EHD)
+    return y_ECD.view(E * cap, -1).index_select(0, flat_A)
+
+
+PRODUCTS: dict[str, Product] = {"loop": loop_product, "grouped": grouped_product, "kernel": kernel_product,
+                                "padded": padded_product}
+DISPATCH_NAMES = ("auto", *PRODUCTS)
+
+
+def product_named(name: str, x_AD: torch.Tensor, hidden: int) -> Product:
+    """The product called `name` ("auto": the fastest measured for x); an unknown name is a ConfigError."""
+    if name == "auto":
+        name = auto_product(x_AD, hidden)
+    if name not in PRODUCTS:
+        raise ConfigError(f"unknown expert dispatch {name!r}; valid: {', '.join(DISPATCH_NAMES)}")
+    return PRODUCTS[name]
+
+
+def auto_product(x: torch.Tensor, hidden: int) -> str:
+    """Our kernel for float32 on the CPU (else grouped_mm where its strides allow, else the loop); the padded
+    bmm for bfloat16 on the CPU, where grouped_mm misses torch's fast bf16 kernels; grouped_mm for bf16 on
+    CUDA. While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose
+    group sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph."""
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        return "padded"
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
+            and kernels.available():
+        return "kernel"
+    fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+    if torch.compiler.is_compiling():
+        fast = torch.bfloat16
+    return "grouped" if x.dtype == fast and grouped_mm_ok(x, hidden) else "loop"
+
+
+def grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
+    """F.grouped_mm wants 16-byte-aligned rows in every operand (widths D, 2H and the (A, H) intermediate);
+    on CUDA it also wants bf16 (its Hopper kernels)."""
+    if x.dtype not in ((torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)):
+        return False
+    size = x.element_size()
+    return x.device.type in ("cpu", "cuda") and all(n * size % 16 == 0 for n in (x.shape[-1], hidden))
+
+
+# ---------------------------------------------------------------------------------------------- few rows
+def few_assignments(n_experts: int, compiling: bool) -> int:
+    """The most (token, expert) assignments multiplied one by one instead of sorted into groups.
+
+    Decoding-sized batches leave most experts idle, so sorting and one product per expert would waste
+    calls. Compiled code takes this path up to one assignment per expert, because the sorted dispatch
+    reads group sizes on the host (a graph break and a recompilation per group layout).
+    """
+    return n_experts if compiling else n_experts // 2
+
+
+def few_rows(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
+             expert_A: torch.Tensor) -> torch.Tensor:
+    """SwiGLU_{expert_a}(x_a) for a handful of rows, in any order (no sort, no call per idle expert).
+
+    On the CPU, eagerly, reading the expert ids on the host costs nothing, so each row multiplies by views
+    of its expert's weights (split over both cores when they are big: `row_matmul`). Elsewhere, and while
+    compiling (no host reads in a graph), the chosen experts' weights are gathered for one bmm.
+    """
+    if x_AD.device.type == "cpu" and not torch.compiler.is_compiling():
+        rows = []
+        for a, e in enumerate(expert_A.tolist()):
+            gate, up = row_matmul(x_AD[a:a + 1], gate_up_EDH[e]).chunk(2, dim=-1)
+            rows.append(row_matmul(F.silu(gate) * up, down_EHD[e]))
+        return torch.cat(rows) if rows else x_AD.new_zeros(0, down_EHD.shape[-1])
+    gate, up = torch.bmm(x_AD[:, None], gate_up_EDH[expert_A]).chunk(2, dim=-1)  # (A, 1, H)
+    return torch.bmm(F.silu(gate) * up, down_EHD[expert_A]).squeeze(1)

@@ -1,0 +1,80 @@
+"""The fast products live beside the model (nanollama4.ops) and never bypass its modules."""
+
+from __future__ import annotations
+
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from nanollama4.config import preset
+from nanollama4.errors import ConfigError
+from nanollama4.generation import iter_tokens
+from nanollama4.model import Transformer
+from nanollama4.ops import kernels
+from nanollama4.ops.experts import DISPATCH_NAMES, PRODUCTS, product_named
+from nanollama4.ops.linear import FastLinear
+
+
+@pytest.fixture
+def model() -> Transformer:
+    """MoE and dense layers (moe_every 2), a shared expert; d_model 64 so that fp32 training takes our kernel."""
+    torch.manual_seed(0)
+    return Transformer(preset("tiny", moe_every=2))
+
+
+def _hook_every_linear(model: nn.Module) -> tuple[Counter, dict[str, nn.Linear]]:
+    calls: Counter = Counter()
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for name, m in linears.items():
+        m.register_forward_hook(lambda mod, inputs, output, name=name: calls.update([name]))
+    return calls, linears
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the compiled CPU kernel (a C++ compiler)")
+def test_hooks_on_every_linear_fire_in_training_eval_and_decoding(model):
+    """The SwiGLU used to multiply by its projections' weights directly on our kernel, so hooks on them
+    (explain mode, LoRA, quantization) silently missed every fp32 CPU training and eval call."""
+    calls, linears = _hook_every_linear(model)
+    assert sum(isinstance(m, FastLinear) for m in linears.values()) == 3 * 4  # 2 dense FFNs + 2 shared experts
+    ids = torch.randint(0, model.cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    with mock.patch.object(kernels.Linear, "apply", wraps=kernels.Linear.apply) as kernel:
+        model.train()
+        model.loss(ids, ids).total.backward()
+    assert kernel.called  # the premise: this is the path that used to bypass the modules
+    assert set(calls) == set(linears) and set(calls.values()) == {1}, calls
+
+    calls.clear()
+    with torch.no_grad(), mock.patch.object(kernels.Linear, "apply", wraps=kernels.Linear.apply) as kernel:
+        model.eval()(ids)
+    assert kernel.called
+    assert set(calls) == set(linears) and set(calls.values()) == {1}, calls
+
+    calls.clear()
+    list(iter_tokens(model, [[1, 2, 3, 4, 5]], 2, temperature=0))  # a prefill, then one decode step
+    assert set(calls) == set(linears) and set(calls.values()) == {2}, calls
+
+
+def test_generation_runs_the_lm_head_on_the_last_position_only(model):
+    """A 1,000-token prompt with a 200k vocabulary would otherwise build (1, 1000, 200k) float32 logits."""
+    model = Transformer(preset("tiny", max_seq_len=256)).eval()
+    rows_seen = []
+    model.lm_head.register_forward_hook(lambda mod, inputs, output: rows_seen.append(inputs[0].shape[1]))
+    list(iter_tokens(model, [list(range(1, 60)) * 3], 5, temperature=0))
+    assert rows_seen == [1] * 5
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, last_only=True), model(ids)[:, -1:], atol=1e-6, rtol=1e-6)
+
+
+def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
+    moe = model.moe_layers()[0]
+    moe.experts.dispatch = "fastest"
+    with pytest.raises(ConfigError) as info:
+        model(torch.zeros(2, 16, dtype=torch.long))
+    assert str(info.value) == "unknown expert dispatch 'fastest'; valid: auto, loop, grouped, kernel, padded"
+    assert set(DISPATCH_NAMES) == {"auto", *PRODUCTS}
+    assert product_named("auto", torch.zeros(3, 64), 64) is PRODUCTS["kernel" if kernels.available() else "grouped"]
