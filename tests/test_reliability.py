@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import assert_cli_error, run_cli, snapshot, write_corpus
-from nanollama4.checkpoint import CheckpointError, load_train_state, resolve_checkpoint, save_checkpoint
+from nanollama4.checkpoint import CheckpointError, load_run, load_train_state, resolve_checkpoint, save_checkpoint
 from nanollama4.config import TrainConfig, preset
 from nanollama4.model import Transformer
 from nanollama4.tokenizer import CharTokenizer
-from nanollama4.train import load_run, make_optimizer
+from nanollama4.train import make_optimizer
 
 TINY = ["--preset", "tiny", "--set", "seq_len=32", "--set", "batch_size=4", "--set", "eval_batches=2",
         "--set", "threads=1", "--set", "warmup_steps=2", "--quiet"]

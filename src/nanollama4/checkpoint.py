@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig
 from .errors import CheckpointError
 from .model import Transformer
+from .tokenizer import Tokenizer, load_tokenizer
 
 LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
 
@@ -264,3 +265,28 @@ def load_train_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt / 'train_state.json'} is incomplete or corrupt ({e})") from None
     return state, rng
+
+
+# ---------------------------------------------------------------------------------------------- loading runs
+def load_run(path: str | Path, prefer: str = "best") -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Model, tokenizer and train config of a run directory (its best checkpoint by default)."""
+    ckpt = resolve_checkpoint(path, prefer=prefer)
+    try:
+        tc = read_json(ckpt / "train_config.json")
+    except CheckpointError:
+        tc = {}
+    return load_model(ckpt), load_tokenizer(ckpt / "tokenizer.json"), tc
+
+
+def load_any(path: str | Path) -> tuple[Transformer, Tokenizer]:
+    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory."""
+    from .hf import load_hf  # hf reads checkpoints with this module's helpers
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if cfg_file.exists() and "model_type" in read_json(cfg_file):
+        if not (path / "tokenizer.json").exists():
+            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
+        return load_hf(path), load_tokenizer(path / "tokenizer.json")
+    model, tokenizer, _ = load_run(path)
+    return model, tokenizer

@@ -197,8 +197,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from .checkpoint import load_any
     from .generation import Sampling, generate, stream
-    from .train import load_any
 
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass --prompt with some text")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from .checkpoint import (
     holds_run,
     load_model,
     load_optimizer_state,
+    load_run,
     load_train_state,
     read_json,
     read_safetensors,
@@ -37,10 +38,10 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .errors import DataError, TokenizerError, TrainingError
 from .model import Transformer
-from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -252,135 +253,188 @@ def _corpus_path(data: str | Path | None) -> str | None:
     return None if data is None else str(Path(data).expanduser().resolve())
 
 
+@dataclass
+class Run:
+    """What a run carries from step to step; a checkpoint saves all of it."""
+
+    dir: Path
+    tc: TrainConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    dataset: TokenDataset
+    val_batches: list[Batch]
+    batches: torch.Generator  # the batch sampler's own RNG (router noise draws from torch's global one)
+    device: torch.device
+    data: str | None  # the corpus's absolute path; None = the default corpus
+    step: int = 0
+    best: float | None = None  # best validation loss so far
+    val: float | None = None  # validation loss at the last evaluation
+    elapsed_before: float = 0.0  # seconds trained by earlier processes of this run
+
+
+@dataclass
+class StepResult:
+    lm: float  # mean next-token loss over the step's micro-batches
+    aux: float  # mean MoE auxiliary loss
+    grad_norm: float  # before clipping
+
+
 def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
            progress: bool, cache_dir: Path | None) -> TrainResult:
-    """The body of `train`, run with run_dir locked."""
+    """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
+    run = resume_run(tc, run_dir, data, cache_dir) if resume else start_run(model_cfg, tc, run_dir, data, cache_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume:
+        _truncate_metrics(metrics_path, run.step)
+    else:
+        metrics_path.write_text("")
+    if tc.compile:
+        run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
+    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
+    saved_step = run.step
+    bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    trained_tokens = 0
+
+    def elapsed() -> float:
+        return run.elapsed_before + time.perf_counter() - t0
+
+    def budget_spent() -> bool:
+        return bool((tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and elapsed() >= tc.max_time))
+
+    with stop_on_signals() as flag, open(metrics_path, "a") as metrics:
+        while not (budget_spent() or flag["stop"]):
+            lr = lr_at(tc, run.step, elapsed())
+            t_step = time.perf_counter()
+            result = train_step(run, lr)
+            trained_tokens += tokens_per_step
+            dt = time.perf_counter() - t_step
+            log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
+            if run.step % tc.eval_interval == 0 or budget_spent() or flag["stop"]:
+                validate_and_save(run, metrics, elapsed())
+                saved_step = run.step
+            metrics.flush()
+            bar.update(1)
+            left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
+            bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
+                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
+        if run.step != saved_step:  # a signal arrived between steps: save what the last step reached
+            validate_and_save(run, metrics, elapsed())
+    bar.close()
+    train_time = time.perf_counter() - t0
+    return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
+                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"])
+
+
+def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
+              cache_dir: Path | None) -> Run:
+    """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer."""
+    _set_threads(tc)
+    files = find_corpus_files(data)
+    text = read_corpus(files, tc.invalid_utf8)
+    tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" else BPETokenizer.train(text, tc.bpe_vocab_size)
+    torch.manual_seed(tc.seed)
+    model = Transformer(model_cfg.replace(vocab_size=tokenizer.vocab_size))
+    return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model)
+
+
+def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None) -> Run:
+    """The run in run_dir, as its last checkpoint left it: model, optimizer, RNG states, step and losses."""
+    _set_threads(tc)
+    ckpt = resolve_checkpoint(run_dir, prefer="last")
+    state, rng = load_train_state(ckpt)
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    model = load_model(ckpt)
+    _check_budget_ahead(tc, state, run_dir)
+    if data is None:
+        data = state.get("data")
+        if data is not None and not Path(data).exists():
+            raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
+                            "the same text")
+    if tc.seq_len > model.cfg.max_seq_len:
+        raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
+    run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model)
+    load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
+                         read_json(ckpt / "optimizer.json"))
+    torch.set_rng_state(rng["torch"])
+    run.batches.set_state(rng["batches"])
+    run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
+    run.elapsed_before = float(state.get("elapsed", 0.0))
+    return run
+
+
+def _set_threads(tc: TrainConfig) -> None:
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    device = pick_device(tc.device)
-    start_state: dict[str, Any] = {}
-    if resume:
-        ckpt = resolve_checkpoint(run_dir, prefer="last")
-        start_state, rng = load_train_state(ckpt)
-        tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-        model = load_model(ckpt)
-        _check_budget_ahead(tc, start_state, run_dir)
-        if data is None:
-            data = start_state.get("data")
-            if data is not None and not Path(data).exists():
-                raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
-                                "the same text")
-        if tc.seq_len > model.cfg.max_seq_len:
-            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
 
-    files = find_corpus_files(data)
-    if not resume:
-        text = read_corpus(files, tc.invalid_utf8)
-        tokenizer = (CharTokenizer.from_text(text) if tc.tokenizer == "char"
-                     else BPETokenizer.train(text, tc.bpe_vocab_size))
-        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
-        torch.manual_seed(tc.seed)
-        model = Transformer(model_cfg)
+
+def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
+              tokenizer: Tokenizer, model: Transformer) -> Run:
+    """The parts a new and a resumed run share: the token cache, validation batches, device, optimizer."""
     try:
         dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir(), invalid_utf8=tc.invalid_utf8)
     except TokenizerError as e:
         raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: {e}") from None
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
-
+    device = pick_device(tc.device)
     model.to(device).train()
-    optimizer = make_optimizer(model, tc)
-    gen = torch.Generator().manual_seed(tc.seed)
-    if resume:
-        load_optimizer_state(optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
-                             read_json(ckpt / "optimizer.json"))
-        torch.set_rng_state(rng["torch"])
-        gen.set_state(rng["batches"])
-    step = int(start_state.get("step", 0))
-    best = start_state.get("best_val_loss")
-    elapsed_before = float(start_state.get("elapsed", 0.0))
-    metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        _truncate_metrics(metrics_path, step)
-    else:
-        metrics_path.write_text("")
-    if tc.compile:
-        model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
-    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
-    train_state = {"data": _corpus_path(data)}
+    return Run(dir=run_dir, tc=tc, model=model, tokenizer=tokenizer, optimizer=make_optimizer(model, tc),
+               dataset=dataset, val_batches=val_batches, batches=torch.Generator().manual_seed(tc.seed),
+               device=device, data=_corpus_path(data))
 
-    saved_step = step
 
-    def validate_and_save() -> float:
-        """Validate, log it, and checkpoint the step reached (a non-finite validation loss stops the run)."""
-        nonlocal best, saved_step
-        val = evaluate(model, val_batches, device, tc.bf16)
-        if not math.isfinite(val):
-            raise _diverged(f"the validation loss became {val}", step, run_dir)
-        metrics.write(json.dumps({"step": step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
-        saved_step = step
-        is_best = best is None or val < best
-        best = val if is_best else best
-        save_checkpoint(run_dir, step, model, optimizer, tokenizer.save, tc.to_dict(),
-                        {**train_state, "best_val_loss": best, "val_loss": val, "elapsed": elapsed},
-                        _rng_state(gen), best=is_best)
-        return val
+def train_step(run: Run, lr: float) -> StepResult:
+    """One optimizer step at learning rate lr: grad_accum micro-batches, clipping, the update, the balancing
+    bias. A non-finite loss or gradient norm stops the run before anything of the step is applied."""
+    tc, model = run.tc, run.model
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    lm_sum, aux_sum = 0.0, 0.0
+    for _ in range(tc.grad_accum):
+        x, y = run.dataset.get_batch("train", tc.batch_size, tc.seq_len, run.batches)
+        with autocast(run.device, tc.bf16):
+            out = model.loss(x.to(run.device), y.to(run.device))
+        (out.total / tc.grad_accum).backward()
+        lm_sum += out.lm.item()
+        aux_sum += out.aux.item()
+    lm, aux = lm_sum / tc.grad_accum, aux_sum / tc.grad_accum
+    if not math.isfinite(lm + aux):
+        raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
+    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
+        raise _diverged(f"the gradient norm became {grad_norm}", run.step + 1, run.dir)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    model.update_router_biases()
+    run.step += 1
+    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm)
 
-    bar = tqdm(total=tc.max_steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    trained_tokens, val = 0, start_state.get("val_loss")
-    with stop_on_signals() as flag, open(metrics_path, "a") as metrics:
-        while True:
-            elapsed = elapsed_before + time.perf_counter() - t0
-            if (tc.max_steps and step >= tc.max_steps) or (tc.max_time and elapsed >= tc.max_time) or flag["stop"]:
-                break
-            lr = lr_at(tc, step, elapsed)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            t_step = time.perf_counter()
-            lm_sum, aux_sum = 0.0, 0.0
-            for _ in range(tc.grad_accum):
-                x, y = dataset.get_batch("train", tc.batch_size, tc.seq_len, gen)
-                with autocast(device, tc.bf16):
-                    out = model.loss(x.to(device), y.to(device))
-                (out.total / tc.grad_accum).backward()
-                lm_sum += out.lm.item()
-                aux_sum += out.aux.item()
-            lm_loss, aux_loss = lm_sum / tc.grad_accum, aux_sum / tc.grad_accum
-            if not math.isfinite(lm_loss + aux_loss):
-                raise _diverged(f"the loss became {lm_loss + aux_loss}", step + 1, run_dir)
-            clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
-            if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
-                raise _diverged(f"the gradient norm became {grad_norm}", step + 1, run_dir)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            model.update_router_biases()
-            step += 1
-            trained_tokens += tokens_per_step
-            dt = time.perf_counter() - t_step
-            elapsed = elapsed_before + time.perf_counter() - t0
-            line = {"step": step, "time": round(elapsed, 3), "loss": lm_loss + aux_loss, "lm_loss": lm_loss,
-                    "aux_loss": aux_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt}
-            load = expert_load(model)
-            if load:
-                line["expert_load"] = [[round(v, 4) for v in row] for row in load]
-            metrics.write(json.dumps(line) + "\n")
-            done = bool((tc.max_steps and step >= tc.max_steps) or (tc.max_time and elapsed >= tc.max_time))
-            if step % tc.eval_interval == 0 or done or flag["stop"]:
-                val = validate_and_save()
-            metrics.flush()
-            bar.update(1)
-            eta = f"{tc.max_time - elapsed:.0f}s" if tc.max_time else None  # the bar's own ETA needs max_steps
-            bar.set_postfix(loss=f"{lm_loss:.3f}", val=f"{val:.3f}" if val is not None else "-",
-                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed:.0f}s", **({"left": eta} if eta else {}))
-        if step != saved_step:  # a signal arrived between steps: save what the last step reached
-            val = validate_and_save()
-    bar.close()
-    train_time = time.perf_counter() - t0
-    return TrainResult(run_dir=run_dir, step=step, val_loss=val, best_val_loss=best,
-                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"])
 
+def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed: float, tokens_per_s: float) -> None:
+    """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
+    line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
+            "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
+    load = expert_load(run.model)
+    if load:
+        line["expert_load"] = [[round(v, 4) for v in row] for row in load]
+    metrics.write(json.dumps(line) + "\n")
+
+
+def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
+    """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
+    A non-finite validation loss stops the run instead."""
+    val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16)
+    if not math.isfinite(val):
+        raise _diverged(f"the validation loss became {val}", run.step, run.dir)
+    metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
+    is_best = run.best is None or val < run.best
+    run.val, run.best = val, val if is_best else run.best
+    save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(),
+                    {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed},
+                    _rng_state(run.batches), best=is_best)
 
 
 def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
@@ -403,30 +457,6 @@ def _check_budget_ahead(tc: TrainConfig, state: dict[str, Any], run_dir: Path) -
     if tc.max_time is not None and elapsed >= tc.max_time:
         raise TrainingError(f"{run_dir} has already trained for {elapsed:.0f} s and --max-time counts the whole "
                             f"run; pass --max-time above {elapsed:.0f}s (or --max-steps)")
-
-
-def load_run(path: str | Path, prefer: str = "best") -> tuple[Transformer, Any, dict[str, Any]]:
-    """Model, tokenizer and train config of a run directory (its best checkpoint by default)."""
-    ckpt = resolve_checkpoint(path, prefer=prefer)
-    try:
-        tc = read_json(ckpt / "train_config.json")
-    except CheckpointError:
-        tc = {}
-    return load_model(ckpt), load_tokenizer(ckpt / "tokenizer.json"), tc
-
-
-def load_any(path: str | Path) -> tuple[Transformer, Any]:
-    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory."""
-    from .hf import load_hf
-
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if cfg_file.exists() and "model_type" in read_json(cfg_file):
-        if not (path / "tokenizer.json").exists():
-            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
-        return load_hf(path), load_tokenizer(path / "tokenizer.json")
-    model, tokenizer, _ = load_run(path)
-    return model, tokenizer
 
 
 def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple[float, int, int]:
