@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .files import atomic_write
 from .model import Transformer
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -74,20 +75,6 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- file helpers
-def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
-    """Call write(tmp_path) on a temporary file beside `target`, fsync it, then rename it over `target`."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_json(path: Path, data: Any) -> None:
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
 

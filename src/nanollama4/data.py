@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import DataError
+from .files import atomic_write
 from .tokenizer import Tokenizer
 
 Split = Literal["train", "val"]
@@ -91,22 +91,26 @@ def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
     return text
 
 
+def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[Batch]:
+    """Non-overlapping windows over all of `tokens`, in order: (x, y) batches of `batch_size` full windows
+    (b, T), then the final shorter window (1, t) if the tokens do not divide evenly.
+
+    Window k predicts tokens k*T+1 .. k*T+t, so the targets of all windows are tokens[1:], each exactly
+    once: summing the cross-entropy over them gives the full loss (the first token has no context).
+    """
+    n_pred = len(tokens) - 1
+    full = max(n_pred, 0) // seq_len
+    if full:
+        data = torch.from_numpy(np.asarray(tokens[: full * seq_len + 1], dtype=np.int64))
+        x_all, y_all = data[:-1].view(full, seq_len), data[1:].view(full, seq_len)
+        for i in range(0, full, batch_size):
+            yield x_all[i:i + batch_size], y_all[i:i + batch_size]
+    if n_pred > full * seq_len:
+        tail = torch.from_numpy(np.asarray(tokens[full * seq_len:], dtype=np.int64))
+        yield tail[None, :-1], tail[None, 1:]
+
+
 # ---------------------------------------------------------------------------------------------- the cache
-def _atomic_write(path: Path, write: Any) -> None:
-    """Write via a temp file in the same folder, then os.replace: readers see the old file or the whole new
-    one, never a truncated one, even if this process is killed half way."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
     """The cached header if it matches `expected` and the binary file has exactly n_tokens entries; else None
     (a missing, foreign or stale entry is simply rebuilt)."""
@@ -174,8 +178,8 @@ class TokenDataset:
                                 "the tokenizer's vocab_size does not match its ids")
             header = {**expected, "n_tokens": int(ids.size), "source": [f.name for f in files]}
             # the binary first, then the header: a header on disk always describes a complete binary
-            _atomic_write(bin_path, lambda f: f.write(ids.astype(dtype).tobytes()))
-            _atomic_write(header_path, lambda f: f.write(json.dumps(header, indent=1).encode("utf-8")))
+            atomic_write(bin_path, lambda p: Path(p).write_bytes(ids.astype(dtype).tobytes()))
+            atomic_write(header_path, lambda p: Path(p).write_text(json.dumps(header, indent=1), encoding="utf-8"))
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(header["n_tokens"],))
         ds = cls(tokens, val_fraction=val_fraction, header=header)
         ds.from_cache, ds.cache_path = from_cache, bin_path
@@ -207,20 +211,11 @@ class TokenDataset:
         g = torch.Generator().manual_seed(seed)
         return [self.get_batch(split, batch_size, seq_len, g) for _ in range(n_batches)]
 
-    def iter_windows(self, split: Split, seq_len: int) -> Iterator[Batch]:
-        """Non-overlapping windows over the whole split, in order, as (x, y) of shape (1, t), t <= seq_len.
-
-        Window k predicts tokens k*T+1 .. k*T+t, so the targets of all windows are tokens[1:], each exactly
-        once: summing the cross-entropy over them gives the split's full loss (the first token has no context).
-        """
+    def iter_windows(self, split: Split, seq_len: int, batch_size: int = 1) -> Iterator[Batch]:
+        """`windows` over the whole split (the targets are every token but the first, each once)."""
         if seq_len <= 0:
             raise DataError(f"seq_len ({seq_len}) must be positive")
-        tokens = self._check(split, 1, 1)  # two tokens suffice: one context, one target
-        n = len(tokens)
-        for start in range(0, n - 1, seq_len):
-            t = min(seq_len, n - 1 - start)
-            window = torch.from_numpy(tokens[start:start + t + 1].astype(np.int64))  # (t+1,)
-            yield window[None, :-1], window[None, 1:]
+        return windows(self._check(split, 1, 1), seq_len, batch_size)  # two tokens suffice: a context, a target
 
     def _check(self, split: Split, seq_len: int, batch_size: int) -> np.ndarray:
         if seq_len <= 0 or batch_size <= 0:

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointError, atomic_write, read_json, read_safetensors
+from .checkpoint import CheckpointError, read_json, read_safetensors
 from .config import ModelConfig
+from .files import atomic_write
 from .model import Transformer
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.

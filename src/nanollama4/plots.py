@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from .errors import MissingRunFile
+from .files import atomic_write
 
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
@@ -57,18 +57,11 @@ def _metrics_path(run_dir: str | os.PathLike) -> Path:
     return path
 
 
-def _save_atomic(fig: Figure, out: Path) -> Path:
-    """Write to a temp file beside ``out`` then rename, so a viewer polling the file never sees half a PNG."""
+def _save(fig: Figure, out: Path) -> Path:
+    """Write the PNG atomically (files.atomic_write), so a viewer polling the file never sees half of it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=".png", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=120)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(out, lambda p: fig.savefig(p, format="png", dpi=120))
     return out
 
 
@@ -107,7 +100,7 @@ def plot_losses(run_dir: str | os.PathLike) -> Path:
         ax.legend(loc="upper right")
     if bad:
         fig.text(0.01, 0.01, f"{bad} unparsable line(s) skipped", fontsize=7, color="gray")
-    return _save_atomic(fig, Path(run_dir) / "plots" / "loss.png")
+    return _save(fig, Path(run_dir) / "plots" / "loss.png")
 
 
 def _bin_columns(steps: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +147,7 @@ def plot_expert_load(run_dir: str | os.PathLike) -> Path | None:
     axes[0].set_title(f"Expert load / uniform — {Path(run_dir).resolve().name} (1.0 = balanced)")
     # default aspect makes the bar height/20 wide, a slab on tall figures; keep it ~0.2 inch
     fig.colorbar(mesh, ax=list(axes), label="load / uniform", aspect=max(20.0, fig.get_figheight() / 0.2))
-    return _save_atomic(fig, Path(run_dir) / "plots" / "expert_load.png")
+    return _save(fig, Path(run_dir) / "plots" / "expert_load.png")
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:

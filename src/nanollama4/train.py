@@ -25,7 +25,6 @@ from tqdm import tqdm
 from .checkpoint import (
     LOCK_NAME,
     CheckpointError,
-    atomic_write,
     holds_run,
     load_model,
     load_optimizer_state,
@@ -38,8 +37,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus, windows
 from .errors import DataError, TokenizerError, TrainingError
+from .files import atomic_write
 from .model import Transformer
 from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
 
@@ -137,24 +137,13 @@ def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, d
     first is predicted exactly once; the final partial window is included.
     """
     model.eval()
-    data = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    n_pred = data.numel() - 1
     total = 0.0
-    full = n_pred // seq_len
-    windows = data[: full * seq_len + 1]
-    x_all = windows[:-1].view(full, seq_len)
-    y_all = windows[1:].view(full, seq_len)
-    for i in range(0, full, batch_size):
-        with autocast(device, bf16):
-            logits = model(x_all[i:i + batch_size].to(device))
-        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y_all[i:i + batch_size].flatten()
-                                                   .to(device), reduction="sum").item()
-    rest = n_pred - full * seq_len
-    if rest:
-        x, y = data[full * seq_len:-1][None], data[full * seq_len + 1:][None]
+    for x, y in windows(tokens, seq_len, batch_size):
         with autocast(device, bf16):
             logits = model(x.to(device))
-        total += torch.nn.functional.cross_entropy(logits.float()[0], y[0].to(device), reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(device),
+                                                   reduction="sum").item()
+    n_pred = len(tokens) - 1
     return total / n_pred
 
 

@@ -1,0 +1,27 @@
+"""Writing a file so that a reader, or a crash, never sees half of it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
+    """Call write(tmp_path) on a temporary file beside `target`, fsync it, then rename it over `target`.
+
+    Readers see the old file or the whole new one, never a truncated one, even if this process is killed
+    half way; the temporary file is removed if writing fails.
+    """
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
