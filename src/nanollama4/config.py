@@ -257,8 +257,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  max_seq_len=64, attention_chunk_size=8, ffn_dim=128, n_experts=4,
                  experts_per_token=2, expert_dim=64, floor_scale=4, attn_scale=0.1),
     # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU. 4 heads of 64
-    # rather than 8 of 32: the CPU's attention kernels run the wider heads 13-27% faster (fp32/bf16), and
-    # in 5 minutes the model reached a lower validation loss (benchmarks/RESULTS.md, runs q15 and q21).
+    # rather than 8 of 32: the CPU's attention kernels run the wider heads faster, and in 5 minutes the
+    # model reached a lower validation loss (benchmarks/RESULTS.md, runs q15 and q21).
     "shakespeare-char": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                              head_dim=64, max_seq_len=256, attention_chunk_size=None, nope_interval=4,
                              ffn_dim=768, n_experts=8, experts_per_token=1, expert_dim=384,

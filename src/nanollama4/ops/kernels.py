@@ -9,7 +9,7 @@ cached afterwards under ~/.cache/torch_extensions, one build per source and flag
 impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer
 keeps torch's `grouped_mm`.
 
-The same loops also beat torch's fp32 products at dense sizes on our CPU (~2x), so the dense SwiGLU
+The same loops also beat torch's fp32 products at dense sizes (benchmarks/RESULTS.md), so the dense SwiGLU
 (the dense FFN and the shared expert) uses them too, through `linear`: every feed-forward product
 then runs on the same code, and the MoE-vs-dense comparison measures routing, not kernels.
 """
