@@ -137,22 +137,17 @@ class Experts(nn.Module):
         # know products on raw parameters, so the cast is explicit)
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
         gate_up_EDH, down_EHD = self.gate_up.to(dtype), self.down.to(dtype)
-        few = expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
-        if few:  # weights applied in the product's dtype
-            x_AD, weight_A1 = x_TD.index_select(0, token_A).to(dtype), weight_A.unsqueeze(1).to(dtype)
-        else:  # weights applied in the model's dtype, before the product's cast
-            order_A = torch.argsort(expert_A, stable=True)
-            token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
-            x_AD, weight_A1 = x_TD.index_select(0, token_A), weight_A.unsqueeze(1).to(x_TD.dtype)
+        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
+            return few_rows(x_TD, token_A, expert_A, weight_A, gate_up_EDH, down_EHD, scale_input)
+        order_A = torch.argsort(expert_A, stable=True)
+        token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
+        weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
+        x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
         if scale_input:
             x_AD = x_AD * weight_A1
-        x_AD = x_AD.to(dtype)  # index_select: its backward is an index_add_ (x_TD[token_A] would index_put_)
-        if few:
-            y_AD = few_rows(x_AD, gate_up_EDH, down_EHD, expert_A)
-        else:
-            counts_E = count_per_expert(expert_A, self.n_experts)
-            product = product_named(self.dispatch, x_AD, self.hidden)
-            y_AD = product(x_AD, gate_up_EDH, down_EHD, counts_E, expert_A)
+        x_AD, counts_E = x_AD.to(dtype), count_per_expert(expert_A, self.n_experts)
+        product = product_named(self.dispatch, x_AD, self.hidden)  # "auto" looks at the product's dtype
+        y_AD = product(x_AD, gate_up_EDH, down_EHD, counts_E, expert_A)
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
@@ -172,7 +167,7 @@ class MoE(nn.Module):
     multiplies the expert's *input*. `softmax` router (the tutorial): the non-chosen logits are set to
     -inf before a softmax, and the weights multiply the experts' *outputs*.
 
-    After each forward pass, `stats` holds tensors (no host sync) about the routing and `aux_loss` the
+    After each forward pass, `stats` gives tensors (no host sync) about the routing and `aux_loss` the
     weighted load-balancing + z-loss (a zero tensor when both coefficients are 0 or in eval mode).
     """
 
@@ -189,7 +184,8 @@ class MoE(nn.Module):
         # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
-        self.stats: dict[str, torch.Tensor] = {}
+        self._assigned: tuple[torch.Tensor, int] | None = None  # the last pass's expert ids and slot count
+        self._training_stats: dict[str, torch.Tensor] = {}
         self.aux_loss = torch.zeros(())
 
     def capacity(self, n_tokens: int) -> int | None:
@@ -230,7 +226,7 @@ class MoE(nn.Module):
         x_TD = x.reshape(B * T, d)
         r = self.route(x_TD)
         n, k = B * T, self.top_k
-        token_A = torch.arange(n, device=x.device).repeat_interleave(k)
+        token_A = torch.arange(n * k, device=x.device).div_(k, rounding_mode="floor")  # 0,0,1,1,... for k = 2
         expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
         if r.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
             keep_A = r.valid_TK.reshape(-1).nonzero().squeeze(1)
@@ -243,34 +239,46 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------------------------------ statistics, losses
     def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
-        """Statistics and auxiliary losses of this pass, as tensors: reading them is the caller's sync.
-
-        In eval mode only the load is kept: decoding runs this once per token per layer, and the rest
-        (rerouting, entropy, losses) serves training logs.
-        """
+        """Keep what `stats` reads, and compute the auxiliary losses (training only)."""
+        self._assigned = (expert_A, n_tokens * self.top_k)
+        self._training_stats = {}
+        if not self.training:
+            self.aux_loss = r.logits_TE.new_zeros(())
+            return
         counts_E = count_per_expert(expert_A, self.n_experts)
         slots = n_tokens * self.top_k
-        mean_load = slots / self.n_experts
-        self.stats = {"counts": counts_E, "max_load": counts_E.max().float() / mean_load,
-                      "min_load": counts_E.min().float() / mean_load}
-        if not self.training:
-            self.aux_loss = counts_E.new_zeros((), dtype=torch.float32)
-            return
         probs_TE = r.logits_TE.softmax(-1)
-        self.stats.update({
+        self._training_stats = {
+            "counts": counts_E,
             "rerouted_frac": r.rerouted.float() / slots,
             "dropped_frac": r.dropped.float() / slots,
             "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean().detach(),
-        })
+        }
         aux = r.logits_TE.new_zeros(())
-        if self.training and self.aux_coef:
+        if self.aux_coef:
             frac_E = counts_E.float() / slots  # f_e: share of assignments (not differentiable)
             aux = aux + self.aux_coef * self.n_experts * (frac_E * probs_TE.mean(0)).sum()
-        if self.training and self.z_coef:
+        if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
         self.aux_loss = aux
-        if self.training and self.bias_rate:
+        if self.bias_rate:
             self.pending_counts += counts_E.float()
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
+        expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
+        rerouted and dropped fractions and the router entropy. Derived when read, so that decoding, which
+        never reads them, does not pay for them; {} before the first pass."""
+        if self._assigned is None:
+            return {}
+        expert_A, slots = self._assigned
+        counts_E = self._training_stats.get("counts")
+        if counts_E is None:
+            counts_E = count_per_expert(expert_A, self.n_experts)
+        mean_load = slots / self.n_experts
+        return {**self._training_stats, "counts": counts_E, "max_load": counts_E.max().float() / mean_load,
+                "min_load": counts_E.min().float() / mean_load}
 
     @torch.no_grad()
     def update_bias(self) -> None:
