@@ -524,3 +524,18 @@ def test_compiled_decoder_keeps_no_model_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_sampling_settings_are_one_object_checked_once(char_setup):
+    from nanollama4.errors import GenerationError
+
+    model, tok = char_setup[:2]
+    with pytest.raises(GenerationError, match="sampling must be a Sampling"):
+        generate(model, tok, "the ", 10, 0.8)  # the old positional temperature
+    with pytest.raises(GenerationError, match=r"unknown sampling settings \['temprature'\]"):
+        generate(model, tok, "the ", 10, temprature=0.5)
+    with pytest.raises(GenerationError, match="top_p"):
+        Sampling(top_p=0.0)
+    assert Sampling(stop="END").stop == ("END",) and Sampling(stop_ids=3).stop_ids == (3,)
+    greedy = Sampling(temperature=0)
+    assert generate(model, tok, "the ", 12, greedy) == generate(model, tok, "the ", 12, temperature=0)

@@ -275,8 +275,8 @@ def test_resume_takes_data_at_a_new_path_and_checks_it_against_the_tokenizer(run
         rc, _, err = run_cli(["train", "--resume", str(run), "--data", str(foreign), "--max-steps", "6",
                               "--quiet"], capsys)
         line = assert_cli_error(rc, err, "train")
-        assert line.startswith(f"nanollama4 train: error: the run's tokenizer cannot encode the corpus {foreign}: "
-                               "cannot encode 2 characters not in the vocabulary: '!', 'Z'; "), line
+        assert line == (f"nanollama4 train: error: the run's tokenizer cannot encode the corpus {foreign}: it has "
+                        "2 characters not in the vocabulary: '!', 'Z'; resume on the text the run was trained on")
         assert snapshot(run) == before
 
         rc, _, err = run_cli(["train", "--resume", str(run), "--data", str(moved), "--max-steps", "6", "--quiet"],
@@ -339,7 +339,7 @@ def test_sampling_and_budget_values_are_checked_at_the_boundary(argv, message, f
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ("device=gpu", "device ('gpu') must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index)"),
+    ("device=gpu", "device ('gpu') must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), 'mps' or 'xpu'"),
     ("vocab_size=5", "vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
                      "--set bpe_vocab_size=N)"),
 ])
@@ -420,3 +420,41 @@ def test_a_latin1_corpus_is_an_error_unless_replacing_is_asked_for(tmp_path, cap
     assert "\ufffd" in load_run(tmp_path / "r")[1].chars
     rc, out, err = run_cli(["eval", str(tmp_path / "r")], capsys)  # eval reads it the same way
     assert rc == 0, err
+
+
+def test_resume_with_seq_len_none_follows_the_model(run, capsys):
+    """None means "the model's context" on resume too (it reached `None > int` inside train)."""
+    rc, _, err = run_cli(["train", "--resume", str(run), "--max-steps", "5", "--set", "seq_len=None", "--quiet"],
+                         capsys)
+    assert rc == 0, err
+    assert load_run(run, prefer="last")[2]["seq_len"] == preset("tiny").max_seq_len
+
+
+def test_a_signal_before_the_first_checkpoint_says_nothing_was_saved(corpus, tmp_path, capsys, monkeypatch):
+    """Exit status 3 promises a checkpoint to resume from; with none, the status is 130 and says so."""
+    import contextlib
+
+    import nanollama4.train as train_mod
+
+    @contextlib.contextmanager
+    def already_stopped():
+        yield {"stop": True}
+
+    monkeypatch.setattr(train_mod, "stop_on_signals", already_stopped)
+    rc, out, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "r"), "--max-steps", "5")
+    assert rc == 130, (out, err)
+    assert "stopped by a signal before the first checkpoint; nothing was saved" in out
+    assert "--resume" not in out
+
+
+def test_atomic_writes_keep_the_file_mode(tmp_path):
+    """mkstemp makes private files: a resumed run's metrics.jsonl used to become 0600."""
+    from nanollama4.files import atomic_write
+
+    fresh, kept = tmp_path / "fresh.txt", tmp_path / "kept.txt"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    for path in (fresh, kept):
+        atomic_write(path, lambda p: Path(p).write_text("new"))
+    assert (fresh.stat().st_mode & 0o777, kept.stat().st_mode & 0o777) == (0o644, 0o640)
+    assert kept.read_text() == "new"

@@ -45,7 +45,11 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     exits, so a crashed or killed run never leaves its directory locked. The file says who holds it.
     """
     path = run_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot open the lock file {path} ({e.strerror}); the run directory must be "
+                              "writable") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

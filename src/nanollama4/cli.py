@@ -22,7 +22,7 @@ from .memory import format_count, format_kv_table, format_params_table, kv_cache
 
 EXIT_ERROR = 2  # an error meant for people, printed as one line
 EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint: resume it
-EXIT_CTRL_C = 130  # Ctrl-C outside the training loop (the shell's convention for SIGINT)
+EXIT_CTRL_C = 130  # Ctrl-C with nothing saved: outside the training loop, or before a run's first checkpoint
 DEFAULT_PRESET = "shakespeare-char"
 _FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint already decided these
 
@@ -184,6 +184,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
           f"{result.tokens_per_s:,.0f} tokens/s")
+    if result.interrupted and not result.saved:
+        print("stopped by a signal before the first checkpoint; nothing was saved")
+        return EXIT_CTRL_C
     if result.interrupted:
         print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
               f"--max-steps N (or --max-time T)")

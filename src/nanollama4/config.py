@@ -186,7 +186,7 @@ class TrainConfig(_JsonConfig):
     tokenizer: str = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: int = 2048  # vocabulary size when tokenizer = "bpe"
     threads: int = 0  # torch CPU threads; 0 = torch's default
-    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N"
+    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
 
     def __post_init__(self) -> None:
@@ -216,7 +216,8 @@ class TrainConfig(_JsonConfig):
         if self.tokenizer not in ("char", "bpe"):
             raise ConfigError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index)")
+            raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), "
+                              "'mps' or 'xpu'")
         if self.invalid_utf8 not in ("error", "replace"):
             raise ConfigError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
                              "offset) or 'replace' (read bad bytes as U+FFFD)")
@@ -226,7 +227,7 @@ class TrainConfig(_JsonConfig):
         return self.from_dict({**self.to_dict(), **changes})
 
 
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 
 
 

@@ -17,6 +17,8 @@ def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
     """
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     os.close(fd)
+    # mkstemp makes the file private (0600); give it the mode the file had, or the usual 0644
+    os.chmod(tmp, target.stat().st_mode & 0o777 if target.exists() else 0o644)
     try:
         write(tmp)
         with open(tmp, "rb") as f:

@@ -39,8 +39,9 @@ class Sampling:
     stop_ids: tuple[int, ...] = ()  # token ids: a row ends at the first of these
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_ids", (self.stop_ids,) if isinstance(self.stop_ids, int)
+                           else tuple(self.stop_ids))
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise GenerationError(f"temperature ({self.temperature!r}) must be 0 (greedy) or a positive number")
@@ -52,11 +53,14 @@ class Sampling:
 
 def _sampling(sampling: Sampling | None, changes: dict[str, Any]) -> Sampling:
     """`sampling` with the keyword settings applied (a default Sampling when None)."""
-    try:
-        return dataclasses.replace(sampling or Sampling(), **changes)
-    except TypeError as e:
-        raise GenerationError(f"unknown sampling setting ({e}); valid: "
-                              f"{', '.join(f.name for f in dataclasses.fields(Sampling))}") from None
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise GenerationError(f"sampling must be a Sampling (got {sampling!r}); pass its fields as keywords, "
+                              "e.g. temperature=0.8")
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Sampling)})
+    if unknown:
+        raise GenerationError(f"unknown sampling settings {unknown}; valid: "
+                              f"{', '.join(f.name for f in dataclasses.fields(Sampling))}")
+    return dataclasses.replace(sampling or Sampling(), **changes)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .ops.experts import few_assignments, few_rows, product_named
+from .errors import ConfigError
+from .ops.experts import DISPATCH_NAMES, few_assignments, few_rows, product_named
 
 
 class SwiGLU(nn.Module):
@@ -124,6 +125,17 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.dispatch = "auto"
 
+    @property
+    def dispatch(self) -> str:
+        """How grouped rows are multiplied: "auto" or a name in `ops.experts.PRODUCTS`."""
+        return self._dispatch
+
+    @dispatch.setter
+    def dispatch(self, name: str) -> None:
+        if name not in DISPATCH_NAMES:
+            raise ConfigError(f"unknown expert dispatch {name!r}; valid: {', '.join(DISPATCH_NAMES)}")
+        self._dispatch = name
+
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
         """Sum over assignments a of weight_a-scaled SwiGLU_{expert_a}(x[token_a]), per token. Returns (T, D).
@@ -136,9 +148,9 @@ class Experts(nn.Module):
         # under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does not
         # know products on raw parameters, so the cast is explicit)
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
-        gate_up_EDH, down_EHD = self.gate_up.to(dtype), self.down.to(dtype)
         if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
-            return few_rows(x_TD, token_A, expert_A, weight_A, gate_up_EDH, down_EHD, scale_input)
+            return few_rows(x_TD, token_A, expert_A, weight_A, self.gate_up, self.down, scale_input, dtype)
+        gate_up_EDH, down_EHD = self.gate_up.to(dtype), self.down.to(dtype)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)

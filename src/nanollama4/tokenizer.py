@@ -18,6 +18,15 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .errors import TokenizerError
 
+
+class UnknownCharacters(TokenizerError):
+    """Text with characters a character tokenizer does not know; `listing` names them."""
+
+    def __init__(self, message: str, listing: str) -> None:
+        super().__init__(message)
+        self.listing = listing
+
+
 CHAR_KIND = "nanollama4-char"  # the "kind" key that marks our character-tokenizer JSON
 _MAX_SHOWN = 20  # unknown characters listed in an error message
 
@@ -113,9 +122,9 @@ class CharTokenizer(_SavedAsJson):
             shown = ", ".join(repr(c) for c in sorted(unknown)[:_MAX_SHOWN])
             more = f" (and {len(unknown) - _MAX_SHOWN} more)" if len(unknown) > _MAX_SHOWN else ""
             noun = "character" if len(unknown) == 1 else "characters"
-            raise TokenizerError(f"cannot encode {len(unknown)} {noun} not in the vocabulary: {shown}{more}; "
-                                 "substitute a character that is in it (--replace-unknown '?' on the command line, "
-                                 "replace='?' in Python)")
+            listing = f"{len(unknown)} {noun} not in the vocabulary: {shown}{more}"
+            raise UnknownCharacters(f"cannot encode {listing}; substitute a character that is in it "
+                                    "(--replace-unknown '?' on the command line, replace='?' in Python)", listing)
         rid = self._replacement_id(replace)
         return [self.stoi.get(c, rid) for c in text]
 
@@ -205,7 +214,11 @@ def _read_text(path: Path) -> str:
     if not path.is_file():
         raise TokenizerError(f"tokenizer file {path} does not exist; pass the path of a saved tokenizer "
                              "(tokenizer.json) or train one first")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"tokenizer file {path} is not UTF-8 text (byte offset {e.start}); pass a "
+                             "tokenizer.json saved by nanollama4 or the tokenizers library") from None
 
 
 def _hf_from_str(content: str, path: Path) -> HFTokenizer:

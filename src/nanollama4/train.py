@@ -38,10 +38,10 @@ from .checkpoint import (
 )
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus, windows
-from .errors import DataError, TokenizerError, TrainingError
+from .errors import DataError, TrainingError
 from .files import atomic_write
 from .model import Transformer
-from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer
+from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, UnknownCharacters, load_tokenizer
 
 
 @dataclass
@@ -51,7 +51,8 @@ class TrainResult:
     val_loss: float | None  # on the fixed validation batches at the last evaluation
     best_val_loss: float | None
     tokens_per_s: float  # training throughput over the run (this process only)
-    interrupted: bool  # stopped by SIGINT/SIGTERM (resumable) rather than by its budget
+    interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
+    saved: bool = True  # whether run_dir holds a checkpoint to resume from
 
 
 def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
@@ -75,6 +76,9 @@ def pick_device(name: str) -> torch.device:
         if index >= torch.cuda.device_count():
             raise TrainingError(f"device {name!r} is not available: this machine has {torch.cuda.device_count()} "
                                 f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    backend = {"mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}.get(name.split(":")[0])
+    if name != "cpu" and not name.startswith("cuda") and (backend is None or not backend.is_available()):
+        raise TrainingError(f"device {name!r} is not available on this machine; use --set device=cpu (or auto)")
     return torch.device(name)
 
 
@@ -163,8 +167,11 @@ def stop_on_signals() -> Iterator[dict[str, bool]]:
             signal.signal(s, h)
 
 
-def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+def _rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -273,6 +280,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
            progress: bool, cache_dir: Path | None) -> TrainResult:
     """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
     run = resume_run(tc, run_dir, data, cache_dir) if resume else start_run(model_cfg, tc, run_dir, data, cache_dir)
+    tc = run.tc  # with seq_len filled in
     metrics_path = run_dir / "metrics.jsonl"
     if resume:
         _truncate_metrics(metrics_path, run.step)
@@ -313,7 +321,8 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     bar.close()
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
-                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"])
+                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"],
+                       saved=holds_run(run_dir))
 
 
 def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
@@ -341,12 +350,16 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
         if data is not None and not Path(data).exists():
             raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
                             "the same text")
+    if tc.seq_len is None:
+        tc = tc.replace(seq_len=model.cfg.max_seq_len)
     if tc.seq_len > model.cfg.max_seq_len:
         raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model)
     load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
                          read_json(ckpt / "optimizer.json"))
     torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and run.device.type == "cuda":  # router noise on a GPU draws from its own generator
+        torch.cuda.set_rng_state(rng["cuda"], run.device)
     run.batches.set_state(rng["batches"])
     run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
     run.elapsed_before = float(state.get("elapsed", 0.0))
@@ -363,8 +376,9 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
     """The parts a new and a resumed run share: the token cache, validation batches, device, optimizer."""
     try:
         dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir(), invalid_utf8=tc.invalid_utf8)
-    except TokenizerError as e:
-        raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: {e}") from None
+    except UnknownCharacters as e:
+        raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: it has "
+                        f"{e.listing}; resume on the text the run was trained on") from None
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = pick_device(tc.device)
@@ -423,7 +437,7 @@ def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
     run.val, run.best = val, val if is_best else run.best
     save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(),
                     {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed},
-                    _rng_state(run.batches), best=is_best)
+                    _rng_state(run.batches, run.device), best=is_best)
 
 
 def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
@@ -455,6 +469,10 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
     dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir(),
                                  invalid_utf8=tc.invalid_utf8)
-    device = pick_device(tc.device)
-    loss = full_validation_loss(model.to(device), dataset.val_tokens, tc.seq_len, device, tc.bf16)
-    return loss, int(dataset.n_val), tc.seq_len
+    try:
+        device = pick_device(tc.device)
+    except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
+        device = pick_device("auto")
+    seq_len = tc.seq_len or model.cfg.max_seq_len
+    loss = full_validation_loss(model.to(device), dataset.val_tokens, seq_len, device, tc.bf16)
+    return loss, int(dataset.n_val), seq_len

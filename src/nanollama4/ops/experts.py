@@ -123,16 +123,16 @@ def few_assignments(n_experts: int, compiling: bool) -> int:
 
 
 def few_rows(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
-             gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, scale_input: bool) -> torch.Tensor:
+             gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, scale_input: bool, dtype: torch.dtype) -> torch.Tensor:
     """The experts' sum for a handful of assignments, as `moe.Experts.forward` defines it, without sorting
-    or a call per idle expert. Returns (T, D) in x's dtype; the products run in the weights' dtype.
+    or a call per idle expert. Returns (T, D) in x's dtype; the products run in `dtype`, to which only the
+    chosen experts' weights are cast.
 
     On the CPU, eagerly, reading the ids on the host costs nothing, so each assignment multiplies its
     token's row by views of its expert's weights (split over both cores when they are big: `row_matmul`)
     and adds into that row. Elsewhere, and while compiling (no host reads in a graph), the chosen
     experts' weights are gathered for one bmm.
     """
-    dtype = gate_up_EDH.dtype
     weight_A = weight_A.to(dtype)
     if x_TD.device.type == "cpu" and not torch.compiler.is_compiling():
         y_TD = torch.zeros_like(x_TD)
@@ -140,15 +140,15 @@ def few_rows(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, 
             x_1D = x_TD[t:t + 1].to(dtype)
             if scale_input:
                 x_1D = x_1D * weight_A[a]
-            gate, up = row_matmul(x_1D, gate_up_EDH[e]).chunk(2, dim=-1)
-            y_1D = row_matmul(F.silu(gate) * up, down_EHD[e])
+            gate, up = row_matmul(x_1D, gate_up_EDH[e].to(dtype)).chunk(2, dim=-1)
+            y_1D = row_matmul(F.silu(gate) * up, down_EHD[e].to(dtype))
             y_TD[t:t + 1] += y_1D if scale_input else y_1D * weight_A[a]
         return y_TD
     x_AD, weight_A1 = x_TD[token_A].to(dtype), weight_A[:, None]
     if scale_input:
         x_AD = x_AD * weight_A1
-    gate, up = torch.bmm(x_AD[:, None], gate_up_EDH[expert_A]).chunk(2, dim=-1)  # (A, 1, H)
-    y_AD = torch.bmm(F.silu(gate) * up, down_EHD[expert_A]).squeeze(1)
+    gate, up = torch.bmm(x_AD[:, None], gate_up_EDH[expert_A].to(dtype)).chunk(2, dim=-1)  # (A, 1, H)
+    y_AD = torch.bmm(F.silu(gate) * up, down_EHD[expert_A].to(dtype)).squeeze(1)
     if not scale_input:
         y_AD = y_AD * weight_A1
     return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))

@@ -191,5 +191,5 @@ def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
 def linear_pays(x: torch.Tensor) -> bool:
     """Whether `linear` is the faster way for x: float32 on the CPU outside autocast and compilation, with
     enough rows (a single decoding row has its own two-core path, `ops.linear.row_matmul`)."""
-    return (x.dim() > 1 and x.numel() >= 8 * x.shape[-1] and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling() and available())
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and x.numel() >= 8 * x.shape[-1] and available())

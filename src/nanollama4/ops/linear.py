@@ -19,9 +19,9 @@ SPLIT_BYTES = 1 << 20  # one-row products with larger weights are split across t
 
 def split_pays(x: torch.Tensor, w: torch.Tensor) -> bool:
     """One row, CPU, eager inference, two threads, a weight too big to stay in cache, even output width."""
-    return (w.numel() * w.element_size() >= SPLIT_BYTES and x.numel() == x.shape[-1] and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and torch.get_num_threads() >= 2
-            and w.shape[0] % 2 == 0 and w.shape[1] % 2 == 0)
+    return (not torch.compiler.is_compiling() and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and w.numel() * w.element_size() >= SPLIT_BYTES and x.numel() == x.shape[-1]
+            and torch.get_num_threads() >= 2 and w.shape[0] % 2 == 0 and w.shape[1] % 2 == 0)
 
 
 def row_matmul(x: torch.Tensor, w_DO: torch.Tensor, out_in: bool = False) -> torch.Tensor:
