@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from nanollama4.config import TrainConfig, parse_duration, parse_overrides, preset
+from nanollama4.evaluation import full_validation_loss_of_run
 from nanollama4.runtime import tune_allocator
-from nanollama4.train import full_validation_loss_of_run, train
+from nanollama4.train import train
 
 
 def main() -> None:

@@ -22,8 +22,9 @@ from helpers import assert_cli_error, assert_one_line, snapshot, write_corpus
 from nanollama4.checkpoint import CheckpointError, load_run, load_train_state, resolve_checkpoint
 from nanollama4.cli import EXIT_INTERRUPTED, main
 from nanollama4.config import TrainConfig, preset
+from nanollama4.evaluation import full_validation_loss
 from nanollama4.model import Loss, Transformer
-from nanollama4.train import TrainingError, full_validation_loss, lr_at, resume_config, train
+from nanollama4.train import TrainingError, lr_at, resume_config, train
 
 
 def cfg(**changes) -> TrainConfig:

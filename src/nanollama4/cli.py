@@ -230,7 +230,7 @@ def _replacing(tokenizer, char: str):
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .train import full_validation_loss_of_run
+    from .evaluation import full_validation_loss_of_run
 
     loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint)
     print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "

@@ -1,10 +1,11 @@
-"""Process-level settings that make CPU training faster, applied by the CLI and the benchmarks.
+"""Process-level settings: the allocator tuning that makes CPU training faster (applied by the CLI and the
+benchmarks), and the device a config names.
 
 glibc serves every allocation above 32 MiB with a fresh mmap and returns it to the OS on free, so a
-large-expert model that allocates its ~100 MB expert gradients every step pays the page faults of
-touching that memory anew each time (measured here: 42 ms per 200 MB). Telling malloc never to use
-mmap and not to trim the heap keeps freed blocks for reuse: the MoE layer's forward+backward at
-N = 128 experts went from 136 ms to 65-70 ms. Memory is not returned to the OS until exit.
+large-expert model that allocates its expert gradients every step pays the page faults of touching that
+memory anew each time. Telling malloc never to use mmap and not to trim the heap keeps freed blocks for
+reuse (the MoE layer's step at 128 experts, before and after: benchmarks/RESULTS.md). Memory is not
+returned to the OS until exit.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+
+import torch
+
+from .errors import TrainingError
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _applied = False
@@ -28,3 +33,21 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         _applied = False
     return _applied
+
+
+def pick_device(name: str) -> torch.device:
+    """The torch device for a TrainConfig.device name, or a TrainingError when this machine lacks it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise TrainingError(f"device {name!r} is not available: this torch ({torch.__version__}) sees no CUDA "
+                                "GPU; use --set device=cpu (or auto)")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise TrainingError(f"device {name!r} is not available: this machine has {torch.cuda.device_count()} "
+                                f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    backend = {"mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}.get(name.split(":")[0])
+    if name != "cpu" and not name.startswith("cuda") and (backend is None or not backend.is_available()):
+        raise TrainingError(f"device {name!r} is not available on this machine; use --set device=cpu (or auto)")
+    return torch.device(name)

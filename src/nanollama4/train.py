@@ -13,12 +13,11 @@ import math
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -28,7 +27,6 @@ from .checkpoint import (
     holds_run,
     load_model,
     load_optimizer_state,
-    load_run,
     load_train_state,
     read_json,
     read_safetensors,
@@ -37,10 +35,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus, windows
+from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .errors import DataError, TrainingError
+from .evaluation import autocast, evaluate
 from .files import atomic_write
 from .model import Transformer
+from .runtime import pick_device
 from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, UnknownCharacters, load_tokenizer
 
 
@@ -62,24 +62,6 @@ def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
         return TrainConfig.from_dict({**saved, **overrides})
     except TypeError as e:
         raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
-
-
-def pick_device(name: str) -> torch.device:
-    """The torch device for a TrainConfig.device name, or a TrainingError when this machine lacks it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise TrainingError(f"device {name!r} is not available: this torch ({torch.__version__}) sees no CUDA "
-                                "GPU; use --set device=cpu (or auto)")
-        index = int(name.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise TrainingError(f"device {name!r} is not available: this machine has {torch.cuda.device_count()} "
-                                f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    backend = {"mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}.get(name.split(":")[0])
-    if name != "cpu" and not name.startswith("cuda") and (backend is None or not backend.is_available()):
-        raise TrainingError(f"device {name!r} is not available on this machine; use --set device=cpu (or auto)")
-    return torch.device(name)
 
 
 def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
@@ -113,42 +95,6 @@ def expert_load(model: Transformer) -> list[list[float]]:
         return []
     stacked = torch.stack(counts).float()
     return (stacked / stacked.sum(-1, keepdim=True)).tolist()
-
-
-def autocast(device: torch.device, enabled: bool):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
-
-
-@torch.no_grad()
-def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-             bf16: bool) -> float:
-    """Mean next-token loss over fixed batches (model put back in train mode afterwards)."""
-    model.eval()
-    losses = []
-    for x, y in batches:
-        with autocast(device, bf16):
-            losses.append(model.loss(x.to(device), y.to(device)).lm.item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
-@torch.no_grad()
-def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, device: torch.device,
-                         bf16: bool = False, batch_size: int = 32) -> float:
-    """Mean nats per token over every token of `tokens`, predicted in non-overlapping windows of seq_len.
-
-    Each window predicts its own tokens from the earlier ones in the same window, so every token but the
-    first is predicted exactly once; the final partial window is included.
-    """
-    model.eval()
-    total = 0.0
-    for x, y in windows(tokens, seq_len, batch_size):
-        with autocast(device, bf16):
-            logits = model(x.to(device))
-        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(device),
-                                                   reduction="sum").item()
-    n_pred = len(tokens) - 1
-    return total / n_pred
 
 
 @contextmanager
@@ -460,19 +406,3 @@ def _check_budget_ahead(tc: TrainConfig, state: dict[str, Any], run_dir: Path) -
     if tc.max_time is not None and elapsed >= tc.max_time:
         raise TrainingError(f"{run_dir} has already trained for {elapsed:.0f} s and --max-time counts the whole "
                             f"run; pass --max-time above {elapsed:.0f}s (or --max-steps)")
-
-
-def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple[float, int, int]:
-    """(loss, validation tokens, window) for a run: every validation token, in windows of its training length."""
-    model, tokenizer, tc_dict = load_run(path, prefer=prefer)
-    tc = TrainConfig.from_dict(tc_dict)
-    state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir(),
-                                 invalid_utf8=tc.invalid_utf8)
-    try:
-        device = pick_device(tc.device)
-    except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
-        device = pick_device("auto")
-    seq_len = tc.seq_len or model.cfg.max_seq_len
-    loss = full_validation_loss(model.to(device), dataset.val_tokens, seq_len, device, tc.bf16)
-    return loss, int(dataset.n_val), seq_len

@@ -1,0 +1,70 @@
+"""Evaluation: the validation loss on fixed batches (during training) and over every validation token."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import load_run, load_train_state, resolve_checkpoint
+from .config import TrainConfig
+from .data import TokenDataset, default_cache_dir, find_corpus_files, windows
+from .errors import TrainingError
+from .model import Transformer
+from .runtime import pick_device
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on `device` when enabled (TrainConfig.bf16), else nothing: training and evaluation
+    must compute in the same precision."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+             bf16: bool) -> float:
+    """Mean next-token loss over fixed batches (model put back in train mode afterwards)."""
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with autocast(device, bf16):
+            losses.append(model.loss(x.to(device), y.to(device)).lm.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, device: torch.device,
+                         bf16: bool = False, batch_size: int = 32) -> float:
+    """Mean nats per token over every token of `tokens`, predicted in non-overlapping windows of seq_len.
+
+    Each window predicts its own tokens from the earlier ones in the same window, so every token but the
+    first is predicted exactly once; the final partial window is included.
+    """
+    model.eval()
+    total = 0.0
+    for x, y in windows(tokens, seq_len, batch_size):
+        with autocast(device, bf16):
+            logits = model(x.to(device))
+        total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(device),
+                                                   reduction="sum").item()
+    n_pred = len(tokens) - 1
+    return total / n_pred
+
+
+def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple[float, int, int]:
+    """(loss, validation tokens, window) for a run: every validation token, in windows of its training length."""
+    model, tokenizer, tc_dict = load_run(path, prefer=prefer)
+    tc = TrainConfig.from_dict(tc_dict)
+    state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
+    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir(),
+                                 invalid_utf8=tc.invalid_utf8)
+    try:
+        device = pick_device(tc.device)
+    except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
+        device = pick_device("auto")
+    seq_len = tc.seq_len or model.cfg.max_seq_len
+    loss = full_validation_loss(model.to(device), dataset.val_tokens, seq_len, device, tc.bf16)
+    return loss, int(dataset.n_val), seq_len
