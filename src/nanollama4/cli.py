@@ -229,6 +229,18 @@ def _replacing(tokenizer, char: str):
     return CharTokenizer(tokenizer.chars, replace=char) if isinstance(tokenizer, CharTokenizer) else tokenizer
 
 
+def cmd_explain(args: argparse.Namespace) -> None:
+    from .checkpoint import load_any
+    from .explain import show, trace
+
+    if not args.prompt:
+        raise ConfigError("the prompt is empty; pass --prompt with some text")
+    model, tokenizer = load_any(args.path)
+    if args.replace_unknown is not None:
+        tokenizer = _replacing(tokenizer, args.replace_unknown)
+    show(trace(model, tokenizer, args.prompt), modules=args.trace)
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluation import full_validation_loss_of_run
 
@@ -301,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step: 2-30 s to start, then faster for long outputs")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("explain", help="walk a prompt through the model: shapes, attention, routing, next tokens")
+    p.add_argument("path", type=_text, help="a run directory, a checkpoint folder, or a transformers checkpoint")
+    p.add_argument("--prompt", required=True, help="text to explain")
+    p.add_argument("--trace", action="store_true", help="also list every module's input and output shapes")
+    p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
+                   help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_text)

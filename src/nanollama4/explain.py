@@ -1,0 +1,247 @@
+"""Explain mode: walk one prompt through the model and keep what each layer did.
+
+`trace(model, tokenizer, prompt)` runs one eval forward pass with observers attached from outside: a
+forward hook on every module (shapes), a recording attention backend in every `Attention.attend` (the
+probabilities the layer attended with), and a recorder around each MoE layer's `route` (the decision
+its experts were given) with its shared expert's output. Every number in the `Trace` comes from that
+pass. The observers are removed afterwards, so the model is left as it was. `show` prints a trace with
+rich tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import Attention, attention_mask
+from .errors import GenerationError
+from .model import Transformer
+from .moe import MoE
+from .tokenizer import Tokenizer
+
+TOP_NEXT = 10  # next tokens listed
+
+
+@dataclass
+class LayerTrace:
+    """One block of the pass."""
+
+    index: int
+    kind: str  # "rope" (rotary positions, QK-norm, maybe chunked) or "nope" (no positions, temperature)
+    chunk: int | None  # chunked-attention block size; None = full causal attention
+    qk_norm: bool
+    temperature: bool  # NoPE query scaling with position
+    q_shape: tuple[int, ...]  # (B, T, query heads, head dim)
+    k_shape: tuple[int, ...]  # (B, T, KV heads, head dim)
+    v_shape: tuple[int, ...]
+    attention: torch.Tensor  # (heads, T, T) probabilities of the first (only) sequence, float32
+    experts: list[list[int]] | None = None  # per token, its routed experts (MoE layers; None for dense)
+    weights: list[list[float]] | None = None  # per token, the router weight of each of those experts
+    rerouted: int | None = None  # assignments that went past a token's top-k because an expert was full
+    dropped: int | None = None  # slots that found no expert with room
+    shared_share: float | None = None  # |shared expert's output| / |MoE layer's output|, mean over tokens
+
+    @property
+    def gqa(self) -> str:
+        return f"{self.q_shape[2]} query heads share {self.k_shape[2]} KV heads"
+
+
+@dataclass
+class Trace:
+    """What one prompt did in the model."""
+
+    tokens: list[str]  # each token's text
+    ids: list[int]
+    embedding_shape: tuple[int, ...]  # (1, T, d_model)
+    layers: list[LayerTrace]
+    next_tokens: list[tuple[str, float]]  # the most likely next tokens after the last position
+    modules: list[tuple[str, list[tuple[int, ...]], tuple[int, ...]]] = field(default_factory=list)
+    # every module call in order: (name, input shapes, output shape)
+
+
+def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
+    """Run `prompt` through `model` once (eval, no gradient) and return what each layer did."""
+    if not prompt:
+        raise GenerationError("the prompt is empty; give some text to explain")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise GenerationError("the prompt encodes to no tokens; give some text to explain")
+    limit = model.cfg.max_seq_len
+    if len(ids) > limit:
+        raise GenerationError(f"the prompt is {len(ids)} tokens, more than the model's max_seq_len ({limit}); "
+                              "shorten it")
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    try:
+        with torch.no_grad(), _observed(model) as seen:
+            logits = model(x)
+    finally:
+        model.train(was_training)
+    probs = logits[0, -1].float().softmax(-1)
+    top = probs.topk(min(TOP_NEXT, probs.numel()))
+    next_tokens = [(tokenizer.decode([int(i)]), float(p)) for p, i in zip(top.values, top.indices, strict=True)]
+    layers = [_layer_trace(i, block, seen) for i, block in enumerate(model.blocks)]
+    return Trace(tokens=[tokenizer.decode([i]) for i in ids], ids=list(ids), embedding_shape=seen["embed"],
+                 layers=layers, next_tokens=next_tokens, modules=seen["modules"])
+
+
+@contextmanager
+def _observed(model: Transformer) -> Iterator[dict]:
+    """Attach the observers for one pass; `seen` fills in as the pass runs."""
+    seen: dict = {"modules": [], "attention": {}, "qkv": {}, "shared": {}, "moe_out": {}, "routing": {},
+                  "embed": None}
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+
+    def shapes(value) -> list[tuple[int, ...]]:
+        return [tuple(v.shape) for v in value if isinstance(v, torch.Tensor)]
+
+    def any_module(module, inputs, output) -> None:
+        out = output if isinstance(output, torch.Tensor) else next(iter(shapes(output) or [()]), ())
+        seen["modules"].append((names[module] or "model", shapes(inputs),
+                                tuple(out.shape) if isinstance(out, torch.Tensor) else out))
+
+    for module in model.modules():
+        handles.append(module.register_forward_hook(any_module))
+    handles.append(model.embed.register_forward_hook(
+        lambda m, i, o: seen.__setitem__("embed", tuple(o.shape))))
+    originals = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            originals[module] = module.attend
+            module.attend = _recording(module, module.attend, seen)
+        if isinstance(module, MoE):
+            originals[module] = module.route
+            module.route = _routing_recorder(module, module.route, seen)
+            handles.append(module.register_forward_hook(
+                lambda m, i, o: seen["moe_out"].__setitem__(m, o.detach().float().reshape(-1, o.shape[-1]))))
+            if module.shared_expert is not None:
+                handles.append(module.shared_expert.register_forward_hook(
+                    lambda m, i, o, moe=module: seen["shared"].__setitem__(moe, o.detach().float())))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+        for module, original in originals.items():
+            if isinstance(module, Attention):
+                module.attend = original  # its own attribute, put back
+            else:
+                del module.route  # the recorder shadowed the class's method
+
+
+def _recording(attn: Attention, attend, seen: dict):
+    """An attention backend that keeps the probabilities it attends with, then returns the layer's output."""
+
+    def record(q, k, v, q_pos, k_pos, chunk, mask):
+        seen["qkv"][attn] = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        allowed = attention_mask(q_pos, k_pos, chunk) if mask is None else mask
+        rep = q.shape[2] // k.shape[2]
+        k_rep = k.float().repeat_interleave(rep, dim=2)  # (B, Tk, H, Dh): query head h reads KV head h // rep
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_rep) / math.sqrt(q.shape[-1])
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
+        seen["attention"][attn] = probs[0]
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float().repeat_interleave(rep, dim=2))
+        return out.to(q.dtype)
+
+    return record
+
+
+def _routing_recorder(moe: MoE, route, seen: dict):
+    """MoE.route, keeping the decision it returns."""
+
+    def record(x_TD):
+        seen["routing"][moe] = decision = route(x_TD)
+        return decision
+
+    return record
+
+
+def _layer_trace(i: int, block: nn.Module, seen: dict) -> LayerTrace:
+    attn = block.attn
+    q_shape, k_shape, v_shape = seen["qkv"][attn]
+    layer = LayerTrace(index=i, kind="rope" if attn.use_rope else "nope", chunk=attn.chunk, qk_norm=attn.qk_norm,
+                       temperature=attn.temperature, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
+                       attention=seen["attention"][attn])
+    moe = block.ffn
+    if isinstance(moe, MoE):
+        r = seen["routing"][moe]
+        valid = torch.ones_like(r.experts_TK, dtype=torch.bool) if r.valid_TK is None else r.valid_TK
+        layer.experts = [[e for e, ok in zip(row, oks, strict=True) if ok]
+                         for row, oks in zip(r.experts_TK.tolist(), valid.tolist(), strict=True)]
+        layer.weights = [[w for w, ok in zip(row, oks, strict=True) if ok]
+                         for row, oks in zip(r.weights_TK.tolist(), valid.tolist(), strict=True)]
+        layer.rerouted, layer.dropped = int(r.rerouted), int(r.dropped)
+        if moe in seen["shared"]:
+            shared_TD, out_TD = seen["shared"][moe], seen["moe_out"][moe]
+            layer.shared_share = float((shared_TD.norm(dim=-1) / out_TD.norm(dim=-1).clamp_min(1e-12)).mean())
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------- the terminal
+def show(t: Trace, console=None, modules: bool = False) -> None:
+    """Print a trace with rich tables, in the order the pass ran: tokens, embedding, each layer, next tokens.
+    `modules` adds every module call's input and output shapes."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    console.print("tokens:")
+    tokens = Table(show_edge=False)
+    for name in ("position", "token", "id"):
+        tokens.add_column(name)
+    for p, (tok, i) in enumerate(zip(t.tokens, t.ids, strict=True)):
+        tokens.add_row(str(p), escape(repr(tok)), str(i))
+    console.print(tokens)
+    console.print(f"embedding: ids {(1, len(t.ids))} -> {t.embedding_shape}", markup=False)
+    for layer in t.layers:
+        console.print()
+        console.print(f"[bold]layer {layer.index}[/bold]: {describe_attention(layer)}")
+        console.print(f"  q {layer.q_shape}, k {layer.k_shape}, v {layer.v_shape}: {layer.gqa}", markup=False)
+        if layer.experts is None:
+            console.print("  feed-forward: dense SwiGLU")
+            continue
+        console.print("  routed experts, with the router's weight:")
+        for tok, line in zip(t.tokens, routing_lines(layer), strict=True):
+            console.print(f"    {tok!r} → {line}", markup=False, highlight=False)
+        shared = "none" if layer.shared_share is None else \
+            f"always on, {layer.shared_share:.0%} of the layer's output norm on average"
+        console.print(f"  shared expert: {shared}; rerouted {layer.rerouted}, dropped {layer.dropped}", markup=False)
+    nxt = Table(show_edge=False)
+    nxt.add_column("token")
+    nxt.add_column("probability", justify="right")
+    for tok, p in t.next_tokens:
+        nxt.add_row(escape(repr(tok)), f"{p:.1%}")
+    console.print()
+    console.print("next token after the prompt:")
+    console.print(nxt)
+    if modules:
+        console.print("every module call, in order:")
+        calls = Table(show_edge=False)
+        for name in ("module", "inputs", "output"):
+            calls.add_column(name)
+        for name, ins, out in t.modules:
+            calls.add_row(escape(name), ", ".join(str(s) for s in ins), str(out))
+        console.print(calls)
+
+
+def describe_attention(layer: LayerTrace) -> str:
+    if layer.kind == "rope":
+        extent = f"chunked attention (blocks of {layer.chunk})" if layer.chunk else "full causal attention"
+        return f"RoPE + {extent}{' + QK-norm' if layer.qk_norm else ''}"
+    return f"NoPE + full causal attention{' + temperature tuning' if layer.temperature else ''}"
+
+
+def routing_lines(layer: LayerTrace) -> list[str]:
+    """Per token: "expert 1 (0.70), expert 3 (0.30)" (or "no expert had room")."""
+    assert layer.experts is not None and layer.weights is not None
+    return [", ".join(f"expert {e} ({w:.2f})" for e, w in zip(experts, weights, strict=True)) or "no expert had room"
+            for experts, weights in zip(layer.experts, layer.weights, strict=True)]

@@ -1,0 +1,119 @@
+"""Explain mode: the trace reports what the forward pass did, and leaves the model as it was."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+import nanollama4
+from helpers import randomize_, run_cli, write_corpus
+from nanollama4.attention import sdpa_attend
+from nanollama4.explain import routing_lines, show, trace
+from nanollama4.moe import MoE
+from nanollama4.ops.attention import cpu_autocast_attend
+from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+
+TEXT = "Facebook was founded in 2004 by Mark Zuckerberg and his college roommates."
+
+
+def _model(router: str, vocab: int) -> nanollama4.Transformer:
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(nanollama4.preset("tiny", vocab_size=vocab, moe_every=2, router=router))
+    randomize_(model, seed=3)  # varied routing (the default init routes almost uniformly)
+    return model.eval()
+
+
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+def test_trace_and_terminal_report_the_routers_own_decisions(router):
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model(router, tok.vocab_size)
+    prompt = "Facebook was founded"
+    ids = torch.tensor([tok.encode(prompt)])
+    moe_inputs = {}  # computed separately: a plain pass, capturing each MoE layer's input, then its router
+    hooks = [m.register_forward_pre_hook(lambda m, args: moe_inputs.__setitem__(m, args[0].detach()))
+             for m in model.modules() if isinstance(m, MoE)]
+    with torch.no_grad():
+        logits = model(ids)
+        want = {m: m.route(x.reshape(-1, x.shape[-1])) for m, x in moe_inputs.items()}
+    for h in hooks:
+        h.remove()
+
+    t = trace(model, tok, prompt)
+    out = io.StringIO()
+    show(t, Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    moe_layers = [layer for layer in t.layers if layer.experts is not None]
+    assert [layer.index for layer in moe_layers] == [1, 3]
+    for layer in moe_layers:
+        r = want[model.blocks[layer.index].ffn]
+        assert layer.experts == r.experts_TK.tolist()
+        torch.testing.assert_close(torch.tensor(layer.weights), r.weights_TK, atol=1e-6, rtol=0)
+        for token, line in zip(t.tokens, routing_lines(layer), strict=True):
+            assert f"{token!r} → {line}" in text
+        for row, weights in zip(r.experts_TK.tolist(), r.weights_TK.tolist(), strict=True):
+            assert ", ".join(f"expert {e} ({w:.2f})" for e, w in zip(row, weights, strict=True)) in text
+        assert 0 < layer.shared_share < 10
+    assert len({tuple(row) for layer in moe_layers for row in layer.experts}) > 2  # routing really varies
+    probs = logits[0, -1].softmax(-1)
+    top = probs.topk(10)
+    assert [tok.decode([int(i)]) for i in top.indices] == [name for name, _ in t.next_tokens]
+    assert [p for _, p in t.next_tokens] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_attention_is_what_the_layer_attended_with_and_the_model_is_left_as_it_was():
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("sigmoid", tok.vocab_size)
+    prompt = "Facebook was"  # 12 tokens, chunk 8: RoPE layers see only their own block of 8
+    t = trace(model, tok, prompt)
+    assert all(b.attn.attend is cpu_autocast_attend for b in model.blocks)  # the recorders are gone again
+    assert not any("route" in vars(m) for m in model.modules() if isinstance(m, MoE))
+    assert not any(m._forward_hooks for m in model.modules())
+    for layer in t.layers:
+        a = layer.attention  # (H, T, T)
+        assert a.shape == (4, 12, 12)
+        torch.testing.assert_close(a.sum(-1), torch.ones(4, 12))
+        assert (a.triu(1) == 0).all()  # causal
+        if layer.chunk:
+            assert (a[:, 8:, :8] == 0).all() and (a[:, 9, 8:10] > 0).all()
+        else:
+            assert (a[:, 9, :10] > 0).all()
+    assert [layer.kind for layer in t.layers] == ["rope", "rope", "rope", "nope"]
+    assert t.layers[0].gqa == "4 query heads share 2 KV heads"
+    assert t.embedding_shape == (1, 12, 64)
+    assert any(name == "blocks.1.ffn.router" for name, _, _ in t.modules)
+    assert sdpa_attend is not cpu_autocast_attend
+
+
+def test_prompts_from_one_token_to_the_whole_context():
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("softmax", tok.vocab_size)
+    for n in (1, model.cfg.max_seq_len):
+        t = trace(model, tok, (TEXT * 2)[:n])
+        assert len(t.tokens) == n and all(layer.attention.shape[-1] == n for layer in t.layers)
+    with pytest.raises(nanollama4.errors.GenerationError, match="more than the model's max_seq_len"):
+        trace(model, tok, (TEXT * 2)[: model.cfg.max_seq_len + 1])
+
+
+def test_explain_on_a_run_and_on_a_reference_checkpoint_with_bpe(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    rc, _, err = run_cli(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "run"),
+                          "--max-steps", "2", "--set", "batch_size=4", "--set", "seq_len=32", "--quiet"], capsys)
+    assert rc == 0, err
+    rc, out, err = run_cli(["explain", str(tmp_path / "run"), "--prompt", "the cat", "--trace"], capsys)
+    assert rc == 0 and err == "", err
+    assert "layer 3: NoPE + full causal attention + temperature tuning" in out
+    assert "'t' → expert" in out and "every module call" in out and "blocks.0.attn.q_proj" in out
+
+    bpe = BPETokenizer.train(corpus.read_text(), 300)
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(nanollama4.preset("tiny", vocab_size=bpe.vocab_size))
+    hf = tmp_path / "hf"
+    nanollama4.export_hf(model, hf)
+    bpe.save(hf / "tokenizer.json")
+    rc, out, err = run_cli(["explain", str(hf), "--prompt", "the quick brown fox"], capsys)
+    assert rc == 0, err
+    assert "next token after the prompt" in out and "layer 0: RoPE + chunked attention (blocks of 8)" in out
