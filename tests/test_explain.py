@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
+import matplotlib.image
 import pytest
 import torch
 from rich.console import Console
@@ -11,7 +17,7 @@ from rich.console import Console
 import nanollama4
 from helpers import randomize_, run_cli, write_corpus
 from nanollama4.attention import sdpa_attend
-from nanollama4.explain import routing_lines, show, trace
+from nanollama4.explain import html, routing_lines, show, trace
 from nanollama4.moe import MoE
 from nanollama4.ops.attention import cpu_autocast_attend
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
@@ -103,8 +109,11 @@ def test_explain_on_a_run_and_on_a_reference_checkpoint_with_bpe(tmp_path, capsy
     rc, _, err = run_cli(["train", "--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "run"),
                           "--max-steps", "2", "--set", "batch_size=4", "--set", "seq_len=32", "--quiet"], capsys)
     assert rc == 0, err
-    rc, out, err = run_cli(["explain", str(tmp_path / "run"), "--prompt", "the cat", "--trace"], capsys)
+    page = tmp_path / "page.html"
+    rc, out, err = run_cli(["explain", str(tmp_path / "run"), "--prompt", "the cat", "--trace", "--html", str(page)],
+                           capsys)
     assert rc == 0 and err == "", err
+    assert f"page: {page}" in out and '"tokens":["t","h","e"," ","c","a","t"]' in page.read_text()
     assert "layer 3: NoPE + full causal attention + temperature tuning" in out
     assert "'t' → expert" in out and "every module call" in out and "blocks.0.attn.q_proj" in out
 
@@ -117,3 +126,56 @@ def test_explain_on_a_run_and_on_a_reference_checkpoint_with_bpe(tmp_path, capsy
     rc, out, err = run_cli(["explain", str(hf), "--prompt", "the quick brown fox"], capsys)
     assert rc == 0, err
     assert "next token after the prompt" in out and "layer 0: RoPE + chunked attention (blocks of 8)" in out
+
+
+# ---------------------------------------------------------------------------------------------- the page
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-headless-shell")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _demo_page(tmp_path: Path, n_tokens: int = 64) -> tuple[Path, nanollama4.explain.Trace]:
+    text = (TEXT + " ") * 3
+    tok = CharTokenizer.from_text(text)
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(nanollama4.preset("shakespeare-char", vocab_size=tok.vocab_size)).eval()
+    randomize_(model, seed=5)
+    t = trace(model, tok, text[:n_tokens])
+    page = tmp_path / "report.html"
+    page.write_text(html(t), encoding="utf-8")
+    return page, t
+
+
+def test_the_page_is_self_contained_and_small(tmp_path):
+    page, t = _demo_page(tmp_path)
+    content = page.read_text()
+    assert page.stat().st_size < 1_000_000, page.stat().st_size  # 64 tokens on the demo model
+    # no address to load: the only URI is the SVG namespace, which names and is never fetched
+    assert set(re.findall(r"https?://[^\s\"'<>)]*", content)) == {"http://www.w3.org/2000/svg"}
+    assert not re.search(r"<(link|img|iframe)\b|\bsrc=|@import|url\(|fetch\(|XMLHttpRequest", content)
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', content, re.S)[1])
+    assert data["tokens"] == t.tokens and len(data["layers"]) == 4
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (.ci/run installs Debian's chromium)")
+def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
+    page, t = _demo_page(tmp_path, n_tokens=40)
+    flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert 'data-ready="yes"' in dom  # the script ran to its end
+    moe_layers = [layer for layer in t.layers if layer.experts is not None]
+    cells = re.findall(r'<td class="cell" data-layer="(\d+)" data-token="(\d+)"', dom)
+    assert sorted(cells) == sorted((str(layer.index), str(i)) for layer in moe_layers for i in range(40))
+    for layer in moe_layers:  # each cell names its token's top expert and, on hover, all of them
+        for i in (0, 17, 39):
+            title = ", ".join(f"expert {e} ({w:.2f})" for e, w in zip(layer.experts[i], layer.weights[i],
+                                                                        strict=True))
+            assert f'data-layer="{layer.index}" data-token="{i}" title="{title}"' in dom
+    assert dom.count('id="heatmap"') == 1
+    shot = tmp_path / "shot.png"
+    subprocess.run([CHROMIUM, *flags, "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120)
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    colourful = (pixels.max(-1) - pixels.min(-1) > 0.3).mean()  # the grid's expert colours, the heatmap
+    assert pixels.std() > 0.05 and colourful > 0.02, (pixels.std(), colourful)

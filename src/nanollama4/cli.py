@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
@@ -235,10 +236,21 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass --prompt with some text")
+    out = Path(args.html) if args.html else None
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise ConfigError(f"--html {out}: give a file path in an existing folder")
     model, tokenizer = load_any(args.path)
     if args.replace_unknown is not None:
         tokenizer = _replacing(tokenizer, args.replace_unknown)
-    show(trace(model, tokenizer, args.prompt), modules=args.trace)
+    t = trace(model, tokenizer, args.prompt)
+    show(t, modules=args.trace)
+    if out is not None:
+        from .explain import html
+        from .files import atomic_write
+
+        atomic_write(out, lambda p: Path(p).write_text(html(t, f"nanollama4 explain: {args.prompt!r}"),
+                                                       encoding="utf-8"))
+        print(f"page: {out}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -318,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", type=_text, help="a run directory, a checkpoint folder, or a transformers checkpoint")
     p.add_argument("--prompt", required=True, help="text to explain")
     p.add_argument("--trace", action="store_true", help="also list every module's input and output shapes")
+    p.add_argument("--html", type=_text, metavar="FILE", help="also write the trace as one self-contained page")
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.set_defaults(func=cmd_explain)

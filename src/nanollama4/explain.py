@@ -10,6 +10,7 @@ rich tables.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -245,3 +246,121 @@ def routing_lines(layer: LayerTrace) -> list[str]:
     assert layer.experts is not None and layer.weights is not None
     return [", ".join(f"expert {e} ({w:.2f})" for e, w in zip(experts, weights, strict=True)) or "no expert had room"
             for experts, weights in zip(layer.experts, layer.weights, strict=True)]
+
+
+# ---------------------------------------------------------------------------------------------- the page
+def html(t: Trace, title: str = "nanollama4 explain") -> str:
+    """One self-contained HTML page of a trace: the data inlined as JSON, drawn by a few KB of plain
+    JavaScript into HTML and SVG; it loads nothing from anywhere (no CDN, no fonts, no images)."""
+    data = {
+        "tokens": t.tokens, "ids": t.ids, "embedding": list(t.embedding_shape),
+        "next": [[tok, round(p, 4)] for tok, p in t.next_tokens],
+        "layers": [{
+            "index": layer.index, "kind": describe_attention(layer), "gqa": layer.gqa,
+            "q": list(layer.q_shape), "k": list(layer.k_shape), "v": list(layer.v_shape),
+            "experts": layer.experts,
+            "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
+            "rerouted": layer.rerouted, "dropped": layer.dropped,
+            "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
+            "attention": [[[round(p, 3) for p in row] for row in head] for head in layer.attention.tolist()],
+        } for layer in t.layers],
+    }
+    payload = json.dumps(data, ensure_ascii=True, separators=(",", ":")).replace("</", "<\\/")
+    return _PAGE.replace("@TITLE@", escape_html(title)).replace("@DATA@", payload)
+
+
+def escape_html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>@TITLE@</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:24px;color:#222}
+h1{font-size:20px} h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse} td,th{padding:2px 6px;text-align:left}
+td.cell{width:42px;height:20px;text-align:center;font-size:11px;color:#fff;border:1px solid #fff}
+.muted{color:#777} select{margin-right:12px}
+</style></head><body>
+<h1>@TITLE@</h1>
+<p id="shape" class="muted"></p>
+<h2>Routing: each token's top expert per MoE layer (hover for all experts and weights)</h2>
+<table id="grid"></table>
+<h2>Expert load per MoE layer (assignments per expert)</h2>
+<div id="load"></div>
+<h2>Attention</h2>
+<label>layer <select id="layer"></select></label><label>head <select id="head"></select></label>
+<div id="attention"></div>
+<h2>Next token</h2>
+<table id="next"></table>
+<script id="data" type="application/json">@DATA@</script>
+<script>
+"use strict";
+const D = JSON.parse(document.getElementById("data").textContent);
+const SVG = "http://www.w3.org/2000/svg";  // the SVG namespace: a name, never fetched
+function el(tag, attrs, text) {
+  const e = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
+  for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+function color(expert) { return "hsl(" + ((expert * 137.5) % 360) + ",60%,45%)"; }
+const moe = D.layers.filter(l => l.experts);
+function ffn(l) {
+  if (!l.experts) return ", dense SwiGLU";
+  if (l.shared === null) return ", MoE";
+  return ", MoE + shared expert (" + Math.round(100 * l.shared) + "% of the output norm)";
+}
+document.getElementById("shape").textContent = D.tokens.length + " tokens, embedding " +
+  JSON.stringify(D.embedding) + "; " +
+  D.layers.map(l => "layer " + l.index + ": " + l.kind + ", " + l.gqa + ffn(l)).join("; ");
+const grid = document.getElementById("grid");
+const head = el("tr"); head.appendChild(el("th", {}, "token"));
+for (const l of moe) head.appendChild(el("th", {}, "layer " + l.index));
+grid.appendChild(head);
+D.tokens.forEach((tok, t) => {
+  const row = el("tr"); row.appendChild(el("td", {}, JSON.stringify(tok)));
+  for (const l of moe) {
+    const ex = l.experts[t], w = l.weights[t];
+    const cell = el("td", {class: "cell", "data-layer": l.index, "data-token": t,
+      title: ex.map((e, j) => "expert " + e + " (" + w[j].toFixed(2) + ")").join(", ") || "no expert had room"},
+      ex.length ? String(ex[0]) : "-");
+    if (ex.length) cell.style.background = color(ex[0]); else cell.style.background = "#999";
+    row.appendChild(cell);
+  }
+  grid.appendChild(row);
+});
+const load = document.getElementById("load");
+for (const l of moe) {
+  const counts = {};
+  l.experts.flat().forEach(e => { counts[e] = (counts[e] || 0) + 1; });
+  const n = Math.max(...l.experts.flat(), 0) + 1, top = Math.max(1, ...Object.values(counts));
+  const svg = el("svg:svg", {width: 40 + 28 * n, height: 120, "data-layer": l.index});
+  svg.appendChild(el("svg:text", {x: 0, y: 14}, "layer " + l.index));
+  for (let e = 0; e < n; e++) {
+    const h = 80 * (counts[e] || 0) / top;
+    svg.appendChild(el("svg:rect", {x: 40 + 28 * e, y: 100 - h, width: 22, height: h, fill: color(e)}));
+    svg.appendChild(el("svg:text", {x: 44 + 28 * e, y: 116, "font-size": 11}, String(e)));
+  }
+  load.appendChild(svg);
+}
+const layerSel = document.getElementById("layer"), headSel = document.getElementById("head");
+D.layers.forEach(l => layerSel.appendChild(el("option", {value: l.index}, String(l.index))));
+for (let h = 0; h < D.layers[0].attention.length; h++) headSel.appendChild(el("option", {value: h}, String(h)));
+function drawAttention() {
+  const a = D.layers[+layerSel.value].attention[+headSel.value], n = a.length, s = Math.max(4, Math.min(24, 480 / n));
+  const svg = el("svg:svg", {width: n * s + 2, height: n * s + 2, id: "heatmap"});
+  a.forEach((row, q) => row.forEach((p, k) => {
+    if (p > 0) svg.appendChild(el("svg:rect", {x: k * s, y: q * s, width: s, height: s,
+      fill: "rgba(200,60,40," + Math.min(1, 0.08 + p) + ")"}, undefined));
+  }));
+  const box = document.getElementById("attention"); box.replaceChildren(svg);
+}
+layerSel.onchange = headSel.onchange = drawAttention; drawAttention();
+const next = document.getElementById("next");
+next.appendChild(el("tr")).append(el("th", {}, "token"), el("th", {}, "probability"));
+D.next.forEach(([tok, p]) => next.appendChild(el("tr")).append(el("td", {}, JSON.stringify(tok)),
+  el("td", {}, (100 * p).toFixed(1) + "%")));
+document.body.setAttribute("data-ready", "yes");
+</script></body></html>
+"""
