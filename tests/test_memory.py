@@ -104,3 +104,24 @@ def test_matches_model_parameter_count():
 
     cfg = preset("tiny")
     assert param_counts(cfg).total == sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+def test_the_check_yourself_commands_print_the_numbers(capsys):
+    """kv-cache --compare, params --compare and rope-check: the seed's three questions, answered."""
+    from nanollama4.cli import main
+
+    assert main(["kv-cache", "--preset", "seed-example", "--compare"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:7]}
+    assert rows["8,192"] == ["4", "GiB", "1", "GiB", "1023.88", "MiB"]  # MHA, GQA (4x fewer), + chunks
+    assert rows["1,048,576"] == ["512", "GiB", "128", "GiB", "1023.88", "MiB"]  # chunks bound it
+    assert main(["params", "--preset", "llama4-maverick", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "400.7B" in out and out.count("17.2B") == 3 and "23.3x" in out
+    assert main(["rope-check", "--preset", "seed-example"]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:5]
+    for line in lines:
+        m, n, _, *scores, spread = line.split()
+        scores = [float(v) for v in scores]
+        assert max(scores[:3]) - min(scores[:3]) < 1e-4  # shifts of 0, 1 and 1000 positions
+        assert float(spread) < 1e-2
+    assert float(lines[2].split()[-1]) < 1e-5  # m = n: the very same rotation on both sides

@@ -19,7 +19,15 @@ from typing import Any
 
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from .errors import ConfigError, Nanollama4Error
-from .memory import format_count, format_kv_table, format_params_table, kv_cache, param_counts
+from .memory import (
+    format_count,
+    format_kv_compare,
+    format_kv_table,
+    format_params_compare,
+    format_params_table,
+    kv_cache,
+    param_counts,
+)
 
 EXIT_ERROR = 2  # an error meant for people, printed as one line
 EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint: resume it
@@ -91,15 +99,36 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 def cmd_params(args: argparse.Namespace) -> None:
     cfg = _model_config(args)
     print(f"preset {args.preset}")
-    print(format_params_table(cfg))
+    print(format_params_compare(cfg) if args.compare else format_params_table(cfg))
 
 
 def cmd_kv_cache(args: argparse.Namespace) -> None:
     cfg = _model_config(args)
-    table = format_kv_table(kv_cache(cfg, args.seq_len, args.dtype))  # a bad dtype fails before any output
+    if args.compare:
+        table = format_kv_compare(cfg, args.dtype)
+    else:
+        table = format_kv_table(kv_cache(cfg, args.seq_len, args.dtype))  # a bad dtype fails before any output
     print(f"preset {args.preset}: {cfg.n_layers} layers, {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads "
           f"of {cfg.head_dim}")
     print(table)
+
+
+def cmd_rope_check(args: argparse.Namespace) -> None:
+    """Show that a RoPE score depends on m - n only: the same query and key, both positions shifted."""
+    from .rope import shifted_scores
+
+    cfg = _model_config(args)
+    shifts = (0, 1, 1000, 100000)
+    rows = shifted_scores(cfg, shifts=shifts)
+    print(f"preset {args.preset}: one random query and key (head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}), "
+          "q at position m + s, k at n + s; the score q·k for each shift s")
+    print(f"{'m':>5} {'n':>5} {'m-n':>5}  " + "  ".join(f"{'s=' + format(s, ','):>11}" for s in shifts)
+          + "  max |difference|")
+    for m, n, scores in rows:
+        spread = max(scores) - min(scores)
+        print(f"{m:>5} {n:>5} {m - n:>5}  " + "  ".join(f"{v:>11.6f}" for v in scores) + f"  {spread:.1e}")
+    print("the same score for every shift; what differences there are come from float32 rounding of the angles "
+          "pos·θ, which grows with the position")
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
@@ -280,13 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("params", help="total and active-per-token parameters, by component")
     add_preset(p)
+    p.add_argument("--compare", action="store_true", help="MoE against a dense model of the same active size")
     p.set_defaults(func=cmd_params)
 
     p = sub.add_parser("kv-cache", help="KV-cache size per token and for a sequence")
     add_preset(p)
     p.add_argument("--seq-len", type=_positive_int, default=8192, help="sequence length in tokens")
     p.add_argument("--dtype", default="float16", help="cache dtype: float32, bfloat16, float16, float8")
+    p.add_argument("--compare", action="store_true",
+                   help="multi-head against GQA against GQA + chunked attention, over context lengths")
     p.set_defaults(func=cmd_kv_cache)
+
+    p = sub.add_parser("rope-check", help="show that RoPE scores depend only on the relative position")
+    add_preset(p)
+    p.set_defaults(func=cmd_rope_check)
 
     p = sub.add_parser("summary", help="a preset's layer layout and counts, and one timed forward pass")
     add_preset(p)

@@ -173,4 +173,46 @@ def format_kv_table(report: KVCacheReport) -> str:
 
 
 __all__ = ["ParamCounts", "KVCacheReport", "param_counts", "kv_cache", "format_bytes", "format_count",
+           "format_kv_compare", "format_params_compare",
            "format_params_table", "format_kv_table"]
+
+
+COMPARE_LENGTHS = (1024, 8192, 32768, 131072, 1048576)
+
+
+def format_kv_compare(cfg: ModelConfig, dtype: str = "float16", lengths: tuple[int, ...] = COMPARE_LENGTHS) -> str:
+    """KV-cache bytes for one sequence of each length: full multi-head attention, GQA, and GQA with the RoPE
+    layers chunked (the config's chunk, or Llama 4's 8192 when it has none)."""
+    chunk = cfg.attention_chunk_size or 8192
+    variants = [("multi-head", cfg.replace(n_kv_heads=cfg.n_heads, attention_chunk_size=None)),
+                (f"GQA, {cfg.n_kv_heads} KV heads", cfg.replace(attention_chunk_size=None)),
+                (f"GQA + chunks of {chunk}", cfg.replace(attention_chunk_size=chunk))]
+    width = max(len(name) for name, _ in variants)
+    lines = [f"{'tokens':>9}  " + "  ".join(f"{name:>{width}}" for name, _ in variants)]
+    for n in lengths:
+        lines.append(f"{n:>9,}  " + "  ".join(f"{format_bytes(kv_cache(v, n, dtype).bytes_for_sequence):>{width}}"
+                                            for _, v in variants))
+    rope_layers = sum(cfg.uses_rope(i) for i in range(cfg.n_layers))
+    lines.append(f"({cfg.n_layers} layers, {rope_layers} of them RoPE layers, which chunking bounds; {dtype}; "
+                 f"{cfg.n_heads} query heads)")
+    return "\n".join(lines)
+
+
+def format_params_compare(cfg: ModelConfig) -> str:
+    """Total against active-per-token parameters for an MoE config and a dense model of the same active size
+    (its FFN as wide as the routed experts a token uses plus the shared expert)."""
+    if cfg.n_experts == 0:
+        moe = cfg.replace(n_experts=8, experts_per_token=1, expert_dim=cfg.ffn_dim // 2)
+        rows = [("dense (this config)", cfg), ("MoE, 8 experts of half width, top-1 + shared", moe)]
+    else:
+        ffn = cfg.expert_dim * (cfg.experts_per_token + int(cfg.shared_expert))
+        rows = [(f"MoE ({cfg.n_experts} experts, top-{cfg.experts_per_token}"
+                 f"{' + shared' if cfg.shared_expert else ''})", cfg),
+                (f"dense, FFN {ffn} (same active size)", cfg.replace(n_experts=0, ffn_dim=ffn))]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'model':<{width}}  {'total':>10}  {'active/token':>12}  {'total/active':>12}"]
+    for name, c in rows:
+        p = param_counts(c)
+        lines.append(f"{name:<{width}}  {format_count(p.total):>10}  {format_count(p.active):>12}  "
+                     f"{p.total / p.active:>11.1f}x")
+    return "\n".join(lines)
