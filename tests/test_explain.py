@@ -173,6 +173,9 @@ def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
                                                                         strict=True))
             assert f'data-layer="{layer.index}" data-token="{i}" title="{title}"' in dom
     assert dom.count('id="heatmap"') == 1
+    bars = re.findall(r'<svg width="\d+" height="120" data-layer="(\d+)">(.*?)</svg>', dom)
+    assert [int(i) for i, _ in bars] == [layer.index for layer in moe_layers]
+    assert all(body.count("<rect") == t.layers[int(i)].n_experts for i, body in bars)  # one bar per expert
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, *flags, "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120)

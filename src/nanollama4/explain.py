@@ -41,6 +41,7 @@ class LayerTrace:
     k_shape: tuple[int, ...]  # (B, T, KV heads, head dim)
     v_shape: tuple[int, ...]
     attention: torch.Tensor  # (heads, T, T) probabilities of the first (only) sequence, float32
+    n_experts: int | None = None  # routed experts in the layer (MoE layers; None for dense)
     experts: list[list[int]] | None = None  # per token, its routed experts (MoE layers; None for dense)
     weights: list[list[float]] | None = None  # per token, the router weight of each of those experts
     rerouted: int | None = None  # assignments that went past a token's top-k because an expert was full
@@ -179,7 +180,7 @@ def _layer_trace(i: int, block: nn.Module, seen: dict) -> LayerTrace:
                          for row, oks in zip(r.experts_TK.tolist(), valid.tolist(), strict=True)]
         layer.weights = [[w for w, ok in zip(row, oks, strict=True) if ok]
                          for row, oks in zip(r.weights_TK.tolist(), valid.tolist(), strict=True)]
-        layer.rerouted, layer.dropped = int(r.rerouted), int(r.dropped)
+        layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
         if moe in seen["shared"]:
             shared_TD, out_TD = seen["shared"][moe], seen["moe_out"][moe]
             layer.shared_share = float((shared_TD.norm(dim=-1) / out_TD.norm(dim=-1).clamp_min(1e-12)).mean())
@@ -258,7 +259,7 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
         "layers": [{
             "index": layer.index, "kind": describe_attention(layer), "gqa": layer.gqa,
             "q": list(layer.q_shape), "k": list(layer.k_shape), "v": list(layer.v_shape),
-            "experts": layer.experts,
+            "experts": layer.experts, "n_experts": layer.n_experts,
             "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
             "rerouted": layer.rerouted, "dropped": layer.dropped,
             "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
@@ -334,7 +335,7 @@ const load = document.getElementById("load");
 for (const l of moe) {
   const counts = {};
   l.experts.flat().forEach(e => { counts[e] = (counts[e] || 0) + 1; });
-  const n = Math.max(...l.experts.flat(), 0) + 1, top = Math.max(1, ...Object.values(counts));
+  const n = l.n_experts, top = Math.max(1, ...Object.values(counts));
   const svg = el("svg:svg", {width: 40 + 28 * n, height: 120, "data-layer": l.index});
   svg.appendChild(el("svg:text", {x: 0, y: 14}, "layer " + l.index));
   for (let e = 0; e < n; e++) {
