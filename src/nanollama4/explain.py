@@ -102,13 +102,13 @@ def _observed(model: Transformer) -> Iterator[dict]:
     names = {m: n for n, m in model.named_modules()}
     handles = []
 
-    def shapes(value) -> list[tuple[int, ...]]:
-        return [tuple(v.shape) for v in value if isinstance(v, torch.Tensor)]
+    def shapes(values) -> list[tuple[int, ...]]:
+        return [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
 
     def any_module(module, inputs, output) -> None:
-        out = output if isinstance(output, torch.Tensor) else next(iter(shapes(output) or [()]), ())
-        seen["modules"].append((names[module] or "model", shapes(inputs),
-                                tuple(out.shape) if isinstance(out, torch.Tensor) else out))
+        outs = shapes([output] if isinstance(output, torch.Tensor) else
+                      output if isinstance(output, (tuple, list)) else [])
+        seen["modules"].append((names[module] or "model", shapes(inputs), outs[0] if outs else ()))
 
     for module in model.modules():
         handles.append(module.register_forward_hook(any_module))
