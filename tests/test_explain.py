@@ -16,7 +16,6 @@ from rich.console import Console
 
 import nanollama4
 from helpers import randomize_, run_cli, write_corpus
-from nanollama4.attention import sdpa_attend
 from nanollama4.explain import html, routing_lines, show, trace
 from nanollama4.moe import MoE
 from nanollama4.ops.attention import cpu_autocast_attend
@@ -90,7 +89,48 @@ def test_attention_is_what_the_layer_attended_with_and_the_model_is_left_as_it_w
     assert t.layers[0].gqa == "4 query heads share 2 KV heads"
     assert t.embedding_shape == (1, 12, 64)
     assert any(name == "blocks.1.ffn.router" for name, _, _ in t.modules)
-    assert sdpa_attend is not cpu_autocast_attend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_traced_pass_is_the_plain_pass_bit_for_bit(dtype):
+    """The recorder hands back the real backend's output, so nothing downstream drifts (in bf16 an output
+    computed by the recorder itself differed from SDPA's in a third of its elements)."""
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("sigmoid", tok.vocab_size).to(dtype)
+    ids = torch.tensor([tok.encode("Facebook was founded")])
+    with torch.no_grad():
+        plain = model(ids)
+    seen = []
+    model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o))
+    t = trace(model, tok, "Facebook was founded")
+    assert torch.equal(seen[-1], plain)
+    assert t.layers[0].attention.dtype == torch.float32
+
+
+def test_a_failing_pass_leaves_no_observer_behind(monkeypatch):
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("softmax", tok.vocab_size)
+    model.blocks[2].train()  # a mixed train/eval model keeps its modes too
+    monkeypatch.setattr(model.blocks[3], "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        trace(model, tok, "Facebook")
+    assert all(b.attn.attend is cpu_autocast_attend for b in model.blocks)
+    assert not any("route" in vars(m) for m in model.modules() if isinstance(m, MoE))
+    assert not any(m._forward_hooks for m in model.modules())
+    assert model.blocks[2].training and not model.blocks[1].training
+
+
+def test_the_page_escapes_whatever_the_prompt_holds(tmp_path):
+    hostile = '@DATA@ </script><!--<script> "q" & <img src=x onerror=alert(1)>'
+    tok = CharTokenizer.from_text(hostile + TEXT)
+    t = trace(_model("sigmoid", tok.vocab_size), tok, hostile)
+    page = html(t, f"nanollama4 explain: {hostile!r}")
+    assert "<img" not in page and "<!--<script>" not in page
+    assert page.count("</script>") == 2  # the data's and the code's, nothing from the prompt
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)[1])
+    assert "".join(data["tokens"]) == hostile
+    title = re.search(r"<title>(.*?)</title>", page, re.S)[1]
+    assert '"tokens"' not in title and "&lt;img src=x" in title  # the prompt, as text, and not the data
 
 
 def test_prompts_from_one_token_to_the_whole_context():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from .errors import ConfigError, Nanollama4Error
 from .memory import (
+    COMPARE_LENGTHS,
     format_count,
     format_kv_compare,
     format_kv_table,
@@ -92,6 +94,14 @@ def _text(text: str) -> str:
     return text
 
 
+def _check_text(prompt: str) -> None:
+    """A prompt the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt is not valid UTF-8 text; pass it as UTF-8") from None
+
+
 def _model_config(args: argparse.Namespace) -> ModelConfig:
     return preset(args.preset or DEFAULT_PRESET, **parse_overrides(getattr(args, "set", None) or []))
 
@@ -105,7 +115,7 @@ def cmd_params(args: argparse.Namespace) -> None:
 def cmd_kv_cache(args: argparse.Namespace) -> None:
     cfg = _model_config(args)
     if args.compare:
-        table = format_kv_compare(cfg, args.dtype)
+        table = format_kv_compare(cfg, args.dtype, tuple(sorted({*COMPARE_LENGTHS, args.seq_len})))
     else:
         table = format_kv_table(kv_cache(cfg, args.seq_len, args.dtype))  # a bad dtype fails before any output
     print(f"preset {args.preset}: {cfg.n_layers} layers, {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads "
@@ -235,6 +245,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass --prompt with some text")
+    _check_text(args.prompt)
     model, tokenizer = load_any(args.path)
     if args.replace_unknown is not None:
         tokenizer = _replacing(tokenizer, args.replace_unknown)
@@ -265,9 +276,10 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
     if not args.prompt:
         raise ConfigError("the prompt is empty; pass --prompt with some text")
+    _check_text(args.prompt)
     out = Path(args.html) if args.html else None
-    if out is not None and (out.is_dir() or not out.parent.is_dir()):
-        raise ConfigError(f"--html {out}: give a file path in an existing folder")
+    if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
+        raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
     model, tokenizer = load_any(args.path)
     if args.replace_unknown is not None:
         tokenizer = _replacing(tokenizer, args.replace_unknown)
@@ -277,8 +289,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
         from .explain import html
         from .files import atomic_write
 
-        atomic_write(out, lambda p: Path(p).write_text(html(t, f"nanollama4 explain: {args.prompt!r}"),
-                                                       encoding="utf-8"))
+        page = html(t, f"nanollama4 explain: {args.prompt!r}")
+        try:
+            atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"--html {out}: cannot write it ({e.strerror})") from None
         print(f"page: {out}")
 
 

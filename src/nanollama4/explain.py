@@ -4,14 +4,15 @@
 forward hook on every module (shapes), a recording attention backend in every `Attention.attend` (the
 probabilities the layer attended with), and a recorder around each MoE layer's `route` (the decision
 its experts were given) with its shared expert's output. Every number in the `Trace` comes from that
-pass. The observers are removed afterwards, so the model is left as it was. `show` prints a trace with
-rich tables.
+pass. The observers are removed afterwards and every module's train/eval mode is restored; each MoE
+layer's `stats` then describe this pass. `show` prints a trace with rich tables.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
     if len(ids) > limit:
         raise GenerationError(f"the prompt is {len(ids)} tokens, more than the model's max_seq_len ({limit}); "
                               "shorten it")
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}
     model.eval()
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
@@ -85,7 +86,10 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
         with torch.no_grad(), _observed(model) as seen:
             logits = model(x)
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
+    if not bool(torch.isfinite(logits).all()):
+        raise GenerationError("the model's output is not finite for this prompt; the weights may have diverged")
     probs = logits[0, -1].float().softmax(-1)
     top = probs.topk(min(TOP_NEXT, probs.numel()))
     next_tokens = [(tokenizer.decode([int(i)]), float(p)) for p, i in zip(top.values, top.indices, strict=True)]
@@ -120,8 +124,8 @@ def _observed(model: Transformer) -> Iterator[dict]:
             originals[module] = module.attend
             module.attend = _recording(module, module.attend, seen)
         if isinstance(module, MoE):
-            originals[module] = module.route
-            module.route = _routing_recorder(module, module.route, seen)
+            originals[module] = vars(module).get("route")  # an instance-level route of its own, if any
+            module.route = _routing_recorder(module, module.route, seen)  # wraps whichever route it had
             handles.append(module.register_forward_hook(
                 lambda m, i, o: seen["moe_out"].__setitem__(m, o.detach().float().reshape(-1, o.shape[-1]))))
             if module.shared_expert is not None:
@@ -135,6 +139,8 @@ def _observed(model: Transformer) -> Iterator[dict]:
         for module, original in originals.items():
             if isinstance(module, Attention):
                 module.attend = original  # its own attribute, put back
+            elif original is not None:
+                module.route = original
             else:
                 del module.route  # the recorder shadowed the class's method
 
@@ -144,14 +150,14 @@ def _recording(attn: Attention, attend, seen: dict):
 
     def record(q, k, v, q_pos, k_pos, chunk, mask):
         seen["qkv"][attn] = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        allowed = attention_mask(q_pos, k_pos, chunk) if mask is None else mask
-        rep = q.shape[2] // k.shape[2]
-        k_rep = k.float().repeat_interleave(rep, dim=2)  # (B, Tk, H, Dh): query head h reads KV head h // rep
-        scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_rep) / math.sqrt(q.shape[-1])
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
-        seen["attention"][attn] = probs[0]
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float().repeat_interleave(rep, dim=2))
-        return out.to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # the probabilities, from the same q and k
+            allowed = attention_mask(q_pos, k_pos, chunk) if mask is None else mask
+            rep = q.shape[2] // k.shape[2]
+            k_rep = k.float().repeat_interleave(rep, dim=2)  # (B, Tk, H, Dh): query head h reads KV head h // rep
+            scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_rep) / math.sqrt(q.shape[-1])
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
+        seen["attention"][attn] = probs[0].cpu()
+        return attend(q, k, v, q_pos, k_pos, chunk, mask)  # the layer's output, as the real backend makes it
 
     return record
 
@@ -250,9 +256,17 @@ def routing_lines(layer: LayerTrace) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the page
+PAGE_SCORES_LIMIT = 4_000_000  # attention probabilities a page inlines (layers x heads x T x T)
+
+
 def html(t: Trace, title: str = "nanollama4 explain") -> str:
     """One self-contained HTML page of a trace: the data inlined as JSON, drawn by a few KB of plain
-    JavaScript into HTML and SVG; it loads nothing from anywhere (no CDN, no fonts, no images)."""
+    JavaScript into HTML and SVG; it loads nothing from anywhere (no CDN, no fonts, no images).
+    Masked attention cells are null (a visible probability of 0 is not the same as a masked one)."""
+    scores = sum(layer.attention.numel() for layer in t.layers)
+    if scores > PAGE_SCORES_LIMIT:
+        raise GenerationError(f"the page would inline {scores:,} attention probabilities (at most "
+                              f"{PAGE_SCORES_LIMIT:,}); use a shorter prompt")
     data = {
         "tokens": t.tokens, "ids": t.ids, "embedding": list(t.embedding_shape),
         "next": [[tok, round(p, 4)] for tok, p in t.next_tokens],
@@ -263,11 +277,16 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
             "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
             "rerouted": layer.rerouted, "dropped": layer.dropped,
             "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
-            "attention": [[[round(p, 3) for p in row] for row in head] for head in layer.attention.tolist()],
+            "attention": [[[None if p == 0 else round(p, 4) for p in row] for row in head]
+                          for head in layer.attention.tolist()],
         } for layer in t.layers],
     }
-    payload = json.dumps(data, ensure_ascii=True, separators=(",", ":")).replace("</", "<\\/")
-    return _PAGE.replace("@TITLE@", escape_html(title)).replace("@DATA@", payload)
+    # inside <script>, no "<", ">" or "&" may appear raw: token text such as "</script>" or "<!--" would end
+    # or change the script element; JSON's \u escapes say the same characters safely
+    payload = (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+               .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+    fills = {"TITLE": escape_html(title), "DATA": payload}
+    return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], _PAGE)  # one pass: a prompt is never re-read
 
 
 def escape_html(text: str) -> str:
@@ -352,7 +371,7 @@ function drawAttention() {
   const a = D.layers[+layerSel.value].attention[+headSel.value], n = a.length, s = Math.max(4, Math.min(24, 480 / n));
   const svg = el("svg:svg", {width: n * s + 2, height: n * s + 2, id: "heatmap"});
   a.forEach((row, q) => row.forEach((p, k) => {
-    if (p > 0) svg.appendChild(el("svg:rect", {x: k * s, y: q * s, width: s, height: s,
+    if (p !== null) svg.appendChild(el("svg:rect", {x: k * s, y: q * s, width: s, height: s,
       fill: "rgba(200,60,40," + Math.min(1, 0.08 + p) + ")"}, undefined));
   }));
   const box = document.getElementById("attention"); box.replaceChildren(svg);

@@ -195,6 +195,9 @@ def format_kv_compare(cfg: ModelConfig, dtype: str = "float16", lengths: tuple[i
     rope_layers = sum(cfg.uses_rope(i) for i in range(cfg.n_layers))
     lines.append(f"({cfg.n_layers} layers, {rope_layers} of them RoPE layers, which chunking bounds; {dtype}; "
                  f"{cfg.n_heads} query heads)")
+    if rope_layers == cfg.n_layers:
+        lines.append("(no NoPE layer here: chunking every layer would cap how far back any token sees; Llama 4 "
+                     "keeps every 4th layer unchunked)")
     return "\n".join(lines)
 
 
@@ -202,13 +205,18 @@ def format_params_compare(cfg: ModelConfig) -> str:
     """Total against active-per-token parameters for an MoE config and a dense model of the same active size
     (its FFN as wide as the routed experts a token uses plus the shared expert)."""
     if cfg.n_experts == 0:
-        moe = cfg.replace(n_experts=8, experts_per_token=1, expert_dim=cfg.ffn_dim // 2)
+        moe = cfg.replace(n_experts=8, experts_per_token=1, expert_dim=cfg.ffn_dim // 2, shared_expert=True,
+                          moe_every=1)
         rows = [("dense (this config)", cfg), ("MoE, 8 experts of half width, top-1 + shared", moe)]
     else:
         ffn = cfg.expert_dim * (cfg.experts_per_token + int(cfg.shared_expert))
+        # the twin has one FFN width for every layer: the same active size only if the config's own dense
+        # layers (moe_every > 1) are that wide already
+        same = cfg.moe_every == 1 or cfg.ffn_dim == ffn
         rows = [(f"MoE ({cfg.n_experts} experts, top-{cfg.experts_per_token}"
                  f"{' + shared' if cfg.shared_expert else ''})", cfg),
-                (f"dense, FFN {ffn} (same active size)", cfg.replace(n_experts=0, ffn_dim=ffn))]
+                (f"dense, FFN {ffn}{' (same active size)' if same else ' on every layer'}",
+                 cfg.replace(n_experts=0, ffn_dim=ffn))]
     width = max(len(name) for name, _ in rows)
     lines = [f"{'model':<{width}}  {'total':>10}  {'active/token':>12}  {'total/active':>12}"]
     for name, c in rows:
