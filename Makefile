@@ -25,7 +25,8 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
-# The main job: train the demo MoE on Shakespeare for DEMO_TIME, then let it write, then measure it.
+# The main job: train the demo MoE on Shakespeare for DEMO_TIME, then let it write, measure it, and explain
+# one prompt.
 DEMO_TIME ?= 5m
 DEMO_STAMP := $(shell date +%Y%m%d-%H%M%S)
 DEMO_RUN ?= runs/demo-$(DEMO_STAMP)
@@ -37,7 +38,9 @@ demo: $(STAMP)
 	$(BIN)/nanollama4 generate $(DEMO_RUN) --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 0
 	@echo "--- validation loss (every character of the held-out 10%) ---"
 	$(BIN)/nanollama4 eval $(DEMO_RUN)
-	@echo "plots: $(DEMO_RUN)/plots/loss.png $(DEMO_RUN)/plots/expert_load.png"
+	@echo "--- one prompt through the trained model, layer by layer ---"
+	$(BIN)/nanollama4 explain $(DEMO_RUN) --prompt "ROMEO: was" --html $(DEMO_RUN)/explain.html
+	@echo "plots: $(DEMO_RUN)/plots/loss.png $(DEMO_RUN)/plots/expert_load.png; page: $(DEMO_RUN)/explain.html"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
