@@ -95,7 +95,9 @@ def _text(text: str) -> str:
 
 
 def _check_text(prompt: str) -> None:
-    """A prompt the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
+    """An empty prompt, or one the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
+    if not prompt:
+        raise ConfigError("the prompt is empty; pass --prompt with some text")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -240,15 +242,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .checkpoint import load_any
     from .generation import Sampling, generate, stream
 
-    if not args.prompt:
-        raise ConfigError("the prompt is empty; pass --prompt with some text")
     _check_text(args.prompt)
-    model, tokenizer = load_any(args.path)
-    if args.replace_unknown is not None:
-        tokenizer = _replacing(tokenizer, args.replace_unknown)
+    model, tokenizer = _model_for_prompt(args)
     sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
                         seed=args.seed, stop=tuple(args.stop or ()))
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, slide=not args.no_slide,
@@ -263,6 +260,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(args.prompt + generate(model, tokenizer, args.prompt, **options))
 
 
+def _model_for_prompt(args: argparse.Namespace):
+    """The model and tokenizer at args.path, the tokenizer replacing unknown characters if asked."""
+    from .checkpoint import load_any
+
+    model, tokenizer = load_any(args.path)
+    return model, tokenizer if args.replace_unknown is None else _replacing(tokenizer, args.replace_unknown)
+
+
 def _replacing(tokenizer, char: str):
     """The tokenizer, mapping characters it does not know to `char` (byte-level BPE knows every character)."""
     from .tokenizer import CharTokenizer
@@ -271,18 +276,13 @@ def _replacing(tokenizer, char: str):
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
-    from .checkpoint import load_any
     from .explain import show, trace
 
-    if not args.prompt:
-        raise ConfigError("the prompt is empty; pass --prompt with some text")
     _check_text(args.prompt)
     out = Path(args.html) if args.html else None
     if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
         raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
-    model, tokenizer = load_any(args.path)
-    if args.replace_unknown is not None:
-        tokenizer = _replacing(tokenizer, args.replace_unknown)
+    model, tokenizer = _model_for_prompt(args)
     t = trace(model, tokenizer, args.prompt)
     show(t, modules=args.trace)
     if out is not None:

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .errors import ConfigError
-from .ops.experts import DISPATCH_NAMES, few_assignments, few_rows, product_named
+from .ops.experts import check_dispatch, few_assignments, few_rows, product_named
 
 
 class SwiGLU(nn.Module):
@@ -132,9 +131,7 @@ class Experts(nn.Module):
 
     @dispatch.setter
     def dispatch(self, name: str) -> None:
-        if name not in DISPATCH_NAMES:
-            raise ConfigError(f"unknown expert dispatch {name!r}; valid: {', '.join(DISPATCH_NAMES)}")
-        self._dispatch = name
+        self._dispatch = check_dispatch(name)
 
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:

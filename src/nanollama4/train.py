@@ -158,10 +158,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
             raise TrainingError("a new run needs a model config")
         _check_new_run_dir(run_dir)
         find_corpus_files(data)  # a missing corpus fails before the run directory is created
-        if tc.seq_len is None:
-            tc = tc.replace(seq_len=model_cfg.max_seq_len)
-        if tc.seq_len > model_cfg.max_seq_len:
-            raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})")
+        tc = _fit_seq_len(tc, model_cfg)
     pick_device(tc.device)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -169,8 +166,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
     with run_lock(run_dir):
         if not resume and holds_run(run_dir):  # another process may have saved here since the check above
-            raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                                "or pick another --out")
+            raise _already_a_run(run_dir)
         return _train(model_cfg, tc, run_dir, data, resume, progress, cache_dir)
 
 
@@ -181,12 +177,24 @@ def _check_new_run_dir(run_dir: Path) -> None:
     if not run_dir.is_dir():
         return
     if holds_run(run_dir) and not (run_dir / LOCK_NAME).exists():
-        raise TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                            "or pick another --out")
+        raise _already_a_run(run_dir)
     entries = sorted(p.name for p in run_dir.iterdir())
     if entries and not (run_dir / LOCK_NAME).exists():
         raise TrainingError(f"{run_dir} is not empty ({len(entries)} entries, e.g. {entries[0]!r}) and is not a "
                             "training run; pass a new or empty folder as --out")
+
+
+def _already_a_run(run_dir: Path) -> TrainingError:
+    return TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
+
+
+def _fit_seq_len(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
+    """tc with seq_len None read as the model's context, and one longer than that refused."""
+    if tc.seq_len is None:
+        tc = tc.replace(seq_len=cfg.max_seq_len)
+    if tc.seq_len > cfg.max_seq_len:
+        raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
+    return tc
 
 
 def _corpus_path(data: str | Path | None) -> str | None:
@@ -296,10 +304,7 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
         if data is not None and not Path(data).exists():
             raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
                             "the same text")
-    if tc.seq_len is None:
-        tc = tc.replace(seq_len=model.cfg.max_seq_len)
-    if tc.seq_len > model.cfg.max_seq_len:
-        raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
+    tc = _fit_seq_len(tc, model.cfg)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model)
     load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
                          read_json(ckpt / "optimizer.json"))

@@ -77,13 +77,17 @@ PRODUCTS: dict[str, Product] = {"loop": loop_product, "grouped": grouped_product
 DISPATCH_NAMES = ("auto", *PRODUCTS)
 
 
+def check_dispatch(name: str) -> str:
+    """`name` if it names a dispatch ("auto" or a product), else a ConfigError listing the valid ones."""
+    if name not in DISPATCH_NAMES:
+        raise ConfigError(f"unknown expert dispatch {name!r}; valid: {', '.join(DISPATCH_NAMES)}")
+    return name
+
+
 def product_named(name: str, x_AD: torch.Tensor, hidden: int) -> Product:
     """The product called `name` ("auto": the fastest measured for x); an unknown name is a ConfigError."""
-    if name == "auto":
-        name = auto_product(x_AD, hidden)
-    if name not in PRODUCTS:
-        raise ConfigError(f"unknown expert dispatch {name!r}; valid: {', '.join(DISPATCH_NAMES)}")
-    return PRODUCTS[name]
+    name = check_dispatch(name)
+    return PRODUCTS[auto_product(x_AD, hidden) if name == "auto" else name]
 
 
 def auto_product(x: torch.Tensor, hidden: int) -> str:
