@@ -142,23 +142,43 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
     return model.to(dtype) if dtype is not None else model
 
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Optimizer state as flat tensors plus JSON-able metadata (param groups and scalar state)."""
+TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its state tensor) -> tensor
+
+
+def _params_by_index(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The parameters in the order `opt.state_dict()` numbers them."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, whole: TensorOf | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Optimizer state as flat tensors plus JSON-able metadata (param groups and scalar state).
+
+    `whole` turns a parameter's state tensor that lives spread over ranks into the whole tensor (see
+    `parallel`); every rank must call it, in the same order."""
     sd = opt.state_dict()
+    params = _params_by_index(opt)
     tensors, scalars = {}, {}
     for idx, state in sd["state"].items():
         for key, value in state.items():
             if torch.is_tensor(value):
+                if whole is not None and value.dim() > 0:
+                    value = whole(params[idx], value)
                 tensors[f"state.{idx}.{key}"] = value.contiguous()
             else:
                 scalars[f"{idx}.{key}"] = value
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
 
 
-def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                         part: TensorOf | None = None) -> None:
+    """The inverse of `optimizer_tensors`; `part` cuts a whole state tensor down to this rank's part."""
     state: dict[int, dict[str, Any]] = {}
+    params = _params_by_index(opt)
     for name, value in tensors.items():
         _, idx, key = name.split(".", 2)
+        if part is not None and value.dim() > 0 and int(idx) < len(params):
+            value = part(params[int(idx)], value)
         state.setdefault(int(idx), {})[key] = value
     for name, value in meta.get("scalars", {}).items():
         idx, key = name.split(".", 1)
@@ -172,16 +192,20 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
 # ---------------------------------------------------------------------------------------------- whole checkpoints
 def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
                     tokenizer_save: Callable[[Path], Any], train_config: dict[str, Any],
-                    train_state: dict[str, Any], rng: dict[str, torch.Tensor], best: bool = False) -> Path:
+                    train_state: dict[str, Any], rng: dict[str, torch.Tensor], best: bool = False, *,
+                    tensors: dict[str, torch.Tensor] | None = None,
+                    optimizer_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> Path:
     """Write RUN_DIR/step-N atomically and point `last` (and `best` if asked) at it. Returns the folder.
 
-    Refuses (CheckpointError) weights or optimizer state that are not finite: a checkpoint is only ever
-    something a run can continue from.
+    `tensors` and `optimizer_state` replace `model_tensors(model)` and `optimizer_tensors(optimizer)`
+    where those live spread over ranks (`parallel` gathers them whole, so a checkpoint is the same
+    whatever the world size). Refuses (CheckpointError) weights or optimizer state that are not finite:
+    a checkpoint is only ever something a run can continue from.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:07d}"
-    tensors = model_tensors(model)
-    opt_tensors, opt_meta = optimizer_tensors(optimizer)
+    tensors = model_tensors(model) if tensors is None else tensors
+    opt_tensors, opt_meta = optimizer_tensors(optimizer) if optimizer_state is None else optimizer_state
     bad = non_finite(tensors) or non_finite(opt_tensors)
     if bad is not None:
         raise CheckpointError(f"step {step} not saved: {bad} holds non-finite values; the last checkpoint in "

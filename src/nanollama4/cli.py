@@ -223,6 +223,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         model_cfg = preset(name, **model_over)
     result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
+    from .parallel import World
+
+    if not World.from_env().main:  # under torchrun rank 0 reports and plots for all
+        return EXIT_CTRL_C if result.interrupted and not result.saved else EXIT_INTERRUPTED if result.interrupted else 0
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
           f"{result.tokens_per_s:,.0f} tokens/s")
@@ -406,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
-        print(f"nanollama4 {args.command}: error: {e}", file=sys.stderr)
+        where = f" (rank {os.environ.get('RANK', '?')})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"nanollama4 {args.command}{where}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"nanollama4 {args.command}: interrupted", file=sys.stderr)

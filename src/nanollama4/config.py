@@ -188,6 +188,10 @@ class TrainConfig(_JsonConfig):
     threads: int = 0  # torch CPU threads; 0 = torch's default
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
+    # under torchrun (see parallel.py); batch_size and grad_accum are then per rank
+    parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
+    expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
+    dist_timeout: float = 600.0  # seconds a rank waits for its peers in one collective before giving up
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches", "bpe_vocab_size"):
@@ -218,6 +222,14 @@ class TrainConfig(_JsonConfig):
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), "
                               "'mps' or 'xpu'")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"parallel ({self.parallel!r}) must be 'ddp' or 'fsdp'")
+        if not isinstance(self.expert_parallel, int) or isinstance(self.expert_parallel, bool) \
+                or self.expert_parallel < 1:
+            raise ConfigError(f"expert_parallel ({self.expert_parallel!r}) must be a positive integer")
+        if not (isinstance(self.dist_timeout, (int, float)) and math.isfinite(self.dist_timeout)
+                and self.dist_timeout > 0):
+            raise ConfigError(f"dist_timeout ({self.dist_timeout}) must be a positive, finite number of seconds")
         if self.invalid_utf8 not in ("error", "replace"):
             raise ConfigError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
                              "offset) or 'replace' (read bad bytes as U+FFFD)")

@@ -198,10 +198,19 @@ class TokenDataset:
 
         The start indices come from `generator` alone, so saving and restoring its state replays the batches.
         """
+        return self.batch_at(split, self.draw_starts(split, batch_size, seq_len, generator), seq_len)
+
+    def draw_starts(self, split: Split, batch_size: int, seq_len: int, generator: torch.Generator) -> list[int]:
+        """Where `get_batch`'s windows start: what it draws from `generator`. (Under torchrun every rank draws
+        every micro-batch's starts, so that all ranks' generators stay alike, and builds only its own.)"""
         tokens = self._check(split, seq_len, batch_size)
-        n = len(tokens)
-        starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator, device=generator.device)
-        windows = np.stack([tokens[i:i + seq_len + 1] for i in starts.tolist()]).astype(np.int64)  # (B, T+1)
+        starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=generator, device=generator.device)
+        return starts.tolist()
+
+    def batch_at(self, split: Split, starts: list[int], seq_len: int) -> Batch:
+        """The windows starting at `starts`: x = tokens[i:i+T], y = tokens[i+1:i+T+1]."""
+        tokens = self.split_tokens(split)
+        windows = np.stack([tokens[i:i + seq_len + 1] for i in starts]).astype(np.int64)  # (B, T+1)
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 

@@ -145,9 +145,8 @@ class Experts(nn.Module):
         # under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does not
         # know products on raw parameters, so the cast is explicit)
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
-        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
+        if self.takes_few_rows(expert_A):
             return few_rows(x_TD, token_A, expert_A, weight_A, self.gate_up, self.down, scale_input, dtype)
-        gate_up_EDH, down_EHD = self.gate_up.to(dtype), self.down.to(dtype)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
@@ -155,11 +154,21 @@ class Experts(nn.Module):
         if scale_input:
             x_AD = x_AD * weight_A1
         x_AD, counts_E = x_AD.to(dtype), count_per_expert(expert_A, self.n_experts)
-        product = product_named(self.dispatch, x_AD, self.hidden)  # "auto" looks at the product's dtype
-        y_AD = product(x_AD, gate_up_EDH, down_EHD, counts_E, expert_A)
+        y_AD = self.multiply(x_AD, counts_E, expert_A)
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+
+
+    def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
+        """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""
+        return expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
+
+    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:
+        """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype. (Expert
+        parallelism replaces this: rows travel to the rank holding their expert and back.)"""
+        product = product_named(self.dispatch, x_AD, self.hidden)  # "auto" looks at the product's dtype
+        return product(x_AD, self.gate_up.to(x_AD.dtype), self.down.to(x_AD.dtype), counts_E, expert_A)
 
 
 def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:

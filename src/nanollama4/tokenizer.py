@@ -233,7 +233,12 @@ def _hf_from_str(content: str, path: Path) -> HFTokenizer:
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Load a saved tokenizer: our character JSON (by its "kind") or any `tokenizers` tokenizer.json."""
     path = Path(path)
-    content = _read_text(path)
+    return tokenizer_from_json(_read_text(path), path)
+
+
+def tokenizer_from_json(content: str, path: str | Path = "(tokenizer JSON)") -> CharTokenizer | BPETokenizer:
+    """A tokenizer from the text `load_tokenizer` reads from a file (`path` only names it in errors)."""
+    path = Path(path)
     try:
         state = json.loads(content)
     except json.JSONDecodeError as e:

@@ -1,15 +1,21 @@
 """The training loop: AdamW, warmup + cosine, clipping, accumulation, validation, checkpoints, exact resume.
 
 One function, `train`, does a whole run. Everything that makes a run resumable lives in the checkpoint:
-model and optimizer tensors, the step, both RNG states (global torch for router noise, the batch
-sampler's own generator) and the best validation loss, so a resumed run draws the same batches and
-computes the same losses as one that never stopped.
+model and optimizer tensors, the step, the batch sampler's generator and the best validation loss, so a
+resumed run draws the same batches and computes the same losses as one that never stopped. (Router noise
+is seeded per step and micro-batch, so it needs no saved state.)
+
+Under torchrun the same function trains on every rank (`parallel` spreads the model). A step's R x a
+micro-batches are the ones one process with accumulation R x a would draw: every rank draws all of
+their windows from the same generator and keeps micro-batches r, r + R, r + 2R, ... for itself, so a
+run can change world size on resume and stay comparable. Rank 0 alone writes files and shows progress.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -21,6 +27,7 @@ from typing import IO, Any
 import torch
 from tqdm import tqdm
 
+from . import parallel
 from .checkpoint import (
     LOCK_NAME,
     CheckpointError,
@@ -28,6 +35,7 @@ from .checkpoint import (
     load_model,
     load_optimizer_state,
     load_train_state,
+    optimizer_tensors,
     read_json,
     read_safetensors,
     resolve_checkpoint,
@@ -37,11 +45,21 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .errors import DataError, TrainingError
-from .evaluation import autocast, evaluate
+from .evaluation import autocast
 from .files import atomic_write
 from .model import Transformer
+from .parallel import Parallel, World
 from .runtime import pick_device
-from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, UnknownCharacters, load_tokenizer
+from .tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    Tokenizer,
+    UnknownCharacters,
+    load_tokenizer,
+    tokenizer_from_json,
+)
+
+ALONE = World()  # a process not started by torchrun
 
 
 @dataclass
@@ -50,7 +68,7 @@ class TrainResult:
     step: int
     val_loss: float | None  # on the fixed validation batches at the last evaluation
     best_val_loss: float | None
-    tokens_per_s: float  # training throughput over the run (this process only)
+    tokens_per_s: float  # training throughput over the run (all ranks together)
     interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
     saved: bool = True  # whether run_dir holds a checkpoint to resume from
 
@@ -87,14 +105,17 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
-def expert_load(model: Transformer) -> list[list[float]]:
-    """Per MoE layer, the fraction of routed assignments each expert got in the last forward pass
-    (with gradient accumulation: the step's last micro-batch)."""
+def expert_counts(model: Transformer) -> torch.Tensor | None:
+    """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
     counts = [m.stats["counts"] for m in model.moe_layers() if "counts" in m.stats]
-    if not counts:
+    return torch.stack(counts).float() if counts else None
+
+
+def expert_load(counts: torch.Tensor | None) -> list[list[float]]:
+    """Per MoE layer, each expert's fraction of the routed assignments in `counts` (from `expert_counts`)."""
+    if counts is None:
         return []
-    stacked = torch.stack(counts).float()
-    return (stacked / stacked.sum(-1, keepdim=True)).tolist()
+    return (counts / counts.sum(-1, keepdim=True)).tolist()
 
 
 @contextmanager
@@ -113,11 +134,14 @@ def stop_on_signals() -> Iterator[dict[str, bool]]:
             signal.signal(s, h)
 
 
-def _rng_state(gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state(), "batches": gen.get_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"batches": gen.get_state()}
+
+
+def noise_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The router-noise seed of one micro-batch: a function of where it sits in the run alone, so that
+    neither a resume nor the number of ranks sharing the step changes the noise it draws."""
+    return hash((seed, step, micro_batch)) & (2**63 - 1)  # ints hash the same in every process
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -149,17 +173,37 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     once. A new run goes only into a new, empty, or never-checkpointed folder of ours.
     """
     run_dir = Path(run_dir)
+    world = World.from_env()
     if tc.max_steps is None and tc.max_time is None:
         raise TrainingError("give a budget: --max-steps N or --max-time 10m")
     if resume:
-        resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
+        ckpt = resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
+        parallel.check(world, tc, ModelConfig.from_dict(read_json(ckpt / "config.json")))
     else:
         if model_cfg is None:
             raise TrainingError("a new run needs a model config")
         _check_new_run_dir(run_dir)
         find_corpus_files(data)  # a missing corpus fails before the run directory is created
         tc = _fit_seq_len(tc, model_cfg)
+        parallel.check(world, tc, model_cfg)
     pick_device(tc.device)
+    # every rank has made the checks above; rank 0 alone creates and locks the run directory
+    device = parallel.join(world, tc)
+    try:
+        with parallel.peers_fail_as_errors(world), _owning(run_dir, resume, world):
+            return _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device)
+    finally:
+        parallel.leave()
+
+
+@contextmanager
+def _owning(run_dir: Path, resume: bool, world: World) -> Iterator[None]:
+    """On rank 0, create run_dir and hold its lock throughout; the other ranks wait until it has."""
+    if not world.main:
+        if world.distributed:
+            torch.distributed.barrier()
+        yield
+        return
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -167,7 +211,9 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     with run_lock(run_dir):
         if not resume and holds_run(run_dir):  # another process may have saved here since the check above
             raise _already_a_run(run_dir)
-        return _train(model_cfg, tc, run_dir, data, resume, progress, cache_dir)
+        if world.distributed:
+            torch.distributed.barrier()
+        yield
 
 
 def _check_new_run_dir(run_dir: Path) -> None:
@@ -217,6 +263,8 @@ class Run:
     batches: torch.Generator  # the batch sampler's own RNG (router noise draws from torch's global one)
     device: torch.device
     data: str | None  # the corpus's absolute path; None = the default corpus
+    world: World  # this process among torchrun's (rank 0 of 1 when alone)
+    parallel: Parallel  # how the model is spread over the ranks (not at all for one process)
     step: int = 0
     best: float | None = None  # best validation loss so far
     val: float | None = None  # validation loss at the last evaluation
@@ -228,41 +276,51 @@ class StepResult:
     lm: float  # mean next-token loss over the step's micro-batches
     aux: float  # mean MoE auxiliary loss
     grad_norm: float  # before clipping
+    counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
 
 
 def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
-           progress: bool, cache_dir: Path | None) -> TrainResult:
+           progress: bool, cache_dir: Path | None, world: World, device: torch.device) -> TrainResult:
     """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
-    run = resume_run(tc, run_dir, data, cache_dir) if resume else start_run(model_cfg, tc, run_dir, data, cache_dir)
+    if resume:
+        run = resume_run(tc, run_dir, data, cache_dir, world, device)
+    else:
+        run = start_run(model_cfg, tc, run_dir, data, cache_dir, world, device)
     tc = run.tc  # with seq_len filled in
     metrics_path = run_dir / "metrics.jsonl"
-    if resume:
+    if world.main and resume:
         _truncate_metrics(metrics_path, run.step)
-    else:
+    elif world.main:
         metrics_path.write_text("")
     if tc.compile:
         run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
-    tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
-    saved_step = run.step
+    sequences = tc.batch_size * tc.grad_accum * world.size
+    tokens_per_step = sequences * tc.seq_len
+    if world.distributed and world.main:
+        print(f"torchrun: {run.parallel.describe()}; global batch {world.size} ranks x {tc.batch_size} x "
+              f"{tc.grad_accum} accumulated = {sequences} sequences of {tc.seq_len} tokens per step", flush=True)
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     trained_tokens = 0
+    saved_step = run.step
 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
 
-    def budget_spent() -> bool:
-        return bool((tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and elapsed() >= tc.max_time))
-
-    with stop_on_signals() as flag, open(metrics_path, "a") as metrics:
-        while not (budget_spent() or flag["stop"]):
-            lr = lr_at(tc, run.step, elapsed())
+    with stop_on_signals() as flag, open(metrics_path if world.main else os.devnull, "a") as metrics:
+        while True:
+            # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
+            # would wait on each other's collectives forever
+            now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
+            if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
+                break
+            lr = lr_at(tc, run.step, now)
             t_step = time.perf_counter()
             result = train_step(run, lr)
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
             log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
-            if run.step % tc.eval_interval == 0 or budget_spent() or flag["stop"]:
+            if run.step % tc.eval_interval == 0:
                 validate_and_save(run, metrics, elapsed())
                 saved_step = run.step
             metrics.flush()
@@ -270,29 +328,35 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
             left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
             bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
                             tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
-        if run.step != saved_step:  # a signal arrived between steps: save what the last step reached
+        if run.step != saved_step:  # the budget ran out or a signal came: save the step reached
             validate_and_save(run, metrics, elapsed())
     bar.close()
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
-                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=flag["stop"],
+                       tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=bool(stopped),
                        saved=holds_run(run_dir))
 
 
 def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
-              cache_dir: Path | None) -> Run:
+              cache_dir: Path | None, world: World = ALONE, device: torch.device | None = None) -> Run:
     """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer."""
     _set_threads(tc)
     files = find_corpus_files(data)
     text = read_corpus(files, tc.invalid_utf8)
-    tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" else BPETokenizer.train(text, tc.bpe_vocab_size)
-    torch.manual_seed(tc.seed)
+    tokenizer = None
+    if world.main:
+        tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" \
+            else BPETokenizer.train(text, tc.bpe_vocab_size)
+    if world.distributed:  # every rank encodes with rank 0's tokenizer
+        tokenizer = tokenizer_from_json(parallel.broadcast_text(world, tokenizer and tokenizer.to_json()))
+    torch.manual_seed(tc.seed)  # the same initial weights on every rank
     model = Transformer(model_cfg.replace(vocab_size=tokenizer.vocab_size))
-    return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model)
+    return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device)
 
 
-def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None) -> Run:
-    """The run in run_dir, as its last checkpoint left it: model, optimizer, RNG states, step and losses."""
+def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None,
+               world: World = ALONE, device: torch.device | None = None) -> Run:
+    """The run in run_dir, as its last checkpoint left it: model, optimizer, sampler state, step and losses."""
     _set_threads(tc)
     ckpt = resolve_checkpoint(run_dir, prefer="last")
     state, rng = load_train_state(ckpt)
@@ -304,17 +368,31 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
         if data is not None and not Path(data).exists():
             raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
                             "the same text")
-    tc = _fit_seq_len(tc, model.cfg)
-    run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model)
+    tc = _fit_world(_fit_seq_len(tc, model.cfg), read_json(ckpt / "train_config.json"),
+                    int(state.get("world_size", 1)), world)
+    run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
-                         read_json(ckpt / "optimizer.json"))
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and run.device.type == "cuda":  # router noise on a GPU draws from its own generator
-        torch.cuda.set_rng_state(rng["cuda"], run.device)
+                         read_json(ckpt / "optimizer.json"), part=run.parallel.part)
     run.batches.set_state(rng["batches"])
     run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
     run.elapsed_before = float(state.get("elapsed", 0.0))
     return run
+
+
+def _fit_world(tc: TrainConfig, saved: dict[str, Any], saved_world: int, world: World) -> TrainConfig:
+    """On a resume with another number of ranks, keep the step's micro-batches: R x grad_accum stays what it
+    was (unless grad_accum was changed on purpose), so the run goes on drawing the same windows."""
+    micro = saved_world * int(saved.get("grad_accum", tc.grad_accum))
+    if saved_world == world.size or tc.grad_accum != saved.get("grad_accum"):
+        return tc
+    if micro % world.size:
+        raise TrainingError(f"the run's steps have {micro} micro-batches ({saved_world} ranks x grad_accum "
+                            f"{micro // saved_world}), which {world.size} ranks cannot share evenly; launch a "
+                            f"divisor of {micro} ranks or pass --set grad_accum=N")
+    if world.main:
+        print(f"resuming on {world.size} rank(s) instead of {saved_world}: grad_accum {tc.grad_accum} -> "
+              f"{micro // world.size}, so each step still takes {micro} micro-batches", flush=True)
+    return tc.replace(grad_accum=micro // world.size)
 
 
 def _set_threads(tc: TrainConfig) -> None:
@@ -323,8 +401,9 @@ def _set_threads(tc: TrainConfig) -> None:
 
 
 def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
-              tokenizer: Tokenizer, model: Transformer) -> Run:
-    """The parts a new and a resumed run share: the token cache, validation batches, device, optimizer."""
+              tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None) -> Run:
+    """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
+    spread over the ranks, the optimizer."""
     try:
         dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir(), invalid_utf8=tc.invalid_utf8)
     except UnknownCharacters as e:
@@ -332,46 +411,58 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
                         f"{e.listing}; resume on the text the run was trained on") from None
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
-    device = pick_device(tc.device)
+    device = device or pick_device(tc.device)
     model.to(device).train()
+    spread = parallel.spread(model, world, tc, device)  # before the optimizer: it may replace parameters
     return Run(dir=run_dir, tc=tc, model=model, tokenizer=tokenizer, optimizer=make_optimizer(model, tc),
                dataset=dataset, val_batches=val_batches, batches=torch.Generator().manual_seed(tc.seed),
-               device=device, data=_corpus_path(data))
+               device=device, data=_corpus_path(data), world=world, parallel=spread)
 
 
 def train_step(run: Run, lr: float) -> StepResult:
     """One optimizer step at learning rate lr: grad_accum micro-batches, clipping, the update, the balancing
     bias. A non-finite loss or gradient norm stops the run before anything of the step is applied."""
-    tc, model = run.tc, run.model
+    tc, model, world = run.tc, run.model, run.world
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    lm_sum, aux_sum = 0.0, 0.0
-    for _ in range(tc.grad_accum):
-        x, y = run.dataset.get_batch("train", tc.batch_size, tc.seq_len, run.batches)
-        with autocast(run.device, tc.bf16):
-            out = model.loss(x.to(run.device), y.to(run.device))
-        (out.total / tc.grad_accum).backward()
-        lm_sum += out.lm.item()
-        aux_sum += out.aux.item()
-    lm, aux = lm_sum / tc.grad_accum, aux_sum / tc.grad_accum
+    noisy = any(m.noise_kind != "none" for m in model.moe_layers())
+    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches
+    mine = 0
+    for m in range(tc.grad_accum * world.size):
+        starts = run.dataset.draw_starts("train", tc.batch_size, tc.seq_len, run.batches)
+        if m % world.size != world.rank:
+            continue
+        mine += 1
+        x, y = run.dataset.batch_at("train", starts, tc.seq_len)
+        if noisy:
+            torch.manual_seed(noise_seed(tc.seed, run.step, m))
+        with run.parallel.accumulating(last=mine == tc.grad_accum):
+            with autocast(run.device, tc.bf16):
+                out = run.parallel.loss(x.to(run.device), y.to(run.device))
+            (out.total / tc.grad_accum).backward()
+        sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
+    counts = expert_counts(model)
+    lm, aux = (run.parallel.sum(sums.to(run.device)).cpu() / (tc.grad_accum * world.size)).tolist()
+    if counts is not None:
+        counts = run.parallel.sum(counts)
     if not math.isfinite(lm + aux):
         raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
-    clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    run.parallel.after_backward()
+    grad_norm = run.parallel.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else float("inf"))
     if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
         raise _diverged(f"the gradient norm became {grad_norm}", run.step + 1, run.dir)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     model.update_router_biases()
     run.step += 1
-    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm)
+    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts)
 
 
 def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed: float, tokens_per_s: float) -> None:
     """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
     line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
             "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
-    load = expert_load(run.model)
+    load = expert_load(result.counts)
     if load:
         line["expert_load"] = [[round(v, 4) for v in row] for row in load]
     metrics.write(json.dumps(line) + "\n")
@@ -380,15 +471,19 @@ def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed:
 def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
     """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
     A non-finite validation loss stops the run instead."""
-    val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16)
+    val = run.parallel.evaluate(run.val_batches, run.device, run.tc.bf16)
     if not math.isfinite(val):
         raise _diverged(f"the validation loss became {val}", run.step, run.dir)
     metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
     is_best = run.best is None or val < run.best
     run.val, run.best = val, val if is_best else run.best
-    save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(),
-                    {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed},
-                    _rng_state(run.batches, run.device), best=is_best)
+    tensors = run.parallel.model_tensors()  # gathered whole on every rank: the same file for any world size
+    optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
+    if run.world.main:
+        state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
+                 "world_size": run.world.size}
+        save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
+                        _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
 
 
 def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:

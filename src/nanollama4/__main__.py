@@ -1,0 +1,7 @@
+"""`python -m nanollama4 ...`, the same as the `nanollama4` command (and what `torchrun -m nanollama4` runs)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,398 @@
+"""Training on several processes under torchrun: data parallel (DDP or FSDP2) and expert parallel.
+
+Applied to a built model from outside, with PyTorch's own distributed engine:
+  DDP            every rank holds the whole model; gradients are averaged after the step's last
+                 micro-batch (`DistributedDataParallel`)
+  FSDP2          parameters, gradients and optimizer state are split over the ranks and gathered per
+                 block when needed (`fully_shard`)
+  expert parallel  each MoE layer's experts are split over E ranks (`ShardedExperts`): a token's row goes
+                 to the rank holding its expert and its result comes back, through all-to-all, with
+                 gradients flowing through both exchanges; everything else stays data parallel.
+
+`Parallel` is the single-process case and the interface the training loop calls; `Distributed`
+spreads the work. Whatever the spread, `whole` gathers any tensor back into the shape one process
+would hold, so a checkpoint is the same for every world size and resumes on any other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import ModelConfig, TrainConfig
+from .errors import ConfigError, TrainingError
+from .evaluation import autocast
+from .model import Loss, Transformer
+from .moe import Experts
+from .runtime import pick_device
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands among torchrun's: rank, world size and its rank on this node."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK (a plain process is rank 0 of 1)."""
+        try:
+            return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                       int(os.environ.get("LOCAL_RANK", 0)))
+        except ValueError:
+            raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them)") from None
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one process that shows progress and writes metrics, plots and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def check(world: World, tc: TrainConfig, cfg: ModelConfig) -> None:
+    """Refuse a spread that cannot work, before any process joins a group or creates a file."""
+    e = tc.expert_parallel
+    if e == 1:
+        return
+    if not cfg.n_experts:
+        raise ConfigError(f"expert_parallel={e} needs an MoE model (n_experts > 0)")
+    if cfg.n_experts % e:
+        raise ConfigError(f"expert_parallel={e} must divide n_experts ({cfg.n_experts})")
+    if world.size % e:
+        raise ConfigError(f"expert_parallel={e} needs a multiple of {e} processes (this run has {world.size}); "
+                          f"launch with torchrun --nproc-per-node {e}")
+    if tc.compile:
+        raise ConfigError("compile=true with expert_parallel is not supported yet (the exchange reads its sizes "
+                          "on the host); drop one of them")
+
+
+def join(world: World, tc: TrainConfig) -> torch.device:
+    """This rank's device, after joining torchrun's group (gloo on the CPU, NCCL on CUDA).
+
+    The group's timeout bounds every collective, so a rank whose peer stops answering gives up instead of
+    waiting forever; a peer that exits is noticed at once (its connections close)."""
+    device = pick_device(tc.device)
+    if not world.distributed:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=tc.dist_timeout),
+                            device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def peers_fail_as_errors(world: World) -> Iterator[None]:
+    """A collective that fails because another rank stopped becomes one line saying so (that rank's own
+    error, printed by it, is the cause)."""
+    try:
+        yield
+    except dist.DistError as e:
+        if not world.distributed:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainingError(f"rank {world.rank}: a collective failed, most likely because another rank stopped "
+                            f"(its error is above): {first[:300]}") from None
+
+
+def broadcast_text(world: World, text: str | None) -> str:
+    """Rank 0's `text` on every rank (sent as UTF-8 bytes, so nothing is pickled)."""
+    if not world.distributed:
+        assert text is not None
+        return text
+    data = torch.empty(0, dtype=torch.uint8)
+    if world.main:
+        data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()])
+    dist.broadcast(size, 0)
+    if not world.main:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, 0)
+    return bytes(data.tolist()).decode()
+
+
+# ---------------------------------------------------------------------------------------------- one process
+class Parallel:
+    """One process: the model as it is. `Distributed` keeps this interface, so the training loop reads the
+    same for any world size."""
+
+    def __init__(self, model: Transformer, world: World) -> None:
+        self.model, self.world = model, world
+
+    def describe(self) -> str:
+        return "1 process"
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> Loss:
+        return self.model.loss(x, y)
+
+    def accumulating(self, last: bool) -> AbstractContextManager[None]:  # noqa: ARG002
+        """Around one micro-batch's forward and backward: gradients are synchronised only after the last."""
+        return nullcontext()
+
+    def after_backward(self) -> None:
+        """Once per step, after the last backward: finish the gradients and the step's expert counts."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the global gradient norm to max_norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over all ranks (in place)."""
+        return t
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each value's largest over the ranks: how every rank takes the same decision."""
+        return values
+
+    def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        """Parameter p's tensor t (its value, gradient-shaped state) as one process holds it."""
+        return t
+
+    def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        """The inverse of `whole`: this rank's part of a whole tensor for p."""
+        return t
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict as one process would save it (without a tied LM head). Every rank must call it."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors = {}
+        for name, t in self.model.state_dict().items():
+            if name == "lm_head.weight" and self.model.cfg.tie_embeddings:
+                continue
+            tensors[name] = self.whole(params.get(name), t).detach().contiguous()
+        return tensors
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, bf16: bool) -> float:
+        """Mean next-token loss over fixed batches, each rank taking every R-th one (the model is put back in
+        train mode). A rank with fewer batches than the others repeats one and ignores it: sharded models
+        need every rank in every forward pass."""
+        R, r, n = self.world.size, self.world.rank, len(batches)
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        for i in range(math.ceil(n / R)):
+            idx = i * R + r
+            x, y = batches[idx if idx < n else 0]
+            with autocast(device, bf16):
+                loss = self.model.loss(x.to(device), y.to(device)).lm
+            if idx < n:
+                total += loss.double().cpu()
+        self.model.train()
+        return float(self.sum(total.to(device)).cpu()) / n
+
+
+# ---------------------------------------------------------------------------------------------- several
+class _LossOf(nn.Module):
+    """DDP synchronises through its module's forward; ours is the training loss."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.model.loss(x, y)
+        return out.total, out.lm, out.aux
+
+
+class Distributed(Parallel):
+    """The model spread over torchrun's ranks: DDP or FSDP2 (`kind`), and experts over `expert_parallel`
+    ranks when that is above 1 (groups of consecutive ranks; a rank's experts are data parallel with the
+    ranks holding the same experts in the other groups)."""
+
+    def __init__(self, model: Transformer, world: World, kind: str, expert_parallel: int, device: torch.device
+                 ) -> None:
+        super().__init__(model, world)
+        self.kind, self.device = kind, device
+        self.experts: set[nn.Parameter] = set()
+        self.expert_group = self.replica_group = None
+        if expert_parallel > 1:
+            self.expert_group, self.replica_group = _expert_groups(world, expert_parallel)
+            index = world.rank % expert_parallel
+            for moe in model.moe_layers():
+                moe.experts = ShardedExperts(moe.experts, self.expert_group, index, expert_parallel)
+                self.experts.update(moe.experts.parameters())
+        self.ddp: DistributedDataParallel | None = None
+        if kind == "fsdp":
+            for block in model.blocks:
+                fully_shard(block, ignored_params=self.experts & set(block.parameters()) or None)
+            fully_shard(model, ignored_params=self.experts or None)
+        else:
+            wrapper = _LossOf(model)
+            ignored = [f"model.{name}" for name, p in model.named_parameters() if p in self.experts]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, ignored)
+            # broadcast_buffers off: each rank's expert counts are its own until `after_backward` sums them
+            # (torch 2.13 warns that the flag is going; its replacement would still sync them at init)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "`broadcast_buffers` is deprecated", FutureWarning)
+                self.ddp = DistributedDataParallel(wrapper, device_ids=[device] if device.type == "cuda" else None,
+                                                   broadcast_buffers=False)
+
+    def describe(self) -> str:
+        backend = dist.get_backend()
+        what = "FSDP2" if self.kind == "fsdp" else "DDP"
+        if self.experts:
+            what += f" + experts over {dist.get_world_size(self.expert_group)} ranks"
+        return f"{self.world.size} ranks ({what}, {backend})"
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> Loss:
+        if self.ddp is None:
+            return self.model.loss(x, y)
+        total, lm, aux = self.ddp(x, y)
+        return Loss(total=total, lm=lm, aux=aux)
+
+    def accumulating(self, last: bool) -> AbstractContextManager[None]:
+        if self.ddp is not None:
+            return nullcontext() if last else self.ddp.no_sync()
+        self.model.set_requires_gradient_sync(last)  # FSDP2: reduce-scatter after the last micro-batch only
+        return nullcontext()
+
+    def after_backward(self) -> None:
+        """Expert gradients: summed over the ranks holding the same experts, then divided by the world size, as
+        DDP and FSDP average the rest (each shard already holds its group's tokens' contributions, brought
+        back by the exchange). Balancing counts: summed over all ranks, so every rank moves its bias alike."""
+        for p in self.experts:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self.replica_group is not None:
+                dist.all_reduce(p.grad, group=self.replica_group)
+            p.grad.div_(self.world.size)
+        pending = [m.pending_counts for m in self.model.moe_layers() if m.bias_rate]
+        if pending:
+            summed = self.sum(torch.stack(pending))
+            for buf, row in zip(pending, summed, strict=True):
+                buf.copy_(row)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
+        the expert shards' squares summed over their group; then every gradient is scaled alike."""
+        shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.experts]
+        norm = torch.nn.utils.get_total_norm(shared)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if self.experts:
+            squares = torch.nn.utils.get_total_norm([p.grad for p in self.experts]).pow(2)
+            dist.all_reduce(squares, group=self.expert_group)
+            norm = (norm.pow(2) + squares).sqrt()
+        total = norm.item()
+        scale = min(1.0, max_norm / (total + 1e-6))
+        if scale < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return total
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)
+        return t
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+        if p is not None and p in self.experts:
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.expert_group))]
+            dist.all_gather(parts, t.contiguous(), group=self.expert_group)
+            return torch.cat(parts)
+        return t
+
+    def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, DTensor):
+            return distribute_tensor(t.to(self.device), p.device_mesh, p.placements)
+        if p in self.experts:
+            n = p.shape[0]
+            index = dist.get_rank(self.expert_group)
+            return t[index * n:(index + 1) * n].clone()
+        return t
+
+
+def _expert_groups(world: World, size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """The group of `size` consecutive ranks this rank shares its layer's experts with, and the group of
+    ranks holding the same experts as this one (None when there is only one such group)."""
+    experts = replicas = None
+    for g in range(world.size // size):  # every rank creates every group, in the same order
+        ranks = list(range(g * size, (g + 1) * size))
+        group = dist.new_group(ranks)
+        if world.rank in ranks:
+            experts = group
+    if world.size > size:
+        for i in range(size):
+            ranks = list(range(i, world.size, size))
+            group = dist.new_group(ranks)
+            if world.rank in ranks:
+                replicas = group
+    assert experts is not None
+    return experts, replicas
+
+
+def spread(model: Transformer, world: World, tc: TrainConfig, device: torch.device) -> Parallel:
+    """The model ready for this world: as it is for one process, else spread as tc says."""
+    if not world.distributed:
+        return Parallel(model, world)
+    return Distributed(model, world, tc.parallel, tc.expert_parallel, device)
+
+
+# ---------------------------------------------------------------------------------------------- expert parallel
+class ShardedExperts(Experts):
+    """One rank's share of an MoE layer's experts: n_local = N / R consecutive ones, R the group's size.
+
+    Routing stays where the tokens are (capacity counts the rank's own tokens, as in one process); only
+    the grouped product moves. Rows, sorted by global expert, go to the rank holding their expert in
+    one all-to-all (the row counts are exchanged first, so each rank knows how many it receives), are
+    multiplied there grouped by local expert, and come back in a second all-to-all into their places.
+    """
+
+    def __init__(self, full: Experts, group: dist.ProcessGroup, index: int, size: int) -> None:
+        nn.Module.__init__(self)
+        self.n_experts, self.hidden, self.dispatch = full.n_experts, full.hidden, full.dispatch
+        self.n_local, self.size, self.group = full.n_experts // size, size, group
+        first = index * self.n_local
+        self.gate_up = nn.Parameter(full.gate_up.detach()[first:first + self.n_local].clone())
+        self.down = nn.Parameter(full.down.detach()[first:first + self.n_local].clone())
+
+    def takes_few_rows(self, expert_A: torch.Tensor) -> bool:  # noqa: ARG002
+        return False  # every rank joins every exchange, however few rows it has
+
+    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        R, n = self.size, self.n_local
+        send_RN = counts_E.view(R, n).contiguous()  # rows for each peer's experts
+        recv_RN = torch.empty_like(send_RN)  # rows from each peer, per local expert
+        dist.all_to_all_single(recv_RN, send_RN, group=self.group)
+        send_R, recv_R = torch.stack([send_RN.sum(1), recv_RN.sum(1)]).tolist()  # the split sizes, on the host
+        # G rows received, ordered by (peer, expert); autograd sends their gradients back the same way
+        x_GD = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_AD.contiguous(), recv_R, send_R, self.group))
+        local_G = torch.arange(n, device=x_AD.device).repeat(R).repeat_interleave(recv_RN.flatten())
+        order_G = torch.argsort(local_G, stable=True)  # by local expert
+        back_G = torch.empty_like(order_G)
+        back_G[order_G] = torch.arange(order_G.numel(), device=x_AD.device)
+        y_sorted = super().multiply(x_GD.index_select(0, order_G), recv_RN.sum(0), local_G[order_G])
+        y_GD = y_sorted.index_select(0, back_G)
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_GD.contiguous(), send_R, recv_R, self.group))
