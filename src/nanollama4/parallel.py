@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ModelConfig, TrainConfig
@@ -37,6 +38,7 @@ from .errors import ConfigError, TrainingError
 from .evaluation import autocast
 from .model import Loss, Transformer
 from .moe import Experts
+from .ops.experts import product_named
 from .runtime import pick_device
 
 
@@ -79,6 +81,9 @@ def check(world: World, tc: TrainConfig, cfg: ModelConfig) -> None:
     if world.size % e:
         raise ConfigError(f"expert_parallel={e} needs a multiple of {e} processes (this run has {world.size}); "
                           f"launch with torchrun --nproc-per-node {e}")
+    if tc.parallel == "fsdp" and e != world.size:
+        raise ConfigError(f"parallel=fsdp with expert_parallel={e} on {world.size} ranks is not supported yet: with "
+                          f"FSDP2 the experts spread over every rank (set expert_parallel={world.size}), or use DDP")
     if tc.compile:
         raise ConfigError("compile=true with expert_parallel is not supported yet (the exchange reads its sizes "
                           "on the host); drop one of them")
@@ -112,11 +117,13 @@ def peers_fail_as_errors(world: World) -> Iterator[None]:
     error, printed by it, is the cause)."""
     try:
         yield
-    except dist.DistError as e:
-        if not world.distributed:
+    except RuntimeError as e:  # DDP's reducer reports a lost peer as a plain RuntimeError from the backend
+        text = str(e).lower()
+        backend_failed = isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "pair closure"))
+        if not (world.distributed and backend_failed):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"rank {world.rank}: a collective failed, most likely because another rank stopped "
+        raise TrainingError("a collective failed, most likely because another rank stopped "
                             f"(its error is above): {first[:300]}") from None
 
 
@@ -230,17 +237,20 @@ class Distributed(Parallel):
         self.kind, self.device = kind, device
         self.experts: set[nn.Parameter] = set()
         self.expert_group = self.replica_group = None
+        # FSDP2's parameters are DTensors on a mesh of every rank; expert shards join them there (one fused
+        # optimizer takes no mix of DTensors and plain tensors), so FSDP2 spreads experts over every rank
+        mesh = init_device_mesh(device.type, (world.size,)) if kind == "fsdp" else None
         if expert_parallel > 1:
             self.expert_group, self.replica_group = _expert_groups(world, expert_parallel)
             index = world.rank % expert_parallel
             for moe in model.moe_layers():
-                moe.experts = ShardedExperts(moe.experts, self.expert_group, index, expert_parallel)
+                moe.experts = ShardedExperts(moe.experts, self.expert_group, index, expert_parallel, mesh)
                 self.experts.update(moe.experts.parameters())
         self.ddp: DistributedDataParallel | None = None
         if kind == "fsdp":
             for block in model.blocks:
-                fully_shard(block, ignored_params=self.experts & set(block.parameters()) or None)
-            fully_shard(model, ignored_params=self.experts or None)
+                fully_shard(block, mesh=mesh, ignored_params=self.experts & set(block.parameters()) or None)
+            fully_shard(model, mesh=mesh, ignored_params=self.experts or None)
         else:
             wrapper = _LossOf(model)
             ignored = [f"model.{name}" for name, p in model.named_parameters() if p in self.experts]
@@ -279,7 +289,7 @@ class Distributed(Parallel):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if self.replica_group is not None:
-                dist.all_reduce(p.grad, group=self.replica_group)
+                dist.all_reduce(p.grad, group=self.replica_group)  # (only with DDP: plain tensors)
             p.grad.div_(self.world.size)
         pending = [m.pending_counts for m in self.model.moe_layers() if m.bias_rate]
         if pending:
@@ -291,12 +301,11 @@ class Distributed(Parallel):
         """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
         the expert shards' squares summed over their group; then every gradient is scaled alike."""
         shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.experts]
-        norm = torch.nn.utils.get_total_norm(shared)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = _whole_norm(shared)
         if self.experts:
-            squares = torch.nn.utils.get_total_norm([p.grad for p in self.experts]).pow(2)
-            dist.all_reduce(squares, group=self.expert_group)
+            squares = _whole_norm([p.grad for p in self.experts]).pow(2)
+            if not isinstance(next(iter(self.experts)), DTensor):  # (a DTensor's norm is already the whole one)
+                dist.all_reduce(squares, group=self.expert_group)
             norm = (norm.pow(2) + squares).sqrt()
         total = norm.item()
         scale = min(1.0, max_norm / (total + 1e-6))
@@ -334,6 +343,12 @@ class Distributed(Parallel):
         return t
 
 
+def _whole_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `grads` together, as a plain tensor (a DTensor's is reduced over its mesh)."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 def _expert_groups(world: World, size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """The group of `size` consecutive ranks this rank shares its layer's experts with, and the group of
     ranks holding the same experts as this one (None when there is only one such group)."""
@@ -368,15 +383,21 @@ class ShardedExperts(Experts):
     the grouped product moves. Rows, sorted by global expert, go to the rank holding their expert in
     one all-to-all (the row counts are exchanged first, so each rank knows how many it receives), are
     multiplied there grouped by local expert, and come back in a second all-to-all into their places.
+
+    With a `mesh` (FSDP2's, of the same ranks as `group`) the shards are DTensors placed Shard(0) on it.
     """
 
-    def __init__(self, full: Experts, group: dist.ProcessGroup, index: int, size: int) -> None:
+    def __init__(self, full: Experts, group: dist.ProcessGroup, index: int, size: int,
+                 mesh: DeviceMesh | None = None) -> None:
         nn.Module.__init__(self)
         self.n_experts, self.hidden, self.dispatch = full.n_experts, full.hidden, full.dispatch
         self.n_local, self.size, self.group = full.n_experts // size, size, group
         first = index * self.n_local
-        self.gate_up = nn.Parameter(full.gate_up.detach()[first:first + self.n_local].clone())
-        self.down = nn.Parameter(full.down.detach()[first:first + self.n_local].clone())
+        for name in ("gate_up", "down"):
+            shard = getattr(full, name).detach()[first:first + self.n_local].clone()
+            if mesh is not None:
+                shard = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(shard))
 
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:  # noqa: ARG002
         return False  # every rank joins every exchange, however few rows it has
@@ -393,6 +414,10 @@ class ShardedExperts(Experts):
         order_G = torch.argsort(local_G, stable=True)  # by local expert
         back_G = torch.empty_like(order_G)
         back_G[order_G] = torch.arange(order_G.numel(), device=x_AD.device)
-        y_sorted = super().multiply(x_GD.index_select(0, order_G), recv_RN.sum(0), local_G[order_G])
+        x_sorted = x_GD.index_select(0, order_G)
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
+        product = product_named(self.dispatch, x_sorted, self.hidden)
+        y_sorted = product(x_sorted, gate_up.to(x_sorted.dtype), down.to(x_sorted.dtype), recv_RN.sum(0),
+                           local_G[order_G])
         y_GD = y_sorted.index_select(0, back_G)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_GD.contiguous(), send_R, recv_R, self.group))

@@ -73,9 +73,16 @@ class TrainResult:
     saved: bool = True  # whether run_dir holds a checkpoint to resume from
 
 
+LAUNCH_KEYS = ("parallel", "expert_parallel")  # how a launch spreads the run: chosen anew by each one
+
+
 def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
-    """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run)."""
+    """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run).
+
+    The spread over ranks (`LAUNCH_KEYS`) is not kept: it is this launch's to choose (default DDP, no
+    expert parallelism), since checkpoints are the same whatever the spread."""
     saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
+    saved = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
     try:
         return TrainConfig.from_dict({**saved, **overrides})
     except TypeError as e:
