@@ -148,6 +148,7 @@ def test_a_rank_that_stops_answering_times_out(work):
     (["--set", "expert_parallel=2"], "expert_parallel=2 needs a multiple of 2 processes (this run has 1)"),
     (["--set", "expert_parallel=3"], "expert_parallel=3 must divide n_experts (4)"),
     (["--set", "parallel=zero"], "parallel ('zero') must be 'ddp' or 'fsdp'"),
+    (["--set", "dist_timeout=0"], "dist_timeout (0.0) must be a positive, finite number of seconds"),
 ])
 def test_a_spread_that_cannot_work_is_one_line(work, args, message):
     run = work["root"] / "refused"
