@@ -3,8 +3,8 @@
 Each row trains the demo model (shakespeare-char preset on the default corpus) for --steps steps through
 the CLI, with the same global batch: one process takes batch B with 2 accumulation steps and 2 threads;
 2 ranks take batch B each with 1 thread apiece (DDP, FSDP2, expert parallel over both). Throughput is
-the median of the per-step tokens/s in metrics.jsonl after the first 3 steps (start-up, first
-validation and checkpoint excluded). Rows alternate, --repeats times, so drift shows as spread.
+the median of the per-step tokens/s in metrics.jsonl after the first 3 steps (warm-up excluded;
+a step's time never includes validation or saving). Rows alternate, --repeats times, so drift shows as spread.
 
     python benchmarks/parallel_throughput.py [--steps 15] [--batch 8] [--seq 256] [--fp32] [--repeats 2]
 """

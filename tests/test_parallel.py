@@ -100,6 +100,16 @@ def test_expert_parallel_matches_one_process(work, moe_reference):
     assert len(load) == 5 and all(abs(sum(layer) - 1) < 1e-3 for step in load for layer in step)
 
 
+def test_expert_parallel_with_replicas_on_four_ranks(work, moe_reference):
+    """4 ranks, experts over 2: each expert shard lives on two ranks whose gradients must be summed, tensor for
+    tensor, in the same order on both."""
+    run = train(work, "four-ep", [*MOE, "--max-steps", "5", "--set", "batch_size=2", "--set", "expert_parallel=2"],
+                ranks=4)
+    reference = train(work, "one-process-moe-b2", [*MOE, "--max-steps", "5", "--set", "batch_size=2", "--set",
+                                                   "grad_accum=4"])
+    assert_same(run, reference)
+
+
 @pytest.mark.parametrize("spread", [["--set", "parallel=fsdp", "--set", "expert_parallel=2"], []],
                          ids=["fsdp+ep", "ddp"])
 def test_two_ranks_checkpoint_resumes_on_one(work, moe_reference, spread):

@@ -34,6 +34,7 @@ from .model import Transformer
 from .tokenizer import Tokenizer, load_tokenizer
 
 LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
+TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its tensor) -> a tensor
 
 
 # ---------------------------------------------------------------------------------------------- run ownership
@@ -110,22 +111,34 @@ def _unb64(s: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- model + optimizer
-def model_tensors(model: Transformer) -> dict[str, torch.Tensor]:
-    """The state dict without the tied LM head (safetensors stores each tensor once)."""
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        tensors.pop("lm_head.weight")
+def model_tensors(model: Transformer, whole: TensorOf | None = None) -> dict[str, torch.Tensor]:
+    """The state dict without the tied LM head (safetensors stores each tensor once).
+
+    `whole` (parameter, tensor) -> tensor gathers a parameter spread over ranks (see `optimizer_tensors`)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        if whole is not None and name in params:
+            t = whole(params[name], t)
+        tensors[name] = t.detach().contiguous()
     return tensors
+
+
+def read_model_config(ckpt: Path) -> ModelConfig:
+    """A checkpoint's config.json, as a validated ModelConfig (CheckpointError naming the file otherwise)."""
+    try:
+        return ModelConfig.from_dict(read_json(ckpt / "config.json"))
+    except (TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
 
 
 def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
     """Our Transformer from a checkpoint folder (config.json + model.safetensors)."""
-    try:
-        cfg = ModelConfig.from_dict(read_json(ckpt / "config.json"))
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
+    cfg = read_model_config(ckpt)
     tensors = read_safetensors(ckpt / "model.safetensors")
     bad = non_finite(tensors)
     if bad is not None:
@@ -140,9 +153,6 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
         detail = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{ckpt / 'model.safetensors'} does not match config.json: {detail}") from None
     return model.to(dtype) if dtype is not None else model
-
-
-TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its state tensor) -> tensor
 
 
 def _params_by_index(opt: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -177,7 +187,9 @@ def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Te
     params = _params_by_index(opt)
     for name, value in tensors.items():
         _, idx, key = name.split(".", 2)
-        if part is not None and value.dim() > 0 and int(idx) < len(params):
+        if part is not None and value.dim() > 0:
+            if int(idx) >= len(params):
+                raise CheckpointError(f"optimizer state names parameter {idx}, but the model has {len(params)}")
             value = part(params[int(idx)], value)
         state.setdefault(int(idx), {})[key] = value
     for name, value in meta.get("scalars", {}).items():

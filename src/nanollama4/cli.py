@@ -225,18 +225,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
     from .parallel import World
 
+    code = (EXIT_CTRL_C if not result.saved else EXIT_INTERRUPTED) if result.interrupted else 0
     if not World.from_env().main:  # under torchrun rank 0 reports and plots for all
-        return EXIT_CTRL_C if result.interrupted and not result.saved else EXIT_INTERRUPTED if result.interrupted else 0
+        return code
     val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
     print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
           f"{result.tokens_per_s:,.0f} tokens/s")
-    if result.interrupted and not result.saved:
+    if code == EXIT_CTRL_C:
         print("stopped by a signal before the first checkpoint; nothing was saved")
-        return EXIT_CTRL_C
-    if result.interrupted:
+        return code
+    if code == EXIT_INTERRUPTED:
         print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
               f"--max-steps N (or --max-time T)")
-        return EXIT_INTERRUPTED
+        return code
     from .plots import plot_run
 
     for path in plot_run(result.run_dir):

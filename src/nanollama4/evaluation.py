@@ -1,4 +1,4 @@
-"""Evaluation: the validation loss on fixed batches (during training) and over every validation token."""
+"""Evaluation over every validation token (the fixed-batch loss of training is `Parallel.evaluate`)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,6 @@ def autocast(device: torch.device, enabled: bool):
     """bf16 autocast on `device` when enabled (TrainConfig.bf16), else nothing: training and evaluation
     must compute in the same precision."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
-
-
-@torch.no_grad()
-def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-             bf16: bool) -> float:
-    """Mean next-token loss over fixed batches (model put back in train mode afterwards)."""
-    model.eval()
-    losses = []
-    for x, y in batches:
-        with autocast(device, bf16):
-            losses.append(model.loss(x.to(device), y.to(device)).lm.item())
-    model.train()
-    return sum(losses) / len(losses)
 
 
 @torch.no_grad()

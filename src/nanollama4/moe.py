@@ -159,7 +159,6 @@ class Experts(nn.Module):
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 
-
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""
         return expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())

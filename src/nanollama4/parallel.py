@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ModelConfig, TrainConfig
-from .errors import ConfigError, TrainingError
+from .errors import ConfigError, Nanollama4Error, TrainingError
 from .evaluation import autocast
 from .model import Loss, Transformer
 from .moe import Experts
@@ -97,7 +97,16 @@ def join(world: World, tc: TrainConfig) -> torch.device:
     device = pick_device(tc.device)
     if not world.distributed:
         return device
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"torchrun training runs on CPUs (gloo) or CUDA GPUs (NCCL), not {device.type}; "
+                          "pass --set device=cpu or device=cuda")
     if device.type == "cuda":
+        if device.index is not None and tc.device != "auto":
+            raise ConfigError(f"under torchrun each rank takes the GPU of its LOCAL_RANK; pass --set device=cuda, not "
+                              f"{tc.device} (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+        if world.local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"rank {world.rank} is local rank {world.local_rank} but this node has "
+                              f"{torch.cuda.device_count()} GPUs; launch at most that many processes per node")
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -118,6 +127,8 @@ def peers_fail_as_errors(world: World) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:  # DDP's reducer reports a lost peer as a plain RuntimeError from the backend
+        if isinstance(e, Nanollama4Error):
+            raise
         text = str(e).lower()
         backend_failed = isinstance(e, dist.DistError) or any(w in text for w in ("gloo", "nccl", "pair closure"))
         if not (world.distributed and backend_failed):
@@ -127,20 +138,20 @@ def peers_fail_as_errors(world: World) -> Iterator[None]:
                             f"(its error is above): {first[:300]}") from None
 
 
-def broadcast_text(world: World, text: str | None) -> str:
+def broadcast_text(world: World, text: str | None, device: torch.device | None = None) -> str:
     """Rank 0's `text` on every rank (sent as UTF-8 bytes, so nothing is pickled)."""
     if not world.distributed:
         assert text is not None
         return text
+    device = device or torch.device("cpu")  # NCCL sends only what is on the GPU
     data = torch.empty(0, dtype=torch.uint8)
     if world.main:
         data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()])
+    size = torch.tensor([data.numel()], device=device)
     dist.broadcast(size, 0)
-    if not world.main:
-        data = torch.empty(int(size), dtype=torch.uint8)
+    data = data.to(device) if world.main else torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, 0)
-    return bytes(data.tolist()).decode()
+    return data.cpu().numpy().tobytes().decode()
 
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -157,7 +168,7 @@ class Parallel:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> Loss:
         return self.model.loss(x, y)
 
-    def accumulating(self, last: bool) -> AbstractContextManager[None]:  # noqa: ARG002
+    def accumulating(self, last: bool) -> AbstractContextManager[None]:
         """Around one micro-batch's forward and backward: gradients are synchronised only after the last."""
         return nullcontext()
 
@@ -168,31 +179,21 @@ class Parallel:
         """Clip the global gradient norm to max_norm; returns the norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """t summed over all ranks (in place)."""
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over all ranks (CPU in, CPU out: some devices have no float64)."""
         return t
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         """Each value's largest over the ranks: how every rank takes the same decision."""
         return values
 
-    def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+    def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:
         """Parameter p's tensor t (its value, gradient-shaped state) as one process holds it."""
         return t
 
-    def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+    def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         """The inverse of `whole`: this rank's part of a whole tensor for p."""
         return t
-
-    def model_tensors(self) -> dict[str, torch.Tensor]:
-        """The state dict as one process would save it (without a tied LM head). Every rank must call it."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        tensors = {}
-        for name, t in self.model.state_dict().items():
-            if name == "lm_head.weight" and self.model.cfg.tie_embeddings:
-                continue
-            tensors[name] = self.whole(params.get(name), t).detach().contiguous()
-        return tensors
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, bf16: bool) -> float:
@@ -208,9 +209,9 @@ class Parallel:
             with autocast(device, bf16):
                 loss = self.model.loss(x.to(device), y.to(device)).lm
             if idx < n:
-                total += loss.double().cpu()
+                total += loss.detach().cpu().double()
         self.model.train()
-        return float(self.sum(total.to(device)).cpu()) / n
+        return float(self.sum_over_ranks(total)) / n
 
 
 # ---------------------------------------------------------------------------------------------- several
@@ -235,7 +236,8 @@ class Distributed(Parallel):
                  ) -> None:
         super().__init__(model, world)
         self.kind, self.device = kind, device
-        self.experts: set[nn.Parameter] = set()
+        # in model order: every rank must reduce the same tensors in the same order (a set orders by address)
+        self.experts: list[nn.Parameter] = []
         self.expert_group = self.replica_group = None
         # FSDP2's parameters are DTensors on a mesh of every rank; expert shards join them there (one fused
         # optimizer takes no mix of DTensors and plain tensors), so FSDP2 spreads experts over every rank
@@ -245,15 +247,16 @@ class Distributed(Parallel):
             index = world.rank % expert_parallel
             for moe in model.moe_layers():
                 moe.experts = ShardedExperts(moe.experts, self.expert_group, index, expert_parallel, mesh)
-                self.experts.update(moe.experts.parameters())
+                self.experts += list(moe.experts.parameters())
+        expert_set = set(self.experts)
         self.ddp: DistributedDataParallel | None = None
         if kind == "fsdp":
             for block in model.blocks:
-                fully_shard(block, mesh=mesh, ignored_params=self.experts & set(block.parameters()) or None)
-            fully_shard(model, mesh=mesh, ignored_params=self.experts or None)
+                fully_shard(block, mesh=mesh, ignored_params=expert_set & set(block.parameters()) or None)
+            fully_shard(model, mesh=mesh, ignored_params=expert_set or None)
         else:
             wrapper = _LossOf(model)
-            ignored = [f"model.{name}" for name, p in model.named_parameters() if p in self.experts]
+            ignored = [f"model.{name}" for name, p in model.named_parameters() if p in expert_set]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, ignored)
             # broadcast_buffers off: each rank's expert counts are its own until `after_backward` sums them
             # (torch 2.13 warns that the flag is going; its replacement would still sync them at init)
@@ -293,18 +296,19 @@ class Distributed(Parallel):
             p.grad.div_(self.world.size)
         pending = [m.pending_counts for m in self.model.moe_layers() if m.bias_rate]
         if pending:
-            summed = self.sum(torch.stack(pending))
+            summed = self.sum_over_ranks(torch.stack(pending))
             for buf, row in zip(pending, summed, strict=True):
                 buf.copy_(row)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
         the expert shards' squares summed over their group; then every gradient is scaled alike."""
-        shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.experts]
+        expert_set = set(self.experts)
+        shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in expert_set]
         norm = _whole_norm(shared)
         if self.experts:
             squares = _whole_norm([p.grad for p in self.experts]).pow(2)
-            if not isinstance(next(iter(self.experts)), DTensor):  # (a DTensor's norm is already the whole one)
+            if not isinstance(self.experts[0], DTensor):  # (a DTensor's norm is already the whole one)
                 dist.all_reduce(squares, group=self.expert_group)
             norm = (norm.pow(2) + squares).sqrt()
         total = norm.item()
@@ -315,9 +319,10 @@ class Distributed(Parallel):
                     p.grad.mul_(scale)
         return total
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        on_device = t.to(self.device)  # NCCL reduces only what is on the GPU
+        dist.all_reduce(on_device)
+        return on_device.to(t.device)
 
     def max_over_ranks(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -326,17 +331,17 @@ class Distributed(Parallel):
 
     def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):
-            return t.full_tensor()
-        if p is not None and p in self.experts:
+            return t.full_tensor().cpu()
+        if p is not None and any(p is e for e in self.experts):
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.expert_group))]
             dist.all_gather(parts, t.contiguous(), group=self.expert_group)
-            return torch.cat(parts)
+            return torch.cat(parts).cpu()
         return t
 
     def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         if isinstance(p, DTensor):
             return distribute_tensor(t.to(self.device), p.device_mesh, p.placements)
-        if p in self.experts:
+        if any(p is e for e in self.experts):
             n = p.shape[0]
             index = dist.get_rank(self.expert_group)
             return t[index * n:(index + 1) * n].clone()
@@ -385,6 +390,7 @@ class ShardedExperts(Experts):
     multiplied there grouped by local expert, and come back in a second all-to-all into their places.
 
     With a `mesh` (FSDP2's, of the same ranks as `group`) the shards are DTensors placed Shard(0) on it.
+    Built from the whole layer's `Experts` without calling its __init__, which would allocate all N.
     """
 
     def __init__(self, full: Experts, group: dist.ProcessGroup, index: int, size: int,
@@ -399,10 +405,10 @@ class ShardedExperts(Experts):
                 shard = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(shard))
 
-    def takes_few_rows(self, expert_A: torch.Tensor) -> bool:  # noqa: ARG002
+    def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         return False  # every rank joins every exchange, however few rows it has
 
-    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:
         R, n = self.size, self.n_local
         send_RN = counts_E.view(R, n).contiguous()  # rows for each peer's experts
         recv_RN = torch.empty_like(send_RN)  # rows from each peer, per local expert

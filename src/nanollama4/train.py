@@ -8,7 +8,8 @@ is seeded per step and micro-batch, so it needs no saved state.)
 Under torchrun the same function trains on every rank (`parallel` spreads the model). A step's R x a
 micro-batches are the ones one process with accumulation R x a would draw: every rank draws all of
 their windows from the same generator and keeps micro-batches r, r + R, r + 2R, ... for itself, so a
-run can change world size on resume and stay comparable. Rank 0 alone writes files and shows progress.
+run can change world size on resume and stay comparable. Rank 0 alone writes the run directory and
+shows progress (every rank reads the corpus and its token cache, which is written atomically).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from .checkpoint import (
     load_model,
     load_optimizer_state,
     load_train_state,
+    model_tensors,
     optimizer_tensors,
     read_json,
+    read_model_config,
     read_safetensors,
     resolve_checkpoint,
     run_lock,
@@ -148,7 +151,7 @@ def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
 def noise_seed(seed: int, step: int, micro_batch: int) -> int:
     """The router-noise seed of one micro-batch: a function of where it sits in the run alone, so that
     neither a resume nor the number of ranks sharing the step changes the noise it draws."""
-    return hash((seed, step, micro_batch)) & (2**63 - 1)  # ints hash the same in every process
+    return ((seed * 1_000_003 + step) * 65_537 + micro_batch) & (2**63 - 1)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -176,8 +179,9 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     with `resume_config(run_dir, ...)` so that everything but what you mean to change (usually the budget)
     stays as the run had it; `data` then replaces the run's corpus path (the text must suit its tokenizer).
 
-    The process holds run_dir's lock throughout (`checkpoint.run_lock`): a second training there stops at
-    once. A new run goes only into a new, empty, or never-checkpointed folder of ours.
+    The process (under torchrun: rank 0) holds run_dir's lock throughout (`checkpoint.run_lock`): a second
+    training there stops at once. A new run goes only into a new, empty, or never-checkpointed folder of
+    ours. Under torchrun every rank calls this with the same arguments.
     """
     run_dir = Path(run_dir)
     world = World.from_env()
@@ -185,7 +189,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         raise TrainingError("give a budget: --max-steps N or --max-time 10m")
     if resume:
         ckpt = resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
-        parallel.check(world, tc, ModelConfig.from_dict(read_json(ckpt / "config.json")))
+        parallel.check(world, tc, read_model_config(ckpt))
     else:
         if model_cfg is None:
             raise TrainingError("a new run needs a model config")
@@ -258,7 +262,7 @@ def _corpus_path(data: str | Path | None) -> str | None:
 
 @dataclass
 class Run:
-    """What a run carries from step to step; a checkpoint saves all of it."""
+    """What a run carries from step to step; a checkpoint saves all of it but the spread over ranks."""
 
     dir: Path
     tc: TrainConfig
@@ -309,7 +313,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     trained_tokens = 0
-    saved_step = run.step
+    saved_step, stopped = run.step, False
 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
@@ -355,7 +359,8 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
         tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" \
             else BPETokenizer.train(text, tc.bpe_vocab_size)
     if world.distributed:  # every rank encodes with rank 0's tokenizer
-        tokenizer = tokenizer_from_json(parallel.broadcast_text(world, tokenizer and tokenizer.to_json()))
+        sent = parallel.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
+        tokenizer = tokenizer_from_json(sent)
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
     model = Transformer(model_cfg.replace(vocab_size=tokenizer.vocab_size))
     return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device)
@@ -427,13 +432,14 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
 
 
 def train_step(run: Run, lr: float) -> StepResult:
-    """One optimizer step at learning rate lr: grad_accum micro-batches, clipping, the update, the balancing
-    bias. A non-finite loss or gradient norm stops the run before anything of the step is applied."""
+    """One optimizer step at learning rate lr: this rank's grad_accum of the step's R x grad_accum micro-batches
+    (all of them drawn, to keep the ranks' samplers alike), clipping, the update, the balancing bias. A
+    non-finite loss or gradient norm stops the run before anything of the step is applied."""
     tc, model, world = run.tc, run.model, run.world
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     noisy = any(m.noise_kind != "none" for m in model.moe_layers())
-    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches
+    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches (on the CPU: one read)
     mine = 0
     for m in range(tc.grad_accum * world.size):
         starts = run.dataset.draw_starts("train", tc.batch_size, tc.seq_len, run.batches)
@@ -449,9 +455,9 @@ def train_step(run: Run, lr: float) -> StepResult:
             (out.total / tc.grad_accum).backward()
         sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
     counts = expert_counts(model)
-    lm, aux = (run.parallel.sum(sums.to(run.device)).cpu() / (tc.grad_accum * world.size)).tolist()
+    lm, aux = (run.parallel.sum_over_ranks(sums) / (tc.grad_accum * world.size)).tolist()
     if counts is not None:
-        counts = run.parallel.sum(counts)
+        counts = run.parallel.sum_over_ranks(counts.cpu())
     if not math.isfinite(lm + aux):
         raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
     run.parallel.after_backward()
@@ -484,7 +490,7 @@ def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
     metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
     is_best = run.best is None or val < run.best
     run.val, run.best = val, val if is_best else run.best
-    tensors = run.parallel.model_tensors()  # gathered whole on every rank: the same file for any world size
+    tensors = model_tensors(run.model, whole=run.parallel.whole)  # whole on every rank: one file for any world size
     optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
     if run.world.main:
         state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
