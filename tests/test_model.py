@@ -295,7 +295,7 @@ def test_moe_sparse_equals_dense_reference(shape, router, k, n):
 
     y_ref, gx_ref, gp_ref = run(moe_reference)
     assert y_ref.abs().max() > 1.0
-    for mode in ["kernel", "loop", "padded"] + (["grouped"] if aligned else []):
+    for mode in ["kernel", "loop", "padded", "bucketed"] + (["grouped"] if aligned else []):
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as grouped, \
                 mock.patch.object(kernels.GroupedMatmul, "apply", wraps=kernels.GroupedMatmul.apply) as kernel:

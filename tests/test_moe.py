@@ -82,7 +82,7 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
     y_ref, gx_ref, gp_ref = run_with_grads(moe, moe_reference, x, w, seed)
     ok = aligned(d, hidden)
     assert _grouped_mm_ok(x.view(-1, d), hidden) == ok
-    modes = ["auto", "loop", "padded", "kernel"] + (["grouped"] if ok else [])
+    modes = ["auto", "loop", "padded", "bucketed", "kernel"] + (["grouped"] if ok else [])
     for mode in modes:
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
@@ -108,7 +108,7 @@ def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden
 
     (8, 6) float32 and (8, 4) bfloat16 have aligned d and 2I but a misaligned I, which grouped_mm rejects.
     On the CPU that decision is reached in float32 when our kernel is unavailable (with it, auto takes the
-    kernel; in bfloat16 auto takes the padded bmm), so the kernel is switched off here and the test asserts
+    kernel; in bfloat16 auto takes the bucketed loop), so the kernel is switched off here and the test asserts
     which product ran, not only that the result is right.
     """
     monkeypatch.setattr(kernels, "available", lambda: False)
@@ -117,11 +117,11 @@ def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden
     ok = aligned(d, hidden, elem=torch.finfo(dtype).bits // 8)
     assert _grouped_mm_ok(x.view(-1, d), hidden) == ok
     with torch.no_grad(), mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
-            mock.patch.dict(PRODUCTS, padded=mock.Mock(wraps=PRODUCTS["padded"])):
-        padded = PRODUCTS["padded"]
+            mock.patch.dict(PRODUCTS, bucketed=mock.Mock(wraps=PRODUCTS["bucketed"])):
+        bucketed = PRODUCTS["bucketed"]
         y = moe(x)  # "auto" must never pick a product that raises
     assert spy.called == (ok and dtype == torch.float32), (spy.called, ok)
-    assert padded.called == (dtype == torch.bfloat16)
+    assert bucketed.called == (dtype == torch.bfloat16)
     with torch.no_grad():
         moe.experts.dispatch = "loop"
         torch.testing.assert_close(y, moe(x), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
@@ -199,7 +199,7 @@ def test_unchosen_experts_get_zero_weight_output_and_gradient(router, k, cf):
         torch.testing.assert_close(dense.sum(-1)[has_slot], torch.ones(int(has_slot.sum())), atol=1e-6, rtol=0)
     torch.testing.assert_close(dense, want, atol=1e-6, rtol=1e-6)
 
-    for mode in ("loop", "padded", "grouped", "kernel"):
+    for mode in ("loop", "padded", "bucketed", "grouped", "kernel"):
         moe.experts.dispatch = mode
         y, _, grads = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed=0)
         for e in unchosen:

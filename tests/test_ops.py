@@ -74,7 +74,7 @@ def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
     moe = model.moe_layers()[0]
     with pytest.raises(ConfigError) as info:
         moe.experts.dispatch = "fastest"  # refused when set, so decoding (which sorts nothing) cannot hide it
-    assert str(info.value) == "unknown expert dispatch 'fastest'; valid: auto, loop, grouped, kernel, padded"
+    assert str(info.value) == "unknown expert dispatch 'fastest'; valid: auto, loop, grouped, kernel, padded, bucketed"
     with pytest.raises(ConfigError, match="unknown expert dispatch 'fastest'"):
         product_named("fastest", torch.zeros(3, 64), 64)
     assert product_named("auto", torch.zeros(3, 64), 64) is PRODUCTS["kernel" if kernels.available() else "grouped"]

@@ -15,6 +15,7 @@ handful of (token, expert) assignments, as in decoding, without sorting.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -72,8 +73,80 @@ def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torc
     return y_ECD.view(E * cap, -1).index_select(0, flat_A)
 
 
+def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
+                     expert_A: torch.Tensor) -> torch.Tensor:
+    """One product per expert, each group's rows padded up to a multiple of 64 (`padded` pads every group to
+    the largest). torch's bf16 CPU products (oneDNN) set up a kernel for every new row count, and group
+    sizes change every step; rounded, a few sizes recur and their kernels are reused, for at most 63 rows
+    of waste per expert where `padded` wastes the whole imbalance between the fullest expert and the rest.
+    The products write into preallocated buffers (`_BucketedSwiGLU`), forward and backward."""
+    padded_E = (counts_E + 63).div(64, rounding_mode="floor") * 64
+    starts_E = torch.cumsum(padded_E, 0) - padded_E
+    first_E = torch.cumsum(counts_E, 0) - counts_E
+    flat_A = starts_E[expert_A] + torch.arange(x_AD.shape[0], device=x_AD.device) - first_E[expert_A]
+    sizes = padded_E.tolist()
+    buf_PD = x_AD.new_zeros(sum(sizes), x_AD.shape[1]).index_copy(0, flat_A, x_AD)
+    return _BucketedSwiGLU.apply(buf_PD, gate_up_EDH, down_EHD, sizes).index_select(0, flat_A)
+
+
+class _BucketedSwiGLU(torch.autograd.Function):
+    """SwiGLU_e over consecutive row groups of the sizes given, one product per group and matrix, each
+    written in place into its slice of one buffer (no per-group tensors, no cat, no split). Rows that
+    are zero (the padding) stay zero through the forward and add nothing to the weights' gradients."""
+
+    @staticmethod
+    def forward(ctx, x_PD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
+                sizes: list[int]) -> torch.Tensor:
+        H, spans = down_EHD.shape[1], _spans(sizes)
+        h_PH2 = x_PD.new_empty(x_PD.shape[0], 2 * H)
+        for (lo, hi), w in zip(spans, gate_up_EDH.unbind(0), strict=True):
+            if hi > lo:
+                torch.mm(x_PD[lo:hi], w, out=h_PH2[lo:hi])
+        gate, up = h_PH2[:, :H], h_PH2[:, H:]
+        silu_PH = F.silu(gate)
+        act_PH = silu_PH * up
+        y_PD = x_PD.new_empty(x_PD.shape[0], down_EHD.shape[2])
+        for (lo, hi), w in zip(spans, down_EHD.unbind(0), strict=True):
+            if hi > lo:
+                torch.mm(act_PH[lo:hi], w, out=y_PD[lo:hi])
+        ctx.save_for_backward(x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD)
+        ctx.spans = spans
+        return y_PD
+
+    @staticmethod
+    def backward(ctx, dy_PD: torch.Tensor):
+        x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD = ctx.saved_tensors
+        H, spans = down_EHD.shape[1], ctx.spans
+        dy_PD = dy_PD.contiguous()
+        d_act = torch.empty_like(act_PH)
+        d_down = torch.empty_like(down_EHD)
+        for e, (lo, hi) in enumerate(spans):
+            if hi > lo:
+                torch.mm(dy_PD[lo:hi], down_EHD[e].t(), out=d_act[lo:hi])
+                torch.mm(act_PH[lo:hi].t(), dy_PD[lo:hi], out=d_down[e])
+            else:
+                d_down[e].zero_()
+        dh_PH2 = torch.empty_like(h_PH2)
+        torch.ops.aten.silu_backward.grad_input(d_act * h_PH2[:, H:], h_PH2[:, :H], grad_input=dh_PH2[:, :H])
+        torch.mul(d_act, silu_PH, out=dh_PH2[:, H:])
+        d_gate_up = torch.empty_like(gate_up_EDH)
+        dx_PD = torch.empty_like(x_PD)
+        for e, (lo, hi) in enumerate(spans):
+            if hi > lo:
+                torch.mm(x_PD[lo:hi].t(), dh_PH2[lo:hi], out=d_gate_up[e])
+                torch.mm(dh_PH2[lo:hi], gate_up_EDH[e].t(), out=dx_PD[lo:hi])
+            else:
+                d_gate_up[e].zero_()
+        return dx_PD, d_gate_up, d_down, None
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    ends = list(itertools.accumulate(sizes))
+    return [(end - n, end) for n, end in zip(sizes, ends, strict=True)]
+
+
 PRODUCTS: dict[str, Product] = {"loop": loop_product, "grouped": grouped_product, "kernel": kernel_product,
-                                "padded": padded_product}
+                                "padded": padded_product, "bucketed": bucketed_product}
 DISPATCH_NAMES = ("auto", *PRODUCTS)
 
 
@@ -96,7 +169,7 @@ def auto_product(x: torch.Tensor, hidden: int) -> str:
     CUDA. While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose
     group sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph."""
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        return "padded"
+        return "bucketed"
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
             and kernels.available():
         return "kernel"

@@ -1,0 +1,178 @@
+"""What an MoE training step costs against the dense model of the same active parameters.
+
+One step = `Transformer.loss` + backward + fused AdamW. The MoE and its dense twin (n_experts=0, a dense
+FFN as wide as the routed top-k plus the shared expert) are built from the same seed and trained on the
+same batches, their steps alternated in one process so that drift hits both; median ms per step after
+warm-up, and the ratio. Two regimes:
+
+  demo  the shakespeare-char preset (8 experts, top-1, shared expert) under bf16 autocast, batch 16 x 256
+        of the default corpus (real text: its routing is as uneven as the demo's)
+  fp32  width 128, 4 layers, top-1 of 16 or 64 experts of width 256 + a shared one, float32, batch 12 x 64
+
+With --breakdown, one MoE layer of the demo model is timed piece by piece on the hidden states it sees
+(forward + backward of each piece), beside the dense twin's FFN.
+
+    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 16,64] [--rounds 12] [--breakdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+import nanollama4
+from nanollama4.config import ModelConfig, preset
+from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from nanollama4.moe import count_per_expert
+from nanollama4.ops.experts import product_named
+from nanollama4.runtime import tune_allocator
+from nanollama4.tokenizer import CharTokenizer
+
+
+def dense_twin(cfg: ModelConfig) -> ModelConfig:
+    width = cfg.expert_dim * (cfg.experts_per_token + (1 if cfg.shared_expert else 0))
+    return cfg.replace(n_experts=0, ffn_dim=width)
+
+
+def fp32_config(n_experts: int) -> ModelConfig:
+    return ModelConfig(vocab_size=96, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, max_seq_len=64,
+                       attention_chunk_size=None, expert_dim=256, experts_per_token=1, n_experts=n_experts,
+                       ffn_dim=512)
+
+
+def demo_batches(cfg: ModelConfig, batch: int, seq: int, n: int) -> tuple[ModelConfig, list[torch.Tensor]]:
+    files = find_corpus_files(None)
+    tok = CharTokenizer.from_text(read_corpus(files))
+    data = TokenDataset.build(files, tok, default_cache_dir())
+    g = torch.Generator().manual_seed(0)
+    windows = []
+    for _ in range(n):
+        x, y = data.get_batch("train", batch, seq, g)
+        windows.append(torch.cat([x, y[:, -1:]], 1))  # (B, T + 1)
+    return cfg.replace(vocab_size=tok.vocab_size), windows
+
+
+def stepper(cfg: ModelConfig, batches: list[torch.Tensor], bf16: bool):
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    state = {"i": 0}
+
+    def step() -> float:
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model.loss(b[:, :-1], b[:, 1:]).total
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.update_router_biases()
+        return time.perf_counter() - t
+
+    return step, model
+
+
+def compare(name: str, cfg: ModelConfig, batches: list[torch.Tensor], bf16: bool, rounds: int) -> None:
+    """Two alternated runs of `rounds` steps each, MoE and dense step by step."""
+    moe, _ = stepper(cfg, batches, bf16)
+    dense, _ = stepper(dense_twin(cfg), batches, bf16)
+    for _ in range(3):
+        moe(), dense()
+    for run in (1, 2):
+        t_moe, t_dense = [], []
+        for _ in range(rounds):
+            t_moe.append(moe())
+            t_dense.append(dense())
+        m, d = statistics.median(t_moe) * 1e3, statistics.median(t_dense) * 1e3
+        print(f"| {name:<34} | {run} | {m:9.1f} | {d:9.1f} | {m / d:6.2f}x |", flush=True)
+
+
+def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
+    """The first MoE layer's pieces, forward + backward each, on the hidden states the layer sees."""
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(cfg)
+    moe = model.moe_layers()[0]
+    seen = {}
+    moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.loss(batches[0][:, :-1], batches[0][:, 1:])
+    x = seen["x"].reshape(-1, cfg.d_model)
+    dense_ffn = nanollama4.Transformer(dense_twin(cfg)).blocks[0].ffn
+
+    def timed(fn, reps: int = 15) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times) * 1e3
+
+    def fwd_bwd(f):
+        def run():
+            xx = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = f(xx)
+            y.float().sum().backward()
+        return run
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = moe.route(x)
+    expert_A = r.experts_TK.reshape(-1)
+    order_A = torch.argsort(expert_A, stable=True)
+    token_A, sorted_A = order_A.div(cfg.experts_per_token, rounding_mode="floor"), expert_A[order_A]
+    counts_E = count_per_expert(sorted_A, cfg.n_experts)
+    gate_up, down = moe.experts.gate_up, moe.experts.down
+    product = product_named("auto", x[:1].to(torch.bfloat16), cfg.expert_dim)
+
+    def routed_products(xx):
+        xa = xx.index_select(0, token_A).to(torch.bfloat16)
+        return product(xa, gate_up.to(torch.bfloat16), down.to(torch.bfloat16), counts_E, sorted_A)
+
+    rows = {
+        "router (logits, top-k, weights)": timed(lambda: fwd_bwd(lambda xx: moe.route(xx).weights_TK)()),
+        f"routed experts' products ({product.__name__})": timed(fwd_bwd(routed_products)),
+        "shared expert": timed(fwd_bwd(moe.shared_expert)),
+        "whole MoE layer (with gather, scatter, stats)": timed(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
+        "dense twin's FFN": timed(fwd_bwd(dense_ffn)),
+    }
+    print(f"\none MoE layer of the demo model, forward + backward, bf16 autocast, {x.shape[0]} tokens, "
+          f"rows per expert {counts_E.tolist()}")
+    print("| piece | ms |\n|---|---|")
+    for k, v in rows.items():
+        print(f"| {k} | {v:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--regimes", default="demo,fp32")
+    ap.add_argument("--experts", default="16,64", help="expert counts of the fp32 regime")
+    ap.add_argument("--rounds", type=int, default=12, help="steps per model per run")
+    ap.add_argument("--breakdown", action="store_true")
+    args = ap.parse_args()
+    tune_allocator()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
+    print("| regime | run | MoE ms/step | dense ms/step | ratio |\n|---|---|---|---|---|")
+    regimes = args.regimes.split(",")
+    demo_cfg = demo_data = None
+    if "demo" in regimes or args.breakdown:
+        demo_cfg, demo_data = demo_batches(preset("shakespeare-char"), 16, 256, 8)
+    if "demo" in regimes:
+        compare("demo: shakespeare-char, bf16, 16x256", demo_cfg, demo_data, True, args.rounds)
+    if "fp32" in regimes:
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randint(0, 96, (12, 65), generator=g) for _ in range(8)]
+        for n in (int(v) for v in args.experts.split(",")):
+            compare(f"fp32: width 128, {n} experts, 12x64", fp32_config(n), data, False, args.rounds)
+    if args.breakdown:
+        breakdown(demo_cfg, demo_data)
+
+
+if __name__ == "__main__":
+    main()
