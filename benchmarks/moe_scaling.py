@@ -1,11 +1,18 @@
 """How one MoE layer's cost grows with the number of experts N: ours (each dispatch mode) vs transformers.
 
-Forward+backward of one MoE layer on 768 tokens (width 256, expert width 512, shared expert on), for
-N in {4, 16, 64, 128} and k in {1, 2}, fp32 and bf16, all in one process with the same weights; plus a
-single-token forward (the decode case). transformers' Llama4TextMoe runs every expert on every token.
-"kernel" (our compiled grouped product) exists for fp32 on the CPU only; "-" elsewhere.
+Forward+backward of one MoE layer on 768 and on 8,192 tokens (width 256, expert width 512, shared expert
+on), for N in {4, 16, 64, 128} and k in {1, 2}, fp32 and bf16, all in one process with the same weights;
+plus a single-token forward (the decode case). transformers' Llama4TextMoe runs every expert on every
+token (at 8,192 tokens it is left out: 128 experts on every token take minutes). "kernel" (our compiled
+grouped product) exists for fp32 on the CPU only; "-" elsewhere.
 
-    python benchmarks/moe_scaling.py [--quick] [--device cuda] [--dtypes bf16]
+The roofline column is a lower bound for each row, from two rates measured here at start-up: the
+matrix-product rate of the dtype (a 2048 x 2048 x 2048 product) and the memory bandwidth (a 256 MiB
+copy). A forward + backward multiplies 3 x 2 x (rows x D x 3H) per expert product (forward, input
+gradient, weight gradient), and must read every expert's weights twice and write their gradients once;
+the bound is the larger of the two times, and "x bound" our best time over it.
+
+    python benchmarks/moe_scaling.py [--quick] [--tokens 768,8192] [--device cuda] [--dtypes bf16]
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from nanollama4.moe import MoE
 from nanollama4.ops import kernels
 from nanollama4.runtime import tune_allocator
 
-TOKENS, WIDTH, EXPERT_WIDTH = 768, 256, 512
+WIDTH, EXPERT_WIDTH = 256, 512
 
 
 def make_ours(n: int, k: int, dtype: torch.dtype, device: str) -> MoE:
@@ -68,6 +75,24 @@ def timed(fn, reps: int, device: str) -> float:
     return statistics.median(times)
 
 
+def measured_rates(dtype: torch.dtype, device: str) -> tuple[float, float]:
+    """(matrix-product FLOP/s of dtype, memory bytes/s) on this machine, now."""
+    a = torch.randn(2048, 2048, device=device).to(dtype)
+    flops = 2 * 2048 ** 3 / timed(lambda: a @ a, 5, device)
+    src, dst = torch.ones(64 * 2 ** 20, device=device), torch.zeros(64 * 2 ** 20, device=device)  # 256 MiB each
+    bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 5, device)  # read + write
+    return flops, bandwidth
+
+
+def roofline_s(n: int, k: int, tokens: int, dtype: torch.dtype, rates: tuple[float, float]) -> float:
+    """The least time one forward + backward can take: compute of the routed and shared products, or the
+    expert weights' traffic (read in the forward and the backward, gradients written once)."""
+    flops_per_row = 2 * WIDTH * 3 * EXPERT_WIDTH  # gate, up and down
+    flops = 3 * flops_per_row * tokens * (k + 1) + 3 * 2 * tokens * WIDTH * n  # + the router
+    weight_bytes = (n + 1) * 3 * WIDTH * EXPERT_WIDTH * torch.finfo(dtype).bits // 8
+    return max(flops / rates[0], 3 * weight_bytes / rates[1])
+
+
 def fwd_bwd(module, x: torch.Tensor, reference: bool):
     def run():
         x.grad = None
@@ -85,29 +110,38 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers")
+    ap.add_argument("--tokens", default="768,8192", help="tokens per batch, comma-separated")
     args = ap.parse_args()
     dev = args.device
     ns = [4, 64] if args.quick else [4, 16, 64, 128]
     reps = 2 if args.quick else 5
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{TOKENS} tokens, width {WIDTH}, expert width {EXPERT_WIDTH}; times are medians in ms")
-    header = (f"{'dtype':5} {'k':>2} {'N':>4} | {'kernel':>8} {'grouped':>8} {'loop':>8} {'padded':>8} | "
-              f"{'transformers':>12} "
-              f"{'speedup':>8} | {'decode ours':>11} {'decode ref':>10}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        table(tokens, ns, reps, dev, dtypes, args)
+
+
+def table(tokens: int, ns: list[int], reps: int, dev: str, dtypes: dict[str, torch.dtype], args) -> None:
+    reference = not args.no_reference and tokens <= 1024
+    print(f"\ndevice {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"{tokens} tokens, width {WIDTH}, expert width {EXPERT_WIDTH}; times are medians in ms")
+    header = (f"{'dtype':5} {'k':>2} {'N':>4} | {'kernel':>8} {'grouped':>8} {'loop':>8} {'padded':>8} "
+              f"{'bucketed':>8} | {'transformers':>12} {'speedup':>8} | {'decode ours':>11} {'decode ref':>10} | "
+              f"{'vs N=4':>6} | {'bound':>7} {'x bound':>7}")
     print(header)
     print("-" * len(header))
     for dname in args.dtypes.split(","):
         dtype = dtypes[dname]
+        rates = measured_rates(dtype, dev)
+        print(f"{dname}: {rates[0] / 1e9:.0f} GFLOP/s (2048^3 product), {rates[1] / 1e9:.1f} GB/s (256 MiB copy)")
         for k in (1, 2):
             base = None
             for n in ns:
                 ours = make_ours(n, k, dtype, dev).train()
-                x = torch.randn(1, TOKENS, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+                x = torch.randn(1, tokens, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
                 x.requires_grad_(True)
                 row = {}
                 has_kernel = dev == "cpu" and dtype == torch.float32 and kernels.available()
-                for mode in ("kernel", "grouped", "loop", "padded")[0 if has_kernel else 1:]:
+                for mode in ("kernel", "grouped", "loop", "padded", "bucketed")[0 if has_kernel else 1:]:
                     ours.experts.dispatch = mode
                     row[mode] = timed(fwd_bwd(ours, x, False), reps, dev) * 1e3
                 ours.experts.dispatch = "auto"
@@ -115,9 +149,9 @@ def main() -> None:
                 with torch.no_grad():
                     dec = timed(lambda: ours(one), reps * 4, dev) * 1e3  # noqa: B023
                 ref_ms = ref_dec = float("nan")
-                if not args.no_reference:
+                if reference:
                     ref = make_reference(ours, n, k).train()
-                    ref_ms = timed(fwd_bwd(ref, x.view(TOKENS, WIDTH).detach().requires_grad_(True), True),
+                    ref_ms = timed(fwd_bwd(ref, x.view(tokens, WIDTH).detach().requires_grad_(True), True),
                                    max(1, reps // 2) if n >= 64 else reps, dev) * 1e3
                     with torch.no_grad():
                         ref_dec = timed(lambda: ref(one.view(1, WIDTH)), reps * 4, dev) * 1e3  # noqa: B023
@@ -125,10 +159,11 @@ def main() -> None:
                 best = min(row.values())
                 base = base or best
                 kernel = f"{row['kernel']:8.2f}" if has_kernel else f"{'-':>8}"
-                others = " ".join(f"{row[m]:8.2f}" for m in ("grouped", "loop", "padded"))
+                others = " ".join(f"{row[m]:8.2f}" for m in ("grouped", "loop", "padded", "bucketed"))
+                bound = roofline_s(n, k, tokens, dtype, rates) * 1e3
                 print(f"{dname:5} {k:>2} {n:>4} | {kernel} {others} | "
-                      f"{ref_ms:12.1f} {ref_ms / best:7.1f}x | {dec:11.3f} {ref_dec:10.3f}   "
-                      f"(best/best@N={ns[0]}: {best / base:.2f}x)", flush=True)
+                      f"{ref_ms:12.1f} {ref_ms / best:7.1f}x | {dec:11.3f} {ref_dec:10.3f} | "
+                      f"{best / base:5.2f}x | {bound:7.2f} {best / bound:6.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .ops.experts import check_dispatch, few_assignments, few_rows, product_named
+from .ops.experts import (
+    ROW_MULTIPLE,
+    check_dispatch,
+    chosen_product,
+    few_assignments,
+    few_rows,
+    pad_groups,
+    product_named,
+)
 
 
 class SwiGLU(nn.Module):
@@ -149,12 +157,15 @@ class Experts(nn.Module):
             return few_rows(x_TD, token_A, expert_A, weight_A, self.gate_up, self.down, scale_input, dtype)
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
+        counts_E = count_per_expert(expert_A, self.n_experts)
+        multiple = self.row_multiple(x_TD[:0].to(dtype))
+        if multiple > 1:  # rows of zero weight pad each group (ops.experts.pad_groups)
+            token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, counts_E, multiple)
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
         x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
         if scale_input:
             x_AD = x_AD * weight_A1
-        x_AD, counts_E = x_AD.to(dtype), count_per_expert(expert_A, self.n_experts)
-        y_AD = self.multiply(x_AD, counts_E, expert_A)
+        y_AD = self.multiply(x_AD.to(dtype), counts_E, expert_A)
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
@@ -162,6 +173,10 @@ class Experts(nn.Module):
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""
         return expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
+
+    def row_multiple(self, x: torch.Tensor) -> int:
+        """The row count each expert's group is padded to a multiple of, for the product x would take."""
+        return ROW_MULTIPLE.get(chosen_product(self.dispatch, x, self.hidden), 1)
 
     def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:
         """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype. (Expert

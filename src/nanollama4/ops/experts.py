@@ -8,6 +8,7 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
   grouped  torch's F.grouped_mm over the contiguous groups
   kernel   our compiled CPU float32 grouped product (ops/kernels.py)
   padded   one bmm over an (E, C, D) buffer, C the largest group rounded up
+  bucketed one product per expert into preallocated buffers, each group padded to a multiple of 32 rows
 
 `auto_product` names the fastest measured for an input (benchmarks/RESULTS.md). `few_rows` serves a
 handful of (token, expert) assignments, as in decoding, without sorting.
@@ -75,18 +76,14 @@ def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torc
 
 def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                      expert_A: torch.Tensor) -> torch.Tensor:
-    """One product per expert, each group's rows padded up to a multiple of 64 (`padded` pads every group to
-    the largest). torch's bf16 CPU products (oneDNN) set up a kernel for every new row count, and group
-    sizes change every step; rounded, a few sizes recur and their kernels are reused, for at most 63 rows
-    of waste per expert where `padded` wastes the whole imbalance between the fullest expert and the rest.
-    The products write into preallocated buffers (`_BucketedSwiGLU`), forward and backward."""
-    padded_E = (counts_E + 63).div(64, rounding_mode="floor") * 64
-    starts_E = torch.cumsum(padded_E, 0) - padded_E
-    first_E = torch.cumsum(counts_E, 0) - counts_E
-    flat_A = starts_E[expert_A] + torch.arange(x_AD.shape[0], device=x_AD.device) - first_E[expert_A]
-    sizes = padded_E.tolist()
-    buf_PD = x_AD.new_zeros(sum(sizes), x_AD.shape[1]).index_copy(0, flat_A, x_AD)
-    return _BucketedSwiGLU.apply(buf_PD, gate_up_EDH, down_EHD, sizes).index_select(0, flat_A)
+    """One product per expert and matrix, written into preallocated buffers forward and backward
+    (`_BucketedSwiGLU`). Meant for groups padded to a multiple of `ROW_MULTIPLE["bucketed"]` rows
+    (`pad_groups`, which `moe.Experts` applies): torch's bf16 CPU products (oneDNN) set up a kernel for
+    every new row count, and group sizes change every step; rounded, a few sizes recur and their kernels
+    are reused, for fewer than ROW_MULTIPLE rows of waste per expert where `padded` wastes the whole
+    imbalance between the fullest expert and the rest (32 measured best of 16/32/64/128 for the demo model,
+    benchmarks/RESULTS.md)."""
+    return _BucketedSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E.tolist())
 
 
 class _BucketedSwiGLU(torch.autograd.Function):
@@ -148,6 +145,28 @@ def _spans(sizes: list[int]) -> list[tuple[int, int]]:
 PRODUCTS: dict[str, Product] = {"loop": loop_product, "grouped": grouped_product, "kernel": kernel_product,
                                 "padded": padded_product, "bucketed": bucketed_product}
 DISPATCH_NAMES = ("auto", *PRODUCTS)
+ROW_MULTIPLE = {"bucketed": 32}  # products that want each group's rows padded to a multiple of this
+
+
+def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, counts_E: torch.Tensor, multiple: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Assignments sorted by expert, with each expert's group padded to a multiple of `multiple` rows.
+
+    A padding row reads token 0 with weight 0, so it contributes nothing: with the weight on the input it
+    multiplies zeros (SwiGLU(0) = 0); with the weight on the output its result is scaled to 0. Returns the
+    padded token_P, weight_P (gradients reach only the real weights), counts_P and expert_P.
+    """
+    A, dev = token_A.shape[0], token_A.device
+    padded_E = (counts_E + multiple - 1).div(multiple, rounding_mode="floor") * multiple
+    expert_A = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=dev), counts_E, output_size=A)
+    slot_A = torch.arange(A, device=dev) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
+    row_A = (torch.cumsum(padded_E, 0) - padded_E)[expert_A] + slot_A  # each assignment's padded row
+    P = int(padded_E.sum())
+    source_P = torch.full((P,), A, dtype=torch.long, device=dev).index_copy_(0, row_A, torch.arange(A, device=dev))
+    token_P = torch.cat([token_A, token_A.new_zeros(1)])[source_P]
+    weight_P = torch.cat([weight_A, weight_A.new_zeros(1)])[source_P]
+    expert_P = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=dev), padded_E, output_size=P)
+    return token_P, weight_P, padded_E, expert_P
 
 
 def check_dispatch(name: str) -> str:
@@ -159,13 +178,19 @@ def check_dispatch(name: str) -> str:
 
 def product_named(name: str, x_AD: torch.Tensor, hidden: int) -> Product:
     """The product called `name` ("auto": the fastest measured for x); an unknown name is a ConfigError."""
+    return PRODUCTS[chosen_product(name, x_AD, hidden)]
+
+
+def chosen_product(name: str, x_AD: torch.Tensor, hidden: int) -> str:
+    """The name of the product dispatch `name` takes for x ("auto" decides by x's device, dtype and width)."""
     name = check_dispatch(name)
-    return PRODUCTS[auto_product(x_AD, hidden) if name == "auto" else name]
+    return auto_product(x_AD, hidden) if name == "auto" else name
 
 
 def auto_product(x: torch.Tensor, hidden: int) -> str:
-    """Our kernel for float32 on the CPU (else grouped_mm where its strides allow, else the loop); the padded
-    bmm for bfloat16 on the CPU, where grouped_mm misses torch's fast bf16 kernels; grouped_mm for bf16 on
+    """Our kernel for float32 on the CPU (else grouped_mm where its strides allow, else the loop); the bucketed
+    loop for bfloat16 on the CPU, where grouped_mm misses torch's fast bf16 kernels and the padded bmm pays
+    for the imbalance between experts (2x the routed products at the demo's start); grouped_mm for bf16 on
     CUDA. While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose
     group sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph."""
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
