@@ -78,3 +78,14 @@ def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
     with pytest.raises(ConfigError, match="unknown expert dispatch 'fastest'"):
         product_named("fastest", torch.zeros(3, 64), 64)
     assert product_named("auto", torch.zeros(3, 64), 64) is PRODUCTS["kernel" if kernels.available() else "grouped"]
+
+
+def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones():
+    """bf16 CPU: the bucketed loop from BUCKETED_ROWS rows per expert (the demo's 4096 tokens over 8 experts),
+    grouped_mm below it (benchmarks/RESULTS.md, moe_scaling at 768 tokens)."""
+    from nanollama4.ops.experts import BUCKETED_ROWS, ROW_MULTIPLE, auto_product
+
+    assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "bucketed"
+    assert auto_product(torch.zeros(BUCKETED_ROWS * 8 - 1, 256, dtype=torch.bfloat16), 384, 8) == "grouped"
+    assert auto_product(torch.zeros(100, 6, dtype=torch.bfloat16), 5, 8) == "bucketed"  # grouped_mm cannot
+    assert ROW_MULTIPLE == {"bucketed": 32}

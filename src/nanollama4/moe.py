@@ -27,13 +27,13 @@ from torch import nn
 
 from .config import ModelConfig
 from .ops.experts import (
+    PRODUCTS,
     ROW_MULTIPLE,
     check_dispatch,
     chosen_product,
     few_assignments,
     few_rows,
     pad_groups,
-    product_named,
 )
 
 
@@ -158,14 +158,16 @@ class Experts(nn.Module):
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
         counts_E = count_per_expert(expert_A, self.n_experts)
-        multiple = self.row_multiple(x_TD[:0].to(dtype))
+        name = chosen_product(self.dispatch, x_TD[:1].to(dtype).expand(expert_A.shape[0], -1), self.hidden,
+                              self.n_experts)  # (the expanded view stands for the rows: only its shape is read)
+        multiple = ROW_MULTIPLE.get(name, 1)
         if multiple > 1:  # rows of zero weight pad each group (ops.experts.pad_groups)
             token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, counts_E, multiple)
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
         x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
         if scale_input:
             x_AD = x_AD * weight_A1
-        y_AD = self.multiply(x_AD.to(dtype), counts_E, expert_A)
+        y_AD = self.multiply(x_AD.to(dtype), counts_E, expert_A, name)
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
@@ -174,15 +176,12 @@ class Experts(nn.Module):
         """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""
         return expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
 
-    def row_multiple(self, x: torch.Tensor) -> int:
-        """The row count each expert's group is padded to a multiple of, for the product x would take."""
-        return ROW_MULTIPLE.get(chosen_product(self.dispatch, x, self.hidden), 1)
-
-    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:
-        """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype. (Expert
-        parallelism replaces this: rows travel to the rank holding their expert and back.)"""
-        product = product_named(self.dispatch, x_AD, self.hidden)  # "auto" looks at the product's dtype
-        return product(x_AD, self.gate_up.to(x_AD.dtype), self.down.to(x_AD.dtype), counts_E, expert_A)
+    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor, product: str
+                 ) -> torch.Tensor:
+        """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype, by the product
+        named `product` (`ops.experts.PRODUCTS`). (Expert parallelism replaces this: rows travel to the rank
+        holding their expert and back.)"""
+        return PRODUCTS[product](x_AD, self.gate_up.to(x_AD.dtype), self.down.to(x_AD.dtype), counts_E, expert_A)
 
 
 def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:

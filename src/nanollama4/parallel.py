@@ -38,7 +38,7 @@ from .errors import ConfigError, Nanollama4Error, TrainingError
 from .evaluation import autocast
 from .model import Loss, Transformer
 from .moe import Experts
-from .ops.experts import product_named
+from .ops.experts import PRODUCTS
 from .runtime import pick_device
 
 
@@ -408,7 +408,8 @@ class ShardedExperts(Experts):
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         return False  # every rank joins every exchange, however few rows it has
 
-    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor) -> torch.Tensor:
+    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor, product: str
+                 ) -> torch.Tensor:
         R, n = self.size, self.n_local
         send_RN = counts_E.view(R, n).contiguous()  # rows for each peer's experts
         recv_RN = torch.empty_like(send_RN)  # rows from each peer, per local expert
@@ -422,8 +423,7 @@ class ShardedExperts(Experts):
         back_G[order_G] = torch.arange(order_G.numel(), device=x_AD.device)
         x_sorted = x_GD.index_select(0, order_G)
         gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
-        product = product_named(self.dispatch, x_sorted, self.hidden)
-        y_sorted = product(x_sorted, gate_up.to(x_sorted.dtype), down.to(x_sorted.dtype), recv_RN.sum(0),
+        y_sorted = PRODUCTS[product](x_sorted, gate_up.to(x_sorted.dtype), down.to(x_sorted.dtype), recv_RN.sum(0),
                            local_G[order_G])
         y_GD = y_sorted.index_select(0, back_G)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_GD.contiguous(), send_R, recv_R, self.group))

@@ -176,24 +176,31 @@ def check_dispatch(name: str) -> str:
     return name
 
 
-def product_named(name: str, x_AD: torch.Tensor, hidden: int) -> Product:
+def product_named(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int = 1) -> Product:
     """The product called `name` ("auto": the fastest measured for x); an unknown name is a ConfigError."""
-    return PRODUCTS[chosen_product(name, x_AD, hidden)]
+    return PRODUCTS[chosen_product(name, x_AD, hidden, n_experts)]
 
 
-def chosen_product(name: str, x_AD: torch.Tensor, hidden: int) -> str:
-    """The name of the product dispatch `name` takes for x ("auto" decides by x's device, dtype and width)."""
+def chosen_product(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int = 1) -> str:
+    """The name of the product dispatch `name` takes for the rows x ("auto" decides by x's device, dtype,
+    width and rows per expert)."""
     name = check_dispatch(name)
-    return auto_product(x_AD, hidden) if name == "auto" else name
+    return auto_product(x_AD, hidden, n_experts) if name == "auto" else name
 
 
-def auto_product(x: torch.Tensor, hidden: int) -> str:
+BUCKETED_ROWS = 256  # rows per expert from which the bucketed loop beats grouped_mm in bf16 on the CPU
+
+
+def auto_product(x: torch.Tensor, hidden: int, n_experts: int = 1) -> str:
     """Our kernel for float32 on the CPU (else grouped_mm where its strides allow, else the loop); the bucketed
-    loop for bfloat16 on the CPU, where grouped_mm misses torch's fast bf16 kernels and the padded bmm pays
-    for the imbalance between experts (2x the routed products at the demo's start); grouped_mm for bf16 on
+    loop for bfloat16 on the CPU when experts get BUCKETED_ROWS rows or more on average (the padded bmm pays for
+    the imbalance between experts: 2x the routed products at the demo's start), grouped_mm below that
+    (moe_scaling.py: fewer, smaller groups); grouped_mm for bf16 on
     CUDA. While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose
     group sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph."""
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if x.shape[0] < BUCKETED_ROWS * n_experts and grouped_mm_ok(x, hidden):
+            return "grouped"  # small groups: padding each to 32 rows would waste more than it saves
         return "bucketed"
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
             and kernels.available():
