@@ -129,7 +129,7 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     token_A, sorted_A = order_A.div(cfg.experts_per_token, rounding_mode="floor"), expert_A[order_A]
     counts_E = count_per_expert(sorted_A, cfg.n_experts)
     gate_up, down = moe.experts.gate_up, moe.experts.down
-    product = product_named("auto", x[:1].to(torch.bfloat16), cfg.expert_dim)
+    product = product_named("auto", x.to(torch.bfloat16), cfg.expert_dim, cfg.n_experts)  # as in training
 
     def routed_products(xx):
         xa = xx.index_select(0, token_A).to(torch.bfloat16)
