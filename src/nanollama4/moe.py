@@ -8,8 +8,9 @@ Training-time routing, all optional (config): noise on the softmax router's logi
 with overflow to each token's next-best expert, the Switch load-balancing loss and router z-loss, and
 the auxiliary-loss-free alternative, a per-expert bias that steers only the top-k choice.
 
-How the grouped rows are multiplied (a per-expert loop, grouped_mm, our CPU kernel, a padded bmm) is
-chosen by name from the table in `ops.experts`; this file says what is multiplied, not how fast.
+How the grouped rows are multiplied (a per-expert loop, grouped_mm, our CPU kernel, a padded bmm, a
+bucketed loop) is chosen by name from the table in `ops.experts`; this file says what is multiplied, not
+how fast.
 
 Shape suffixes: T tokens (batch x sequence, flattened), D model width, H expert hidden width, E experts,
 K experts per token (top-k), A assignments (kept (token, expert) pairs, at most T x K). So x_TD is the
