@@ -28,7 +28,7 @@ import nanollama4
 from nanollama4.config import ModelConfig, preset
 from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from nanollama4.moe import count_per_expert
-from nanollama4.ops.experts import product_named
+from nanollama4.ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
 from nanollama4.runtime import tune_allocator
 from nanollama4.tokenizer import CharTokenizer
 
@@ -129,15 +129,19 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     token_A, sorted_A = order_A.div(cfg.experts_per_token, rounding_mode="floor"), expert_A[order_A]
     counts_E = count_per_expert(sorted_A, cfg.n_experts)
     gate_up, down = moe.experts.gate_up, moe.experts.down
-    product = product_named("auto", x.to(torch.bfloat16), cfg.expert_dim, cfg.n_experts)  # as in training
+    name = chosen_product("auto", x[:0].to(torch.bfloat16), cfg.expert_dim, cfg.n_experts, sorted_A.numel())
+    product = PRODUCTS[name]
+    rows_A, weight_A, groups_E, group_A = token_A, torch.ones(token_A.numel()), counts_E, sorted_A
+    if ROW_MULTIPLE.get(name, 1) > 1:  # padded as `moe.Experts` pads them in training
+        rows_A, weight_A, groups_E, group_A = pad_groups(token_A, weight_A, counts_E, ROW_MULTIPLE[name])
 
     def routed_products(xx):
-        xa = xx.index_select(0, token_A).to(torch.bfloat16)
-        return product(xa, gate_up.to(torch.bfloat16), down.to(torch.bfloat16), counts_E, sorted_A)
+        xa = (xx.index_select(0, rows_A) * weight_A[:, None]).to(torch.bfloat16)
+        return product(xa, gate_up.to(torch.bfloat16), down.to(torch.bfloat16), groups_E, group_A)
 
     rows = {
         "router (logits, top-k, weights)": timed(lambda: fwd_bwd(lambda xx: moe.route(xx).weights_TK)()),
-        f"routed experts' products ({product.__name__})": timed(fwd_bwd(routed_products)),
+        f"routed experts' products ({name}, with the gather and padding)": timed(fwd_bwd(routed_products)),
         "shared expert": timed(fwd_bwd(moe.shared_expert)),
         "whole MoE layer (with gather, scatter, stats)": timed(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
         "dense twin's FFN": timed(fwd_bwd(dense_ffn)),

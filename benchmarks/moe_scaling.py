@@ -9,8 +9,13 @@ grouped product) exists for fp32 on the CPU only; "-" elsewhere.
 The roofline column is a lower bound for each row, from two rates measured here at start-up: the
 matrix-product rate of the dtype (a 2048 x 2048 x 2048 product) and the memory bandwidth (a 256 MiB
 copy). A forward + backward multiplies 3 x 2 x (rows x D x 3H) per expert product (forward, input
-gradient, weight gradient), and must read every expert's weights twice and write their gradients once;
-the bound is the larger of the two times, and "x bound" our best time over it.
+gradient, weight gradient) plus the router's 3 x 2 x (tokens x D x N), and must read every expert's
+weights twice and write their gradients once (activations are not counted: a loose bound); the bound is
+the larger of the two times, and "x bound" our best time over it.
+
+Every repetition routes the same input, so group sizes never change: the set-up cost oneDNN pays for a
+new row count, which decides between the bf16 products in training, does not show here (moe_cost.py
+measures training steps).
 
     python benchmarks/moe_scaling.py [--quick] [--tokens 768,8192] [--device cuda] [--dtypes bf16]
 """

@@ -108,8 +108,8 @@ def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden
 
     (8, 6) float32 and (8, 4) bfloat16 have aligned d and 2I but a misaligned I, which grouped_mm rejects.
     On the CPU that decision is reached in float32 when our kernel is unavailable (with it, auto takes the
-    kernel; in bfloat16 auto takes grouped_mm for small groups where it can, else the bucketed loop), so the kernel is switched off here and the test asserts
-    which product ran, not only that the result is right.
+    kernel) and in bfloat16 for groups this small (grouped_mm where it can, else the padded bmm), so the
+    kernel is switched off here and the test asserts which product ran, not only that the result is right.
     """
     monkeypatch.setattr(kernels, "available", lambda: False)
     moe = make_moe(d, 4, 2, hidden, seed=3).to(dtype)
@@ -120,8 +120,8 @@ def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden
             mock.patch.dict(PRODUCTS, bucketed=mock.Mock(wraps=PRODUCTS["bucketed"])):
         bucketed = PRODUCTS["bucketed"]
         y = moe(x)  # "auto" must never pick a product that raises
-    assert spy.called == ok, (spy.called, ok)  # bf16: 7 tokens over 4 experts are small groups, grouped_mm's
-    assert bucketed.called == (dtype == torch.bfloat16 and not ok)
+    assert spy.called == ok, (spy.called, ok)  # in bf16, 7 tokens over 4 experts are small groups: grouped_mm
+    assert not bucketed.called
     with torch.no_grad():
         moe.experts.dispatch = "loop"
         torch.testing.assert_close(y, moe(x), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)

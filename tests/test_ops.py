@@ -76,16 +76,41 @@ def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
         moe.experts.dispatch = "fastest"  # refused when set, so decoding (which sorts nothing) cannot hide it
     assert str(info.value) == "unknown expert dispatch 'fastest'; valid: auto, loop, grouped, kernel, padded, bucketed"
     with pytest.raises(ConfigError, match="unknown expert dispatch 'fastest'"):
-        product_named("fastest", torch.zeros(3, 64), 64)
-    assert product_named("auto", torch.zeros(3, 64), 64) is PRODUCTS["kernel" if kernels.available() else "grouped"]
+        product_named("fastest", torch.zeros(3, 64), 64, 1)
+    assert product_named("auto", torch.zeros(3, 64), 64, 1) is PRODUCTS["kernel" if kernels.available() else "grouped"]
 
 
 def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones():
     """bf16 CPU: the bucketed loop from BUCKETED_ROWS rows per expert (the demo's 4096 tokens over 8 experts),
-    grouped_mm below it (benchmarks/RESULTS.md, moe_scaling at 768 tokens)."""
-    from nanollama4.ops.experts import BUCKETED_ROWS, ROW_MULTIPLE, auto_product
+    grouped_mm below it, or the padded bmm where grouped_mm cannot run (benchmarks/RESULTS.md)."""
+    from nanollama4.ops.experts import BUCKETED_ROWS, ROW_MULTIPLE, auto_product, chosen_product
 
+    bf16 = torch.zeros(0, 256, dtype=torch.bfloat16)
     assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "bucketed"
-    assert auto_product(torch.zeros(BUCKETED_ROWS * 8 - 1, 256, dtype=torch.bfloat16), 384, 8) == "grouped"
-    assert auto_product(torch.zeros(100, 6, dtype=torch.bfloat16), 5, 8) == "bucketed"  # grouped_mm cannot
+    assert auto_product(bf16, 384, 8, rows=4096) == chosen_product("auto", bf16, 384, 8, 4096) == "bucketed"
+    assert auto_product(bf16, 384, 8, rows=BUCKETED_ROWS * 8 - 1) == "grouped"
+    assert auto_product(torch.zeros(0, 6, dtype=torch.bfloat16), 5, 8, rows=100) == "padded"  # grouped_mm cannot
+    assert auto_product(torch.zeros(0, 6, dtype=torch.bfloat16), 5, 8, rows=4096) == "bucketed"
     assert ROW_MULTIPLE == {"bucketed": 32}
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_bucketed_product_gradients_in_float64(contiguous):
+    """The hand-written backward against autograd's numerical gradients: empty groups, odd sizes, and an
+    incoming gradient that is not contiguous."""
+    from nanollama4.ops.experts import bucketed_product
+
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    experts = torch.repeat_interleave(torch.arange(4), counts)
+    x = torch.randn(9, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    gate_up = torch.randn(4, 6, 10, dtype=torch.float64, generator=g, requires_grad=True)
+    down = torch.randn(4, 5, 6, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def f(x, gate_up, down):
+        y = bucketed_product(x, gate_up, down, counts, experts)
+        return y if contiguous else y.t().contiguous().t()  # same values, a transposed-stride gradient
+
+    assert torch.autograd.gradcheck(f, (x, gate_up, down))
+    y = bucketed_product(x, gate_up, down, counts, experts)
+    torch.testing.assert_close(y, PRODUCTS["loop"](x, gate_up, down, counts, experts))

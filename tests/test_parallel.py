@@ -110,6 +110,19 @@ def test_expert_parallel_with_replicas_on_four_ranks(work, moe_reference):
     assert_same(run, reference)
 
 
+def test_expert_parallel_pads_its_own_groups_in_bf16(work):
+    """bf16 with 512 rows per expert takes the bucketed product, whose groups ShardedExperts pads itself,
+    per local expert, after the exchange. The products then group rows differently from one process's, so
+    bf16 rounding differs: the losses must agree to 1e-2, not to float32's 1e-5."""
+    bf16 = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "bf16=true", "--set", "batch_size=16",
+            "--set", "seq_len=64", "--max-steps", "5"]
+    one = train(work, "one-process-bf16", [*bf16, "--set", "grad_accum=2"])
+    two = train(work, "two-ep-bf16", [*bf16, "--set", "expert_parallel=2"], ranks=2)
+    (train_a, val_a), (train_b, val_b) = losses(two), losses(one)
+    assert len(train_a) == len(train_b) == 5
+    assert max(abs(a - b) for a, b in zip(train_a + val_a, train_b + val_b, strict=True)) <= 1e-2
+
+
 @pytest.mark.parametrize("spread", [["--set", "parallel=fsdp", "--set", "expert_parallel=2"], []],
                          ids=["fsdp+ep", "ddp"])
 def test_two_ranks_checkpoint_resumes_on_one(work, moe_reference, spread):

@@ -159,9 +159,8 @@ class Experts(nn.Module):
         order_A = torch.argsort(expert_A, stable=True)
         token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
         counts_E = count_per_expert(expert_A, self.n_experts)
-        name = chosen_product(self.dispatch, x_TD[:1].to(dtype).expand(expert_A.shape[0], -1), self.hidden,
-                              self.n_experts)  # (the expanded view stands for the rows: only its shape is read)
-        multiple = ROW_MULTIPLE.get(name, 1)
+        name = chosen_product(self.dispatch, x_TD[:0].to(dtype), self.hidden, self.n_experts, expert_A.shape[0])
+        multiple = ROW_MULTIPLE.get(name, 1) if self.pads_groups else 1
         if multiple > 1:  # rows of zero weight pad each group (ops.experts.pad_groups)
             token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, counts_E, multiple)
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
@@ -172,6 +171,8 @@ class Experts(nn.Module):
         if not scale_input:
             y_AD = y_AD * weight_A1
         return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+
+    pads_groups = True  # whether forward pads each group for products that want it (ROW_MULTIPLE)
 
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""

@@ -38,7 +38,7 @@ from .errors import ConfigError, Nanollama4Error, TrainingError
 from .evaluation import autocast
 from .model import Loss, Transformer
 from .moe import Experts
-from .ops.experts import PRODUCTS
+from .ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
 from .runtime import pick_device
 
 
@@ -405,11 +405,13 @@ class ShardedExperts(Experts):
                 shard = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(shard))
 
+    pads_groups = False  # rows are padded here, per local expert, after the exchange (not sent as padding)
+
     def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
         return False  # every rank joins every exchange, however few rows it has
 
     def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor, product: str
-                 ) -> torch.Tensor:
+                 ) -> torch.Tensor:  # `product` was chosen for all N experts: this rank chooses for its own
         R, n = self.size, self.n_local
         send_RN = counts_E.view(R, n).contiguous()  # rows for each peer's experts
         recv_RN = torch.empty_like(send_RN)  # rows from each peer, per local expert
@@ -421,9 +423,23 @@ class ShardedExperts(Experts):
         order_G = torch.argsort(local_G, stable=True)  # by local expert
         back_G = torch.empty_like(order_G)
         back_G[order_G] = torch.arange(order_G.numel(), device=x_AD.device)
-        x_sorted = x_GD.index_select(0, order_G)
-        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
-        y_sorted = PRODUCTS[product](x_sorted, gate_up.to(x_sorted.dtype), down.to(x_sorted.dtype), recv_RN.sum(0),
-                           local_G[order_G])
-        y_GD = y_sorted.index_select(0, back_G)
+        y_GD = self._local_products(x_GD.index_select(0, order_G), recv_RN.sum(0)).index_select(0, back_G)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(y_GD.contiguous(), send_R, recv_R, self.group))
+
+    def _local_products(self, x_GD: torch.Tensor, counts_N: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on their rows (sorted by local expert), padded here if the product wants it."""
+        G, dev = x_GD.shape[0], x_GD.device
+        name = chosen_product(self.dispatch, x_GD, self.hidden, self.n_local)
+        multiple = ROW_MULTIPLE.get(name, 1)
+        rows_P = torch.arange(G, device=dev)
+        expert_P = torch.repeat_interleave(torch.arange(self.n_local, device=dev), counts_N, output_size=G)
+        x_PD = x_GD
+        if multiple > 1:
+            rows_P, keep_P, counts_N, expert_P = pad_groups(rows_P, torch.ones(G, device=dev), counts_N, multiple)
+            x_PD = x_GD.index_select(0, rows_P) * keep_P.unsqueeze(1).to(x_GD.dtype)  # padding rows: zeros
+        gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
+        y_PD = PRODUCTS[name](x_PD, gate_up.to(x_PD.dtype), down.to(x_PD.dtype), counts_N, expert_P)
+        if multiple == 1:
+            return y_PD
+        # back to one row per received row (padding rows hold zeros and add nothing)
+        return y_PD.new_zeros(G, y_PD.shape[1]).index_add_(0, rows_P, y_PD)

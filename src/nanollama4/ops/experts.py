@@ -8,7 +8,8 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
   grouped  torch's F.grouped_mm over the contiguous groups
   kernel   our compiled CPU float32 grouped product (ops/kernels.py)
   padded   one bmm over an (E, C, D) buffer, C the largest group rounded up
-  bucketed one product per expert into preallocated buffers, each group padded to a multiple of 32 rows
+  bucketed one product per expert into preallocated buffers (for groups the caller pads to 32-row
+           multiples: `pad_groups`)
 
 `auto_product` names the fastest measured for an input (benchmarks/RESULTS.md). `few_rows` serves a
 handful of (token, expert) assignments, as in decoding, without sorting.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..errors import ConfigError
 from . import kernels
@@ -81,15 +83,15 @@ def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: to
     (`pad_groups`, which `moe.Experts` applies): torch's bf16 CPU products (oneDNN) set up a kernel for
     every new row count, and group sizes change every step; rounded, a few sizes recur and their kernels
     are reused, for fewer than ROW_MULTIPLE rows of waste per expert where `padded` wastes the whole
-    imbalance between the fullest expert and the rest (32 measured best of 16/32/64/128 for the demo model,
-    benchmarks/RESULTS.md)."""
+    imbalance between the fullest expert and the rest (32 measured best of 16/32/64/128 training the demo
+    model, benchmarks/moe_cost.py in RESULTS.md)."""
     return _BucketedSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E.tolist())
 
 
 class _BucketedSwiGLU(torch.autograd.Function):
     """SwiGLU_e over consecutive row groups of the sizes given, one product per group and matrix, each
-    written in place into its slice of one buffer (no per-group tensors, no cat, no split). Rows that
-    are zero (the padding) stay zero through the forward and add nothing to the weights' gradients."""
+    written in place into its slice of one buffer (no per-group tensors, no cat, no split). (Padding rows
+    add nothing: `pad_groups` gives them weight 0.)"""
 
     @staticmethod
     def forward(ctx, x_PD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
@@ -111,6 +113,7 @@ class _BucketedSwiGLU(torch.autograd.Function):
         return y_PD
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy_PD: torch.Tensor):
         x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD = ctx.saved_tensors
         H, spans = down_EHD.shape[1], ctx.spans
@@ -123,7 +126,7 @@ class _BucketedSwiGLU(torch.autograd.Function):
                 torch.mm(act_PH[lo:hi].t(), dy_PD[lo:hi], out=d_down[e])
             else:
                 d_down[e].zero_()
-        dh_PH2 = torch.empty_like(h_PH2)
+        dh_PH2 = torch.empty_like(h_PH2)  # [d gate | d up], each half written in place by an out= variant
         torch.ops.aten.silu_backward.grad_input(d_act * h_PH2[:, H:], h_PH2[:, :H], grad_input=dh_PH2[:, :H])
         torch.mul(d_act, silu_PH, out=dh_PH2[:, H:])
         d_gate_up = torch.empty_like(gate_up_EDH)
@@ -163,8 +166,8 @@ def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, counts_E: torch.Te
     row_A = (torch.cumsum(padded_E, 0) - padded_E)[expert_A] + slot_A  # each assignment's padded row
     P = int(padded_E.sum())
     source_P = torch.full((P,), A, dtype=torch.long, device=dev).index_copy_(0, row_A, torch.arange(A, device=dev))
-    token_P = torch.cat([token_A, token_A.new_zeros(1)])[source_P]
-    weight_P = torch.cat([weight_A, weight_A.new_zeros(1)])[source_P]
+    token_P = torch.cat([token_A, token_A.new_zeros(1)]).index_select(0, source_P)
+    weight_P = torch.cat([weight_A, weight_A.new_zeros(1)]).index_select(0, source_P)
     expert_P = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=dev), padded_E, output_size=P)
     return token_P, weight_P, padded_E, expert_P
 
@@ -176,32 +179,41 @@ def check_dispatch(name: str) -> str:
     return name
 
 
-def product_named(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int = 1) -> Product:
-    """The product called `name` ("auto": the fastest measured for x); an unknown name is a ConfigError."""
+def product_named(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int) -> Product:
+    """The product called `name` ("auto": the fastest measured for x's rows over n_experts); an unknown name
+    is a ConfigError."""
     return PRODUCTS[chosen_product(name, x_AD, hidden, n_experts)]
 
 
-def chosen_product(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int = 1) -> str:
-    """The name of the product dispatch `name` takes for the rows x ("auto" decides by x's device, dtype,
-    width and rows per expert)."""
+def chosen_product(name: str, x: torch.Tensor, hidden: int, n_experts: int, rows: int | None = None) -> str:
+    """The name of the product dispatch `name` takes for `rows` rows (default: x's) of x's device, dtype and
+    width over n_experts ("auto" decides by those)."""
     name = check_dispatch(name)
-    return auto_product(x_AD, hidden, n_experts) if name == "auto" else name
+    return auto_product(x, hidden, n_experts, rows) if name == "auto" else name
 
 
-BUCKETED_ROWS = 256  # rows per expert from which the bucketed loop beats grouped_mm in bf16 on the CPU
+BUCKETED_ROWS = 256  # rows per expert from which the bucketed loop trains faster than grouped_mm (bf16, CPU)
 
 
-def auto_product(x: torch.Tensor, hidden: int, n_experts: int = 1) -> str:
-    """Our kernel for float32 on the CPU (else grouped_mm where its strides allow, else the loop); the bucketed
-    loop for bfloat16 on the CPU when experts get BUCKETED_ROWS rows or more on average (the padded bmm pays for
-    the imbalance between experts: 2x the routed products at the demo's start), grouped_mm below that
-    (moe_scaling.py: fewer, smaller groups); grouped_mm for bf16 on
-    CUDA. While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose
-    group sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph."""
+def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None = None) -> str:
+    """The fastest product measured (benchmarks/RESULTS.md) for `rows` rows (default x's) like x's:
+
+    - float32, CPU: our kernel; without it, grouped_mm where its strides allow, else the loop.
+    - bfloat16, CPU: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
+      moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
+      demo's start); below that, grouped_mm where its strides allow, else the padded bmm (padding each of
+      many small groups to 32 rows would waste more). While compiling, the padded bmm (one host read).
+    - bfloat16, CUDA: grouped_mm.
+    - While compiling, float32 takes the loop (grouped_mm's shape function accepts only bf16), whose group
+      sizes are read on the host: a compiled fp32 MoE step runs its experts outside the graph.
+    """
+    rows = x.shape[0] if rows is None else rows
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
-        if x.shape[0] < BUCKETED_ROWS * n_experts and grouped_mm_ok(x, hidden):
-            return "grouped"  # small groups: padding each to 32 rows would waste more than it saves
-        return "bucketed"
+        if torch.compiler.is_compiling():
+            return "padded"
+        if rows >= BUCKETED_ROWS * n_experts:
+            return "bucketed"
+        return "grouped" if grouped_mm_ok(x, hidden) else "padded"
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
             and kernels.available():
         return "kernel"
