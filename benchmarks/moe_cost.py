@@ -25,6 +25,7 @@ import time
 import torch
 
 import nanollama4
+from moe_scaling import timed  # (this folder is on the path when a benchmark runs as a script)
 from nanollama4.config import ModelConfig, preset
 from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from nanollama4.moe import count_per_expert
@@ -104,15 +105,9 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     x = seen["x"].reshape(-1, cfg.d_model)
     dense_ffn = nanollama4.Transformer(dense_twin(cfg)).blocks[0].ffn
 
-    def timed(fn, reps: int = 15) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times) * 1e3
+    def ms(fn) -> float:
+        fn()  # (timed warms up once more)
+        return timed(fn, 15, "cpu") * 1e3
 
     def fwd_bwd(f):
         def run():
@@ -140,11 +135,11 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
         return product(xa, gate_up.to(torch.bfloat16), down.to(torch.bfloat16), groups_E, group_A)
 
     rows = {
-        "router (logits, top-k, weights)": timed(lambda: fwd_bwd(lambda xx: moe.route(xx).weights_TK)()),
-        f"routed experts' products ({name}, with the gather and padding)": timed(fwd_bwd(routed_products)),
-        "shared expert": timed(fwd_bwd(moe.shared_expert)),
-        "whole MoE layer (with gather, scatter, stats)": timed(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
-        "dense twin's FFN": timed(fwd_bwd(dense_ffn)),
+        "router (logits, top-k, weights)": ms(fwd_bwd(lambda xx: moe.route(xx).weights_TK)),
+        f"routed experts' products ({name}, with the gather and padding)": ms(fwd_bwd(routed_products)),
+        "shared expert": ms(fwd_bwd(moe.shared_expert)),
+        "whole MoE layer (with gather, scatter, stats)": ms(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
+        "dense twin's FFN": ms(fwd_bwd(dense_ffn)),
     }
     print(f"\none MoE layer of the demo model, forward + backward, bf16 autocast, {x.shape[0]} tokens, "
           f"rows per expert {counts_E.tolist()}")
