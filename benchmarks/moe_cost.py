@@ -128,7 +128,8 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     product = PRODUCTS[name]
     rows_A, weight_A, groups_E, group_A = token_A, torch.ones(token_A.numel()), counts_E, sorted_A
     if ROW_MULTIPLE.get(name, 1) > 1:  # padded as `moe.Experts` pads them in training
-        rows_A, weight_A, groups_E, group_A = pad_groups(token_A, weight_A, counts_E, ROW_MULTIPLE[name])
+        rows_A, weight_A, groups_E, group_A = pad_groups(token_A, weight_A, sorted_A, counts_E,
+                                                               ROW_MULTIPLE[name])
 
     def routed_products(xx):
         xa = (xx.index_select(0, rows_A) * weight_A[:, None]).to(torch.bfloat16)

@@ -162,7 +162,7 @@ class Experts(nn.Module):
         name = chosen_product(self.dispatch, x_TD[:0].to(dtype), self.hidden, self.n_experts, expert_A.shape[0])
         multiple = ROW_MULTIPLE.get(name, 1) if self.pads_groups else 1
         if multiple > 1:  # rows of zero weight pad each group (ops.experts.pad_groups)
-            token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, counts_E, multiple)
+            token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, expert_A, counts_E, multiple)
         weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
         x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
         if scale_input:

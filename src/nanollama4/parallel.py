@@ -248,7 +248,8 @@ class Distributed(Parallel):
             for moe in model.moe_layers():
                 moe.experts = ShardedExperts(moe.experts, self.expert_group, index, expert_parallel, mesh)
                 self.experts += list(moe.experts.parameters())
-        expert_set = set(self.experts)
+        self.expert_set = set(self.experts)  # membership only (identity): never iterate it
+        expert_set = self.expert_set
         self.ddp: DistributedDataParallel | None = None
         if kind == "fsdp":
             for block in model.blocks:
@@ -303,8 +304,7 @@ class Distributed(Parallel):
     def clip_grad_norm(self, max_norm: float) -> float:
         """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
         the expert shards' squares summed over their group; then every gradient is scaled alike."""
-        expert_set = set(self.experts)
-        shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in expert_set]
+        shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.expert_set]
         norm = _whole_norm(shared)
         if self.experts:
             squares = _whole_norm([p.grad for p in self.experts]).pow(2)
@@ -332,7 +332,7 @@ class Distributed(Parallel):
     def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):
             return t.full_tensor().cpu()
-        if p is not None and any(p is e for e in self.experts):
+        if p is not None and p in self.expert_set:
             parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.expert_group))]
             dist.all_gather(parts, t.contiguous(), group=self.expert_group)
             return torch.cat(parts).cpu()
@@ -341,7 +341,7 @@ class Distributed(Parallel):
     def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         if isinstance(p, DTensor):
             return distribute_tensor(t.to(self.device), p.device_mesh, p.placements)
-        if any(p is e for e in self.experts):
+        if p in self.expert_set:
             n = p.shape[0]
             index = dist.get_rank(self.expert_group)
             return t[index * n:(index + 1) * n].clone()
@@ -435,7 +435,8 @@ class ShardedExperts(Experts):
         expert_P = torch.repeat_interleave(torch.arange(self.n_local, device=dev), counts_N, output_size=G)
         x_PD = x_GD
         if multiple > 1:
-            rows_P, keep_P, counts_N, expert_P = pad_groups(rows_P, torch.ones(G, device=dev), counts_N, multiple)
+            rows_P, keep_P, counts_N, expert_P = pad_groups(rows_P, torch.ones(G, device=dev), expert_P, counts_N,
+                                                            multiple)
             x_PD = x_GD.index_select(0, rows_P) * keep_P.unsqueeze(1).to(x_GD.dtype)  # padding rows: zeros
         gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
         y_PD = PRODUCTS[name](x_PD, gate_up.to(x_PD.dtype), down.to(x_PD.dtype), counts_N, expert_P)

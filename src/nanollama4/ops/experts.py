@@ -151,8 +151,8 @@ DISPATCH_NAMES = ("auto", *PRODUCTS)
 ROW_MULTIPLE = {"bucketed": 32}  # products that want each group's rows padded to a multiple of this
 
 
-def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, counts_E: torch.Tensor, multiple: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor,
+               multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Assignments sorted by expert, with each expert's group padded to a multiple of `multiple` rows.
 
     A padding row reads token 0 with weight 0, so it contributes nothing: with the weight on the input it
@@ -161,7 +161,6 @@ def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, counts_E: torch.Te
     """
     A, dev = token_A.shape[0], token_A.device
     padded_E = (counts_E + multiple - 1).div(multiple, rounding_mode="floor") * multiple
-    expert_A = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=dev), counts_E, output_size=A)
     slot_A = torch.arange(A, device=dev) - (torch.cumsum(counts_E, 0) - counts_E)[expert_A]
     row_A = (torch.cumsum(padded_E, 0) - padded_E)[expert_A] + slot_A  # each assignment's padded row
     P = int(padded_E.sum())
