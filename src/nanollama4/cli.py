@@ -408,15 +408,34 @@ def main(argv: list[str] | None = None) -> int:
         from .runtime import tune_allocator
 
         tune_allocator()
+    under_torchrun = os.environ.get("WORLD_SIZE", "1") != "1"
     try:
         return args.func(args) or 0
     except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
-        where = f" (rank {os.environ.get('RANK', '?')})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        where = f" (rank {os.environ.get('RANK', '?')})" if under_torchrun else ""
         print(f"nanollama4 {args.command}{where}: error: {e}", file=sys.stderr)
+        if under_torchrun:
+            _leave_now(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"nanollama4 {args.command}: interrupted", file=sys.stderr)
         return EXIT_CTRL_C
+    except BaseException:
+        if under_torchrun and not isinstance(sys.exc_info()[1], SystemExit):
+            import traceback
+
+            traceback.print_exc()
+            _leave_now(1)
+        raise
+
+
+def _leave_now(code: int) -> None:
+    """End a failed rank without Python's teardown. A process group whose peer is gone can block its
+    destructor on work that will never finish; torchrun only stops the other ranks once this one has exited,
+    so a rank that hangs while exiting would hang the whole run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
