@@ -63,17 +63,20 @@ def stepper(cfg: ModelConfig, batches: list[torch.Tensor], bf16: bool):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     state = {"i": 0}
 
-    def step() -> float:
+    def step() -> list[float]:
+        """Seconds of the forward (loss), the backward, and the rest (AdamW, zeroing, router biases)."""
         b = batches[state["i"] % len(batches)]
         state["i"] += 1
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model.loss(b[:, :-1], b[:, 1:]).total
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.update_router_biases()
-        return time.perf_counter() - t
+        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
     return step, model
 
@@ -89,8 +92,13 @@ def compare(name: str, cfg: ModelConfig, batches: list[torch.Tensor], bf16: bool
         for _ in range(rounds):
             t_moe.append(moe())
             t_dense.append(dense())
-        m, d = statistics.median(t_moe) * 1e3, statistics.median(t_dense) * 1e3
-        print(f"| {name:<34} | {run} | {m:9.1f} | {d:9.1f} | {m / d:6.2f}x |", flush=True)
+        m, d = (statistics.median(sum(t) for t in ts) * 1e3 for ts in (t_moe, t_dense))
+        phases = " / ".join(f"{_median_ms(t_moe, i):.1f} vs {_median_ms(t_dense, i):.1f}" for i in range(3))
+        print(f"| {name:<34} | {run} | {m:9.1f} | {d:9.1f} | {m / d:6.2f}x | {phases} |", flush=True)
+
+
+def _median_ms(times: list[list[float]], phase: int) -> float:
+    return statistics.median(t[phase] for t in times) * 1e3
 
 
 def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
@@ -158,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     tune_allocator()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
-    print("| regime | run | MoE ms/step | dense ms/step | ratio |\n|---|---|---|---|---|")
+    print("| regime | run | MoE ms/step | dense ms/step | ratio | MoE vs dense ms: forward / backward / AdamW |\n"
+          "|---|---|---|---|---|---|")
     regimes = args.regimes.split(",")
     demo_cfg = demo_data = None
     if "demo" in regimes or args.breakdown:

@@ -19,7 +19,7 @@ from nanollama4.attention import Attention, attention_mask
 from nanollama4.config import ModelConfig, preset
 from nanollama4.model import Transformer
 from nanollama4.moe import MoE, moe_reference
-from nanollama4.ops import kernels
+from nanollama4.ops import experts as experts_ops
 from nanollama4.ops.attention import scores_attention
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
 from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
@@ -298,7 +298,7 @@ def test_moe_sparse_equals_dense_reference(shape, router, k, n):
     for mode in ["kernel", "loop", "padded", "bucketed"] + (["grouped"] if aligned else []):
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as grouped, \
-                mock.patch.object(kernels.GroupedMatmul, "apply", wraps=kernels.GroupedMatmul.apply) as kernel:
+                mock.patch.object(experts_ops._KernelSwiGLU, "apply", wraps=experts_ops._KernelSwiGLU.apply) as kernel:
             y, gx, gp = run(lambda m, xi: m(xi))
         assert (grouped.called, kernel.called) == (mode == "grouped", mode == "kernel"), mode
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5, msg=mode)

@@ -86,7 +86,7 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
     for mode in modes:
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
-                mock.patch.object(kernels.GroupedMatmul, "apply", wraps=kernels.GroupedMatmul.apply) as kernel, \
+                mock.patch.object(products._KernelSwiGLU, "apply", wraps=products._KernelSwiGLU.apply) as kernel, \
                 mock.patch("nanollama4.moe.few_rows", wraps=products.few_rows) as few:
             y, gx, gp = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed)
         # each runs exactly when asked for (unless a handful of assignments took the one-by-one path);

@@ -219,6 +219,7 @@ class MoE(nn.Module):
         self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
         self._assigned: tuple[torch.Tensor, int] | None = None  # the last pass's expert ids and slot count
         self._training_stats: dict[str, torch.Tensor] = {}
+        self._logits = torch.zeros(0, cfg.n_experts)
         self.aux_loss = torch.zeros(())
 
     def capacity(self, n_tokens: int) -> int | None:
@@ -280,17 +281,16 @@ class MoE(nn.Module):
             return
         counts_E = count_per_expert(expert_A, self.n_experts)
         slots = n_tokens * self.top_k
-        probs_TE = r.logits_TE.softmax(-1)
         self._training_stats = {
             "counts": counts_E,
             "rerouted_frac": r.rerouted.float() / slots,
             "dropped_frac": r.dropped.float() / slots,
-            "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean().detach(),
         }
+        self._logits = r.logits_TE.detach()  # for the entropy, computed only when `stats` is read
         aux = r.logits_TE.new_zeros(())
         if self.aux_coef:
             frac_E = counts_E.float() / slots  # f_e: share of assignments (not differentiable)
-            aux = aux + self.aux_coef * self.n_experts * (frac_E * probs_TE.mean(0)).sum()
+            aux = aux + self.aux_coef * self.n_experts * (frac_E * r.logits_TE.softmax(-1).mean(0)).sum()
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
         self.aux_loss = aux
@@ -298,19 +298,28 @@ class MoE(nn.Module):
             self.pending_counts += counts_E.float()
 
     @property
+    def counts(self) -> torch.Tensor | None:
+        """Assignments per expert in the last forward pass (E,), or None before the first."""
+        if self._assigned is None:
+            return None
+        counts_E = self._training_stats.get("counts")
+        return count_per_expert(self._assigned[0], self.n_experts) if counts_E is None else counts_E
+
+    @property
     def stats(self) -> dict[str, torch.Tensor]:
         """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
         expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
         rerouted and dropped fractions and the router entropy. Derived when read, so that decoding, which
         never reads them, does not pay for them; {} before the first pass."""
-        if self._assigned is None:
-            return {}
-        expert_A, slots = self._assigned
-        counts_E = self._training_stats.get("counts")
+        counts_E = self.counts
         if counts_E is None:
-            counts_E = count_per_expert(expert_A, self.n_experts)
-        mean_load = slots / self.n_experts
-        return {**self._training_stats, "counts": counts_E, "max_load": counts_E.max().float() / mean_load,
+            return {}
+        mean_load = self._assigned[1] / self.n_experts
+        extra = {}
+        if self._training_stats:
+            probs_TE = self._logits.softmax(-1)
+            extra["entropy"] = -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()
+        return {**self._training_stats, **extra, "counts": counts_E, "max_load": counts_E.max().float() / mean_load,
                 "min_load": counts_E.min().float() / mean_load}
 
     @torch.no_grad()

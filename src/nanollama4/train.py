@@ -117,7 +117,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
 
 def expert_counts(model: Transformer) -> torch.Tensor | None:
     """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
-    counts = [m.stats["counts"] for m in model.moe_layers() if "counts" in m.stats]
+    counts = [c for c in (m.counts for m in model.moe_layers()) if c is not None]
     return torch.stack(counts).float() if counts else None
 
 

@@ -56,7 +56,50 @@ def grouped_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: tor
 
 def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                    expert_A: torch.Tensor) -> torch.Tensor:
-    return _swiglu_of(lambda x, w: kernels.grouped_matmul(x, w, counts_E), x_AD, gate_up_EDH, down_EHD)
+    """Our compiled float32 kernel, the four grouped products and the activation in one autograd node
+    (`_KernelSwiGLU`): no chunk whose backward concatenates, no separate nodes for silu and the product."""
+    kernels.require()
+    return _KernelSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E)
+
+
+def _activate(h_AH2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) and silu(gate) * up from h = [gate | up]."""
+    H = h_AH2.shape[1] // 2
+    silu_AH = F.silu(h_AH2[:, :H])
+    return silu_AH, silu_AH * h_AH2[:, H:]
+
+
+def _activation_grad(d_act_AH: torch.Tensor, h_AH2: torch.Tensor, silu_AH: torch.Tensor) -> torch.Tensor:
+    """The gradient of h = [gate | up] from that of silu(gate) * up, each half written in place into one
+    buffer (no cat)."""
+    H = h_AH2.shape[1] // 2
+    dh_AH2 = torch.empty_like(h_AH2)
+    torch.ops.aten.silu_backward.grad_input(d_act_AH * h_AH2[:, H:], h_AH2[:, :H], grad_input=dh_AH2[:, :H])
+    torch.mul(d_act_AH, silu_AH, out=dh_AH2[:, H:])
+    return dh_AH2
+
+
+class _KernelSwiGLU(torch.autograd.Function):
+    """SwiGLU_e over consecutive row groups (counts_E rows each) on our kernel, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
+                counts_E: torch.Tensor) -> torch.Tensor:
+        x_AD, gate_up_EDH, down_EHD = x_AD.contiguous(), gate_up_EDH.contiguous(), down_EHD.contiguous()
+        h_AH2 = kernels.module().forward(x_AD, gate_up_EDH, counts_E)
+        silu_AH, act_AH = _activate(h_AH2)
+        ctx.save_for_backward(x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E)
+        return kernels.module().forward(act_AH, down_EHD, counts_E)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_AD: torch.Tensor):
+        x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E = ctx.saved_tensors
+        k, dy_AD, needs = kernels.module(), dy_AD.contiguous(), ctx.needs_input_grad
+        d_down = k.weight_grad(act_AH, dy_AD, counts_E) if needs[2] else None
+        dh_AH2 = _activation_grad(k.input_grad(dy_AD, down_EHD, counts_E), h_AH2, silu_AH)
+        dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
+        return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down, None
 
 
 def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
@@ -101,9 +144,7 @@ class _BucketedSwiGLU(torch.autograd.Function):
         for (lo, hi), w in zip(spans, gate_up_EDH.unbind(0), strict=True):
             if hi > lo:
                 torch.mm(x_PD[lo:hi], w, out=h_PH2[lo:hi])
-        gate, up = h_PH2[:, :H], h_PH2[:, H:]
-        silu_PH = F.silu(gate)
-        act_PH = silu_PH * up
+        silu_PH, act_PH = _activate(h_PH2)
         y_PD = x_PD.new_empty(x_PD.shape[0], down_EHD.shape[2])
         for (lo, hi), w in zip(spans, down_EHD.unbind(0), strict=True):
             if hi > lo:
@@ -116,7 +157,7 @@ class _BucketedSwiGLU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy_PD: torch.Tensor):
         x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD = ctx.saved_tensors
-        H, spans = down_EHD.shape[1], ctx.spans
+        spans = ctx.spans
         dy_PD = dy_PD.contiguous()
         d_act = torch.empty_like(act_PH)
         d_down = torch.empty_like(down_EHD)
@@ -126,9 +167,7 @@ class _BucketedSwiGLU(torch.autograd.Function):
                 torch.mm(act_PH[lo:hi].t(), dy_PD[lo:hi], out=d_down[e])
             else:
                 d_down[e].zero_()
-        dh_PH2 = torch.empty_like(h_PH2)  # [d gate | d up], each half written in place by an out= variant
-        torch.ops.aten.silu_backward.grad_input(d_act * h_PH2[:, H:], h_PH2[:, :H], grad_input=dh_PH2[:, :H])
-        torch.mul(d_act, silu_PH, out=dh_PH2[:, H:])
+        dh_PH2 = _activation_grad(d_act, h_PH2, silu_PH)
         d_gate_up = torch.empty_like(gate_up_EDH)
         dx_PD = torch.empty_like(x_PD)
         for e, (lo, hi) in enumerate(spans):

@@ -129,9 +129,16 @@ def available() -> bool:
     return load() is not None
 
 
-def _require() -> None:
+def require() -> None:
+    """Raise unless `available()`: callers check that before choosing the kernel."""
     if not available():
         raise RuntimeError("the CPU expert kernels are not available; check nanollama4.ops.kernels.available() first")
+
+
+def module() -> ModuleType:
+    """The compiled module's three products (forward, input_grad, weight_grad), after `require()`."""
+    assert _module is not None
+    return _module
 
 
 class GroupedMatmul(torch.autograd.Function):
@@ -158,7 +165,7 @@ class GroupedMatmul(torch.autograd.Function):
 
 def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
     """x's rows, grouped consecutively by counts_G, each group times its own w_g -> (A, N). Needs `available()`."""
-    _require()
+    require()
     return GroupedMatmul.apply(x_AK, w_GKN, counts_G)
 
 
@@ -184,7 +191,7 @@ class Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) without bias, through our kernel (see `linear_pays`). Needs `available()`."""
-    _require()
+    require()
     return Linear.apply(x.reshape(-1, x.shape[-1]), w_NK).view(*x.shape[:-1], w_NK.shape[0])
 
 
