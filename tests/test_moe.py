@@ -73,8 +73,10 @@ def expert_by_hand(moe: MoE, e: int, x_D: torch.Tensor) -> torch.Tensor:
 def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, router, cf, shared, seed, data):
     k = data.draw(st.integers(1, min(E, 3)), label="k")
     noise = data.draw(st.sampled_from(["none", "fixed", "learned"]), label="noise") if router == "softmax" else "none"
+    over = data.draw(st.sampled_from(["chosen", "all"]), label="softmax_over") if router == "softmax" else "chosen"
+    overflow = data.draw(st.sampled_from(["next", "drop"]), label="capacity_overflow")
     moe = make_moe(d, E, k, hidden, seed=seed, router=router, router_noise=noise, capacity_factor=cf,
-                   shared_expert=shared).train()
+                   shared_expert=shared, softmax_over=over, capacity_overflow=overflow).train()
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(B, T, d, generator=g)
     w = torch.randn(B, T, d, generator=g)  # random cotangent: every output element matters
@@ -342,6 +344,34 @@ def test_assign_with_capacity_by_hand():
     choice = torch.randn(6, 5, generator=torch.Generator().manual_seed(11))
     experts, valid, rerouted = assign_with_capacity(choice, 2, 6)
     assert torch.equal(experts, choice.topk(2, dim=-1).indices) and valid.all() and int(rerouted) == 0
+
+
+
+def test_capacity_without_overflow_drops_a_full_choice():
+    # the first case above: token 0's first choice (expert 0) is full; without overflow it gets no expert
+    choice = torch.tensor([[1.0, 0.5, -1.0, -1.0], [3.0, -1.0, 0.5, -1.0], [2.0, -1.0, -1.0, 0.5]])
+    experts, valid, rerouted = assign_with_capacity(choice, 1, 2, overflow=False)
+    assert valid.tolist() == [[False], [True], [True]] and experts[1:, 0].tolist() == [0, 0] and int(rerouted) == 0
+    # k = 2 without overflow: each token keeps only those of its own top-2 that had room
+    choice = torch.tensor([[2.0, 1.5, 1.0], [3.0, 2.0, 1.0], [2.5, 2.0, 1.0]])
+    experts, valid, rerouted = assign_with_capacity(choice, 2, 2, overflow=False)
+    assert valid.tolist() == [[False, False], [True, True], [True, True]] and int(rerouted) == 0
+
+
+def test_softmax_over_all_logits_keeps_the_chosen_probabilities():
+    torch.manual_seed(0)
+    chosen = make_moe(8, 4, 2, 8, seed=3, router="softmax").train()
+    every = make_moe(8, 4, 2, 8, seed=3, router="softmax", softmax_over="all").train()
+    x = torch.randn(10, 8)
+    r_chosen, r_all = chosen.route(x), every.route(x)
+    assert torch.equal(r_chosen.experts_TK, r_all.experts_TK)
+    torch.testing.assert_close(r_chosen.weights_TK.sum(-1), torch.ones(10))
+    probs = torch.softmax(r_all.logits_TE, -1)
+    torch.testing.assert_close(r_all.weights_TK, probs.gather(1, r_all.experts_TK))
+    assert (r_all.weights_TK.sum(-1) < 1).all()
+    # and the sparse dispatch still equals the plain reference, with gradients
+    y = torch.randn(1, 10, 8)
+    torch.testing.assert_close(every(y), moe_reference(every, y), atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- 6. dropped tokens

@@ -71,6 +71,8 @@ class ModelConfig(_JsonConfig):
     router_noise_std: float = 1.0  # std of the "fixed" router noise
     capacity_factor: float | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
     capacity_in_eval: bool = False  # also apply the capacity limit in eval() mode
+    capacity_overflow: str = "next"  # a token whose expert is full: "next" best expert with room, or "drop" it
+    softmax_over: str = "chosen"  # softmax router: over the top-k ("chosen", the rest -inf) or "all" logits
     aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     bias_balance_rate: float = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
@@ -127,6 +129,12 @@ class ModelConfig(_JsonConfig):
         if self.router_noise != "none" and self.router != "softmax":
             raise ConfigError("router_noise applies to the softmax router only; set router=softmax or "
                              "router_noise=none")
+        if self.capacity_overflow not in ("next", "drop"):
+            raise ConfigError(f"capacity_overflow ({self.capacity_overflow!r}) must be 'next' (the next-best expert "
+                              "with room) or 'drop'")
+        if self.softmax_over not in ("chosen", "all"):
+            raise ConfigError(f"softmax_over ({self.softmax_over!r}) must be 'chosen' (the top-k, the rest -inf) "
+                              "or 'all' (every logit)")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):

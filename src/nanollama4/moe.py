@@ -73,7 +73,7 @@ class Routing:
     dropped: torch.Tensor  # slots that found no expert with room
 
 
-def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int
+def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int, overflow: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Give each token k experts, at most `capacity` tokens per expert, best choices first.
 
@@ -82,6 +82,7 @@ def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int
     of k experts proposes its r-th ranked expert; each expert accepts proposals in priority order while
     it has room. A token whose choice is full thus moves on to its next-best expert with room, and one
     that finds none keeps fewer than k (possibly zero: then only the shared expert and the residual).
+    With overflow=False only the k rounds of each token's own top-k run: a full choice is dropped.
     Returns experts_TK, valid_TK and the number of assignments made beyond each token's top-k.
     """
     T, E = choice_TE.shape
@@ -94,7 +95,7 @@ def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int
     experts_TK = torch.zeros(T, k, dtype=torch.long, device=dev)
     filled_T = torch.zeros(T, dtype=torch.long, device=dev)
     rerouted = torch.zeros((), dtype=torch.long, device=dev)
-    for r in range(E):
+    for r in range(E if overflow else k):
         need_T = filled_T < k
         if not bool(need_T.any()):  # one host sync per round; most batches settle in k or k+1 rounds
             break
@@ -209,6 +210,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.experts_per_token, cfg.router
         self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
         self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
+        self.overflow, self.softmax_over = cfg.capacity_overflow == "next", cfg.softmax_over
         self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
         self.router = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
@@ -244,12 +246,16 @@ class MoE(nn.Module):
             experts_TK = choice_TE.topk(self.top_k, dim=-1).indices
             valid_TK, rerouted = None, zero
         else:
-            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap)
+            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap, self.overflow)
         chosen_TK = scores_TE.gather(1, experts_TK)
         if valid_TK is not None:
             chosen_TK = chosen_TK.masked_fill(~valid_TK, float("-inf"))
         if self.kind == "sigmoid":
             weights_TK = torch.sigmoid(chosen_TK)  # sigmoid(-inf) = 0 for empty slots
+        elif self.softmax_over == "all":  # every expert's probability; the chosen ones' are kept as they are
+            weights_TK = torch.softmax(scores_TE, dim=-1).gather(1, experts_TK)
+            if valid_TK is not None:
+                weights_TK = weights_TK * valid_TK
         else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
             weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
         dropped = zero if valid_TK is None else (~valid_TK).sum()
