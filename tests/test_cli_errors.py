@@ -72,6 +72,14 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("eval", "run_dir"): [["MISSING"], ["FILE"]],
     ("eval", "--checkpoint"): [["RUN", "--checkpoint", "worst"]],
     ("plot", "run_dir"): [["MISSING"], ["EMPTY"]],
+    ("experiment", "name"): [["moe"], []],
+    ("experiment", "--out"): [["gqa", "--tiny", "--data", "CORPUS", "--out", "FILE"]],
+    ("experiment", "--steps"): [["gqa", "--steps", "0"], ["gqa", "--steps", "ten"]],
+    ("experiment", "--seeds"): [["gqa", "--seeds", "a,b"], ["gqa", "--seeds", "1,1"], ["gqa", "--seeds", "-1"],
+                                ["gqa", "--seeds", ""]],
+    ("experiment", "--data"): [["gqa", "--data", "MISSING"], ["gqa", "--data", "EMPTY"]],
+    ("experiment", "--tiny"): [["gqa", "--tiny=1"]],
+    ("experiment", "--quiet"): [["gqa", "--quiet=1"]],
 }
 
 

@@ -399,7 +399,53 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
     p.add_argument("run_dir", type=_text)
     p.set_defaults(func=cmd_plot)
+
+    from .experiments import EXPERIMENTS
+
+    p = sub.add_parser("experiment", help="run one of the experiments of docs/experiments.md",
+                       description="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
+    p.add_argument("name", choices=list(EXPERIMENTS))
+    p.add_argument("--out", type=_text, help="folder for results and plots (default: experiments/NAME-TIMESTAMP)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-800)")
+    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds, e.g. 0,1 (default); the second measures "
+                                                "the spread")
+    p.add_argument("--data", type=_text, help="a text file or folder of .txt files (default: Shakespeare's works)")
+    p.add_argument("--tiny", action="store_true", help="a smoke test of a few seconds (tiny models, 3 steps)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_experiment)
     return parser
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: seeds must be distinct and non-negative")
+    return seeds
+
+
+def cmd_experiment(args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    from .data import find_corpus_files
+    from .experiments import Setting, run_experiment
+    from .runtime import tune_allocator
+
+    tune_allocator()
+    find_corpus_files(args.data)  # a missing corpus fails before anything is created
+    setting = Setting.tiny_scale(args.data) if args.tiny else Setting(data=args.data)
+    if args.steps:
+        setting = replace(setting, steps=args.steps, eval_interval=min(setting.eval_interval, args.steps))
+    if args.seeds:
+        setting = replace(setting, seeds=args.seeds)
+    out = args.out or f"experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    paths = run_experiment(args.name, out, setting, progress=not args.quiet)
+    print(f"results: {paths[0]}")
+    for path in paths[1:]:
+        print(f"plot: {path}")
+    print(f"table: {Path(out) / 'table.md'}")
 
 
 def main(argv: list[str] | None = None) -> int:

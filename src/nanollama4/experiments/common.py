@@ -1,0 +1,201 @@
+"""What every experiment shares: the setting (how long each arm trains), training one arm through the
+ordinary training loop, reading its metrics back, the results file, tables and plots.
+
+An *arm* is one model trained one way. Each arm is a normal run directory (`OUT/runs/ARM-seedS`), so any
+of them can be inspected with `nanollama4 generate`, `eval` or `plot` afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import read_model_config, resolve_checkpoint
+from ..config import ModelConfig, TrainConfig
+from ..errors import ConfigError
+from ..evaluation import full_validation_loss_of_run
+from ..memory import param_counts
+from ..train import train
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How big and how long: the same for every arm of an experiment, so that they compare."""
+
+    steps: int | None = None  # optimizer steps per arm; None = the experiment's own STEPS
+    batch_size: int = 16
+    seq_len: int = 128
+    eval_interval: int = 50  # validation points along the curve
+    eval_batches: int = 8
+    data: str | None = None  # corpus; None = Shakespeare's works
+    seeds: tuple[int, ...] = (0, 1)  # the second seed measures the run-to-run spread
+    tiny: bool = False  # a smoke-test scale (seconds), for the test suite
+
+    @classmethod
+    def tiny_scale(cls, data: str | None = None) -> Setting:
+        return cls(steps=3, batch_size=2, seq_len=16, eval_interval=3, eval_batches=1, data=data, tiny=True)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+def base_model(**changes: Any) -> ModelConfig:
+    """The small character-level model every experiment starts from: width 128, 4 layers, 8 query heads of
+    16 over 2 KV heads, a dense FFN of 384 (an MoE of top-1 + shared expert of 192 has the same active
+    size), context 128, no NoPE layers, no chunking. Small enough that an arm trains in about a minute."""
+    base = dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, max_seq_len=128, ffn_dim=384,
+                n_experts=0, expert_dim=192, nope_interval=0, attention_chunk_size=None)
+    return ModelConfig(**{**base, **changes})
+
+
+def tiny_model(cfg: ModelConfig) -> ModelConfig:
+    """The same layout at smoke-test size (the arm's routing and attention options kept)."""
+    return cfg.replace(d_model=32, n_layers=min(cfg.n_layers, 4), head_dim=8,
+                       ffn_dim=96, expert_dim=cfg.expert_dim * 48 // 192 or 16)
+
+
+@dataclass
+class ArmResult:
+    """One trained arm: its curve (validation loss at each evaluation) and final numbers."""
+
+    name: str
+    seed: int
+    run_dir: str
+    params_total: int
+    params_active: int
+    steps: int
+    seconds: float  # training wall-clock, evaluations excluded as the loop measures it
+    tokens_per_s: float
+    full_val_loss: float  # every validation token, in windows of the training length
+    val_curve: list[dict[str, float]] = field(default_factory=list)  # {"step", "tokens", "time", "val_loss"}
+    expert_load: list[list[list[float]]] = field(default_factory=list)  # per logged step: layers x experts
+
+
+def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
+              **train_changes: Any) -> ArmResult:
+    """Train one arm to setting.steps in OUT/runs/NAME-seedS and read back what it logged."""
+    if setting.tiny:
+        cfg = tiny_model(cfg)
+    tc = TrainConfig(max_steps=setting.steps, batch_size=setting.batch_size, seq_len=setting.seq_len,
+                     eval_interval=setting.eval_interval, eval_batches=setting.eval_batches, seed=seed,
+                     warmup_steps=min(50, setting.steps), **train_changes)
+    run_dir = out / "runs" / f"{name}-seed{seed}"
+    if run_dir.exists() and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run; pass a new --out (experiments never overwrite)")
+    if progress:
+        print(f"- {name} (seed {seed})", flush=True)
+    result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
+    loss, _, _ = full_validation_loss_of_run(run_dir, prefer="last")
+    curve, load, seconds = [], [], 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        seconds = max(seconds, row.get("time", 0.0))
+        if "val_loss" in row:
+            curve.append({"step": row["step"], "tokens": row["step"] * setting.tokens_per_step, "time": row["time"],
+                          "val_loss": row["val_loss"]})
+        if "expert_load" in row:
+            load.append(row["expert_load"])
+    counts = param_counts(read_model_config(resolve_checkpoint(run_dir)))  # with the tokenizer's vocabulary
+    return ArmResult(name=name, seed=seed, run_dir=str(run_dir), params_total=counts.total,
+                     params_active=counts.active, steps=result.step, seconds=seconds,
+                     tokens_per_s=result.tokens_per_s, full_val_loss=loss, val_curve=curve, expert_load=load)
+
+
+def spread(results: Sequence[ArmResult], name: str) -> float:
+    """The seed-to-seed spread of arm `name`: the largest minus the smallest full validation loss over its
+    seeds (0 with one seed). Differences between arms below this are ties."""
+    losses = [r.full_val_loss for r in results if r.name == name]
+    return max(losses) - min(losses) if len(losses) > 1 else 0.0
+
+
+def mean_loss(results: Sequence[ArmResult], name: str) -> float:
+    losses = [r.full_val_loss for r in results if r.name == name]
+    return sum(losses) / len(losses) if losses else math.nan
+
+
+def verdict(diff: float, tie_below: float) -> str:
+    """'better' / 'worse' / 'tie' for a loss difference (arm minus baseline) against the spread."""
+    if abs(diff) <= tie_below:
+        return "tie"
+    return "better" if diff < 0 else "worse"
+
+
+def loss_at(curve: Sequence[dict[str, float]], key: str, x: float) -> float:
+    """The validation loss of a curve at tokens or time `x` (key "tokens" or "time"), linearly between
+    its evaluations; nan outside it."""
+    for a, b in zip(curve, curve[1:], strict=False):
+        if a[key] <= x <= b[key]:
+            f = 0.0 if b[key] == a[key] else (x - a[key]) / (b[key] - a[key])
+            return a["val_loss"] + f * (b["val_loss"] - a["val_loss"])
+    return curve[-1]["val_loss"] if curve and math.isclose(curve[-1][key], x) else math.nan
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def save(out: Path, experiment: str, setting: Setting, results: Sequence[ArmResult], table: str,
+         extra: dict[str, Any] | None = None) -> Path:
+    """OUT/results.json (every arm, its curve, the setting) and OUT/table.md; returns the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"experiment": experiment, "date": time.strftime("%Y-%m-%d %H:%M"), "setting": asdict(setting),
+           "arms": [asdict(r) for r in results], "table": table, **(extra or {})}
+    path = out / "results.json"
+    path.write_text(json.dumps(doc, indent=1))
+    (out / "table.md").write_text(table + "\n")
+    return path
+
+
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A matplotlib figure drawn off-screen (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
+    """Validation loss against tokens seen and against wall-clock, one line per arm (seed 0 solid, others
+    dotted in the same colour)."""
+    fig, (by_tokens, by_time) = figure(2)
+    colours: dict[str, Any] = {}
+    for r in results:
+        if not r.val_curve:
+            continue
+        style = "-" if r.seed == min(x.seed for x in results if x.name == r.name) else ":"
+        xs_tok = [p["tokens"] for p in r.val_curve]
+        xs_time = [p["time"] for p in r.val_curve]
+        ys = [p["val_loss"] for p in r.val_curve]
+        line, = by_tokens.plot(xs_tok, ys, style, color=colours.get(r.name), label=r.name if style == "-" else None)
+        colours.setdefault(r.name, line.get_color())
+        by_time.plot(xs_time, ys, style, color=colours[r.name])
+    by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
+    by_time.set(xlabel="training seconds", ylabel="validation loss (nats/char)", title=title + ", by wall-clock")
+    by_tokens.legend(fontsize=8)
+    return save_figure(fig, path)

@@ -1,0 +1,88 @@
+"""Experiment 3, iRoPE and length: does attention keep working past the trained window?
+
+Two models trained on windows of 128 characters: all layers RoPE, and iRoPE (every 4th layer without
+positional embedding, the RoPE layers attending within chunks of 128). Both are then evaluated on
+windows of 128 to 2,048 characters; the iRoPE model with and without the NoPE layers' attention
+temperature (floor_scale = the training context, so that it stays 1 inside it and grows beyond).
+Reported: the mean loss over the second half of each window, the positions furthest from training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import load_run
+from ..data import TokenDataset, default_cache_dir, find_corpus_files
+from ..model import Transformer
+from .common import ArmResult, Setting, base_model, figure, markdown_table, save, save_figure, spread, train_arm
+
+TITLE = "iRoPE: loss past the training context"
+STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
+MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths, in training contexts
+EVAL_TOKENS = 32_768  # per length: the same number of predicted tokens at every length
+
+
+def arms(context: int) -> list[tuple[str, object]]:
+    longest = context * MULTIPLES[-1]
+    return [("all RoPE", base_model(max_seq_len=longest, attn_temperature_tuning=False)),
+            ("iRoPE", base_model(max_seq_len=longest, nope_interval=4, attention_chunk_size=context,
+                                 attn_temperature_tuning=True, floor_scale=context))]
+
+
+@torch.no_grad()
+def far_half_loss(model: Transformer, tokens: torch.Tensor, length: int, budget: int) -> float:
+    """Mean next-token loss over positions [length/2, length) of non-overlapping windows of `length`."""
+    n = max(1, min(budget // length, (len(tokens) - 1) // length))
+    total, count = 0.0, 0
+    for i in range(n):
+        w = tokens[i * length:(i + 1) * length + 1]
+        logits = model(w[None, :-1])
+        half = length // 2
+        total += F.cross_entropy(logits[0, half:].float(), w[1 + half:], reduction="sum").item()
+        count += length - half
+    return total / count
+
+
+def with_temperature(model: Transformer, on: bool) -> Transformer:
+    """The same weights with the NoPE layers' temperature tuning on or off (it has no parameters)."""
+    other = Transformer(model.cfg.replace(attn_temperature_tuning=on))
+    other.load_state_dict(model.state_dict())
+    return other.eval()
+
+
+def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    context = setting.seq_len
+    results: list[ArmResult] = [train_arm(name, cfg, setting, out, seed, progress)
+                                for name, cfg in arms(context) for seed in setting.seeds]
+    lengths = [context * m for m in MULTIPLES]
+    budget = EVAL_TOKENS if not setting.tiny else 4 * lengths[-1]
+    curves: dict[str, list[list[float]]] = {}  # variant -> per seed, loss per length
+    for r in results:
+        model, tokenizer, _ = load_run(r.run_dir, prefer="last")
+        data = TokenDataset.build(find_corpus_files(setting.data), tokenizer, default_cache_dir())
+        val = torch.from_numpy(data.val_tokens.astype("int64"))
+        variants = [(r.name, model.eval())] if r.name == "all RoPE" else \
+            [("iRoPE, temperature on", with_temperature(model, True)),
+             ("iRoPE, temperature off", with_temperature(model, False))]
+        for name, m in variants:
+            if progress:
+                print(f"  evaluating {name} (seed {r.seed}) at {', '.join(map(str, lengths))}", flush=True)
+            curves.setdefault(name, []).append([far_half_loss(m, val, n, budget) for n in lengths])
+    tie = max(spread(results, "all RoPE"), spread(results, "iRoPE"))
+    rows = [[name, *[sum(c[i] for c in per_seed) / len(per_seed) for i in range(len(lengths))],
+             sum(c[-1] - c[0] for c in per_seed) / len(per_seed)] for name, per_seed in curves.items()]
+    table = markdown_table(["model", *[f"L={n}" for n in lengths], f"L={lengths[-1]} minus L={lengths[0]}"], rows)
+    table += (f"\n\nloss over the far half of each window (nats/char), mean of {len(setting.seeds)} seed(s); "
+              f"seed-to-seed spread of the full validation loss at L={context}: {tie:.4f}")
+    fig, (ax,) = figure()
+    for name, per_seed in curves.items():
+        ax.plot(lengths, [sum(c[i] for c in per_seed) / len(per_seed) for i in range(len(lengths))], "o-", label=name)
+    ax.axvline(context, color="grey", linestyle=":", label="training context")
+    ax.set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)", title=TITLE)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.legend(fontsize=8)
+    plot = save_figure(fig, out / "irope_length.png")
+    return [save(out, "irope_length", setting, results, table, {"lengths": lengths, "curves": curves}), plot]

@@ -1,0 +1,90 @@
+"""Experiment 5, the router's training tricks: do they keep experts from going under-trained?
+
+The tutorial's router (softmax, top-2 of 8 experts of 192, no shared expert), trained with one trick
+changed at a time: none; learned or fixed noise on the logits; the softmax over all logits instead of
+-inf masking of the non-top-k; an expert capacity of 1.0 or 1.25 with overflow to the next-best expert,
+or the same capacity dropping the overflow; the Switch auxiliary loss; bias balancing. For each: the
+per-expert load over training (a heatmap of the first MoE layer), the experts that end below 10% of
+their fair share (over the last tenth of training, all layers), and the validation loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import (
+    ArmResult,
+    Setting,
+    base_model,
+    figure,
+    markdown_table,
+    mean_loss,
+    save,
+    save_figure,
+    spread,
+    train_arm,
+    verdict,
+)
+
+TITLE = "router tricks: per-expert load over training"
+STEPS = 500  # per arm (of 16 x 128 characters): eleven arms, so fewer steps each than the others
+N_EXPERTS = 8
+
+
+def arms() -> list[tuple[str, dict]]:
+    return [("no tricks", {}),
+            ("learned noise", {"router_noise": "learned"}),
+            ("fixed noise", {"router_noise": "fixed"}),
+            ("softmax over all logits", {"softmax_over": "all"}),
+            ("capacity 1.0, overflow", {"capacity_factor": 1.0}),
+            ("capacity 1.0, drop", {"capacity_factor": 1.0, "capacity_overflow": "drop"}),
+            ("capacity 1.25, overflow", {"capacity_factor": 1.25}),
+            ("capacity 1.25, drop", {"capacity_factor": 1.25, "capacity_overflow": "drop"}),
+            ("aux loss 0.01", {"aux_loss_coef": 0.01}),
+            ("bias balancing 0.001", {"bias_balance_rate": 0.001})]
+
+
+def config(changes: dict):
+    return base_model(n_experts=N_EXPERTS, experts_per_token=2, expert_dim=192, shared_expert=False,
+                      router="softmax", **changes)
+
+
+def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> tuple[int, int]:
+    """(experts under `below` of the fair share, experts in all) over the last tenth of the logged steps,
+    the load of each expert averaged over those steps."""
+    tail = load[-max(1, len(load) // 10):]
+    layers, experts = len(tail[0]), len(tail[0][0])
+    mean = [[sum(step[i][e] for step in tail) / len(tail) for e in range(experts)] for i in range(layers)]
+    return sum(v < below * fair for row in mean for v in row), layers * experts
+
+
+def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    results: list[ArmResult] = []
+    for i, (name, changes) in enumerate(arms()):
+        for seed in setting.seeds if i == 0 else setting.seeds[:1]:
+            results.append(train_arm(name, config(changes), setting, out, seed, progress))
+    tie = spread(results, "no tricks")
+    base = mean_loss(results, "no tricks")
+    rows = []
+    for name, _ in arms():
+        first = next(r for r in results if r.name == name)
+        n, total = starved(first.expert_load, 1 / N_EXPERTS)
+        last = first.expert_load[-1]
+        loss = mean_loss(results, name)
+        rows.append([name, f"{n} of {total}", max(max(row) for row in last) * N_EXPERTS, loss, loss - base,
+                     verdict(loss - base, tie)])
+    table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end "
+                            "(x fair)", "full val loss", "vs no tricks", "reading"], rows)
+    table += f"\n\nseed-to-seed spread (no tricks, two seeds): {tie:.4f}; differences up to it are ties"
+    names = [name for name, _ in arms()]
+    fig, axes = figure(5, width=3.2, height=3.0)
+    fig2, axes2 = figure(5, width=3.2, height=3.0)
+    for ax, name in zip(axes + axes2, names, strict=True):
+        load = next(r for r in results if r.name == name).expert_load
+        grid = [[step[0][e] * N_EXPERTS for step in load] for e in range(N_EXPERTS)]  # layer 0, x fair share
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
+        ax.set(title=name, xlabel="step", ylabel="expert", yticks=range(N_EXPERTS))
+    fig.colorbar(image, ax=axes[-1], label="load (x fair share)")
+    fig2.colorbar(image, ax=axes2[-1], label="load (x fair share)")
+    plots = [save_figure(fig, out / "router_tricks_load_1.png"), save_figure(fig2, out / "router_tricks_load_2.png")]
+    return [save(out, "router_tricks", setting, results, table, {"tie_below": tie}), *plots]
