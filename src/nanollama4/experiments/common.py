@@ -91,6 +91,8 @@ def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: in
     if progress:
         print(f"- {name} (seed {seed})", flush=True)
     result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
+    if result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
+        raise KeyboardInterrupt
     loss, _, _ = full_validation_loss_of_run(run_dir, prefer="last")
     curve, load, seconds = [], [], 0.0
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
