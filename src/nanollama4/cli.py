@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("experiment", help="run one of the experiments of docs/experiments.md",
                        description="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     p.add_argument("name", choices=list(EXPERIMENTS))
-    p.add_argument("--out", type=_text, help="folder for results and plots (default: experiments/NAME-TIMESTAMP)")
+    p.add_argument("--out", type=_text, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-800)")
     p.add_argument("--seeds", type=_seeds, help="comma-separated seeds, e.g. 0,1 (default); the second measures "
                                                 "the spread")
@@ -440,7 +440,7 @@ def cmd_experiment(args: argparse.Namespace) -> None:
         setting = replace(setting, steps=args.steps, eval_interval=min(setting.eval_interval, args.steps))
     if args.seeds:
         setting = replace(setting, seeds=args.seeds)
-    out = args.out or f"experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or f"runs/experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     paths = run_experiment(args.name, out, setting, progress=not args.quiet)
     print(f"results: {paths[0]}")
     for path in paths[1:]:
