@@ -441,11 +441,8 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     if args.seeds:
         setting = replace(setting, seeds=args.seeds)
     out = args.out or f"runs/experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    paths = run_experiment(args.name, out, setting, progress=not args.quiet)
-    print(f"results: {paths[0]}")
-    for path in paths[1:]:
-        print(f"plot: {path}")
-    print(f"table: {Path(out) / 'table.md'}")
+    for path in run_experiment(args.name, out, setting, progress=not args.quiet):
+        print(f"{ {'.json': 'results', '.md': 'table'}.get(path.suffix, 'plot')}: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,8 @@ EXPERIMENTS = {
 
 
 def run_experiment(name: str, out: str | Path, setting: Setting | None = None, progress: bool = True) -> list[Path]:
-    """Run experiment `name` into folder `out`; returns the paths written (results.json first, then plots)."""
+    """Run experiment `name` into folder `out`; returns the paths written: results.json, table.md, the plots.
+    (Each module's `report(out)` redraws the table and plots from results.json alone.)"""
     if name not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
     out = Path(out)

@@ -123,6 +123,8 @@ def mean_loss(results: Sequence[ArmResult], name: str) -> float:
 
 def verdict(diff: float, tie_below: float) -> str:
     """'better' / 'worse' / 'tie' for a loss difference (arm minus baseline) against the spread."""
+    if math.isnan(diff):
+        return "-"
     if abs(diff) <= tie_below:
         return "tie"
     return "better" if diff < 0 else "worse"
@@ -150,16 +152,40 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
-def save(out: Path, experiment: str, setting: Setting, results: Sequence[ArmResult], table: str,
+def save(out: Path, experiment: str, setting: Setting, results: Sequence[ArmResult],
          extra: dict[str, Any] | None = None) -> Path:
-    """OUT/results.json (every arm, its curve, the setting) and OUT/table.md; returns the JSON's path."""
+    """OUT/results.json: the setting, every arm with its curve, and what else the experiment measured;
+    `report` functions build the tables and plots from it alone, so that they can be redrawn."""
     out.mkdir(parents=True, exist_ok=True)
     doc = {"experiment": experiment, "date": time.strftime("%Y-%m-%d %H:%M"), "setting": asdict(setting),
-           "arms": [asdict(r) for r in results], "table": table, **(extra or {})}
+           "arms": [asdict(r) for r in results], **(extra or {})}
     path = out / "results.json"
     path.write_text(json.dumps(doc, indent=1))
-    (out / "table.md").write_text(table + "\n")
     return path
+
+
+def load_results(out: Path) -> tuple[dict[str, Any], list[ArmResult]]:
+    """OUT/results.json, and its arms as ArmResults."""
+    doc = json.loads((out / "results.json").read_text())
+    return doc, [ArmResult(**a) for a in doc["arms"]]
+
+
+def write_table(out: Path, table: str) -> Path:
+    path = out / "table.md"
+    path.write_text(table + "\n")
+    return path
+
+
+def paired(results: Sequence[ArmResult], name: str, base: str) -> list[float]:
+    """Arm `name` minus arm `base`, seed by seed (same seed: same initialisation and the same batches),
+    over the seeds both have."""
+    mine = {r.seed: r.full_val_loss for r in results if r.name == name}
+    theirs = {r.seed: r.full_val_loss for r in results if r.name == base}
+    return [mine[s] - theirs[s] for s in sorted(mine) if s in theirs]
+
+
+def per_seed(results: Sequence[ArmResult], name: str) -> str:
+    return ", ".join(f"{r.full_val_loss:.4f}" for r in sorted(results, key=lambda r: r.seed) if r.name == name)
 
 
 def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
@@ -197,6 +223,11 @@ def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
         line, = by_tokens.plot(xs_tok, ys, style, color=colours.get(r.name), label=r.name if style == "-" else None)
         colours.setdefault(r.name, line.get_color())
         by_time.plot(xs_time, ys, style, color=colours[r.name])
+    finals = [r.val_curve[-1]["val_loss"] for r in results if r.val_curve]
+    quarter = [r.val_curve[len(r.val_curve) // 4]["val_loss"] for r in results if r.val_curve]
+    if finals:  # the later part of training, where the arms differ, fills the height
+        for ax in (by_tokens, by_time):
+            ax.set_ylim(min(finals) - 0.03, max(max(quarter), min(finals) + 0.1))
     by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
     by_time.set(xlabel="training seconds", ylabel="validation loss (nats/char)", title=title + ", by wall-clock")
     by_tokens.legend(fontsize=8)

@@ -17,16 +17,20 @@ from ..checkpoint import load_run
 from ..generation import generate_ids
 from ..memory import kv_cache
 from .common import (
-    ArmResult,
     Setting,
     base_model,
     figure,
+    load_results,
     markdown_table,
+    mean_loss,
+    paired,
+    per_seed,
     save,
     save_figure,
     spread,
     train_arm,
     verdict,
+    write_table,
 )
 
 TITLE = "GQA: KV heads at 8 query heads"
@@ -44,36 +48,51 @@ def decode_rate(model: torch.nn.Module, new_tokens: int, batch: int = 4) -> floa
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
-    results: list[ArmResult] = []
+    results = [train_arm(f"kv_heads={h}", base_model(n_kv_heads=h), setting, out, seed, progress)
+               for h in KV_HEADS for seed in (setting.seeds if h == 2 else setting.seeds[:1])]  # 2: the default
+    measured = {}
     for h in KV_HEADS:
-        for seed in setting.seeds if h == 2 else setting.seeds[:1]:  # the default layout measures the spread
-            results.append(train_arm(f"kv_heads={h}", base_model(n_kv_heads=h), setting, out, seed, progress))
-    tie = spread(results, "kv_heads=2")
-    rows = []
-    base = next(r for r in results if r.name == "kv_heads=8").full_val_loss
-    for h in KV_HEADS:
-        mine = [r for r in results if r.name == f"kv_heads={h}"]
-        model, _, _ = load_run(mine[0].run_dir, prefer="last")
+        model, _, _ = load_run(next(r for r in results if r.name == f"kv_heads={h}").run_dir, prefer="last")
         model.eval()
         context = model.cfg.max_seq_len
-        calc = kv_cache(model.cfg, context, "float32").bytes_for_sequence
         cache = KVCache(model.cfg, 1, context, dtype=torch.float32)
         with torch.no_grad():
             model(torch.zeros(1, context, dtype=torch.long), cache=cache)  # a full context through the cache
-        live = cache.nbytes
-        rate = decode_rate(model, min(100, context - 2))
-        loss = sum(r.full_val_loss for r in mine) / len(mine)
-        rows.append([f"{h} KV heads (sharing {8 // h})", calc, live, 8 // h, rate, loss, loss - base,
-                     verdict(loss - base, tie)])
-    table = markdown_table(["layout", "KV bytes, calculator (fp32, 128 tokens)", "KV bytes, live cache",
-                            "saving vs multi-head", "decode tokens/s", "full val loss", "vs multi-head", "reading"],
-                           rows)
-    table += f"\n\nseed-to-seed spread (kv_heads=2, two seeds): {tie:.4f}; differences up to it are ties"
+        measured[str(h)] = {"calculator_bytes": kv_cache(model.cfg, context, "float32").bytes_for_sequence,
+                            "live_bytes": cache.nbytes, "context": context,
+                            "decode_tokens_per_s": decode_rate(model, min(100, context - 2))}
+    return [save(out, "gqa", setting, results, {"measured": measured}), *report(out)]
+
+
+def report(out: Path) -> list[Path]:
+    doc, results = load_results(out)
+    tie = spread(results, "kv_heads=2")
+    base = "kv_heads=8"
+    rows = []
+    for h in KV_HEADS:
+        m, name = doc["measured"][str(h)], f"kv_heads={h}"
+        diffs = paired(results, name, base)
+        rows.append([f"{h} KV heads (sharing {8 // h})", m["calculator_bytes"], m["live_bytes"], 8 // h,
+                     m["decode_tokens_per_s"], per_seed(results, name), mean_loss(results, name),
+                     "-" if name == base else f"{diffs[0]:+.4f}",
+                     "baseline" if name == base else verdict(diffs[0], tie)])
+    context = doc["measured"][str(KV_HEADS[0])]["context"]
+    table = markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
+                            "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed", "mean",
+                            "minus multi-head (seed 0)", "reading"], rows)
+    table += f"\n\nseed-to-seed spread (kv_heads=2): {tie:.4f}; a difference up to it is a tie"
     fig, (left, right) = figure(2)
     left.bar([str(h) for h in KV_HEADS], [row[2] / 1024 for row in rows])
-    left.set(xlabel="KV heads", ylabel="KV cache of one 128-token sequence (KiB, fp32)", title=TITLE)
-    right.plot(KV_HEADS, [row[5] for row in rows], "o-")
+    left.set(xlabel="KV heads", ylabel=f"KV cache of one {context}-token sequence (KiB, fp32)", title=TITLE)
+    first = min(r.seed for r in results)
+    right.plot(KV_HEADS, [next(r.full_val_loss for r in results if r.name == f"kv_heads={h}" and r.seed == first)
+                          for h in KV_HEADS], "o-", label=f"seed {first}")
+    others = [r for r in results if r.seed != first]
+    if others:
+        right.plot([int(r.name.split("=")[1]) for r in others], [r.full_val_loss for r in others], "x",
+                   label="other seeds (the spread)")
+    right.legend(fontsize=8)
     right.set(xlabel="KV heads", ylabel="full validation loss (nats/char)", xscale="log", title="quality")
     right.set_xticks(KV_HEADS, [str(h) for h in KV_HEADS])
-    plot = save_figure(fig, out / "gqa.png")
-    return [save(out, "gqa", setting, results, table), plot]
+    right.minorticks_off()
+    return [write_table(out, table), save_figure(fig, out / "gqa.png")]

@@ -17,7 +17,18 @@ import torch.nn.functional as F
 from ..checkpoint import load_run
 from ..data import TokenDataset, default_cache_dir, find_corpus_files
 from ..model import Transformer
-from .common import ArmResult, Setting, base_model, figure, markdown_table, save, save_figure, spread, train_arm
+from .common import (
+    Setting,
+    base_model,
+    figure,
+    load_results,
+    markdown_table,
+    save,
+    save_figure,
+    spread,
+    train_arm,
+    write_table,
+)
 
 TITLE = "iRoPE: loss past the training context"
 STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
@@ -55,8 +66,8 @@ def with_temperature(model: Transformer, on: bool) -> Transformer:
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
     context = setting.seq_len
-    results: list[ArmResult] = [train_arm(name, cfg, setting, out, seed, progress)
-                                for name, cfg in arms(context) for seed in setting.seeds]
+    results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms(context)
+               for seed in setting.seeds]
     lengths = [context * m for m in MULTIPLES]
     budget = EVAL_TOKENS if not setting.tiny else 4 * lengths[-1]
     curves: dict[str, list[list[float]]] = {}  # variant -> per seed, loss per length
@@ -71,18 +82,31 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
             if progress:
                 print(f"  evaluating {name} (seed {r.seed}) at {', '.join(map(str, lengths))}", flush=True)
             curves.setdefault(name, []).append([far_half_loss(m, val, n, budget) for n in lengths])
+    return [save(out, "irope_length", setting, results, {"lengths": lengths, "curves": curves}), *report(out)]
+
+
+def report(out: Path) -> list[Path]:
+    doc, results = load_results(out)
+    lengths, curves, context = doc["lengths"], doc["curves"], doc["setting"]["seq_len"]
     tie = max(spread(results, "all RoPE"), spread(results, "iRoPE"))
-    rows = [[name, *[sum(c[i] for c in per_seed) / len(per_seed) for i in range(len(lengths))],
-             sum(c[-1] - c[0] for c in per_seed) / len(per_seed)] for name, per_seed in curves.items()]
-    table = markdown_table(["model", *[f"L={n}" for n in lengths], f"L={lengths[-1]} minus L={lengths[0]}"], rows)
-    table += (f"\n\nloss over the far half of each window (nats/char), mean of {len(setting.seeds)} seed(s); "
-              f"seed-to-seed spread of the full validation loss at L={context}: {tie:.4f}")
+    rows = [[name, *[_mean(c[i] for c in per) for i in range(len(lengths))],
+             ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per)] for name, per in curves.items()]
+    table = markdown_table(["model", *[f"L={n}" for n in lengths],
+                            f"L={lengths[-1]} minus L={lengths[0]}, per seed"], rows)
+    table += (f"\n\nloss over the far half of each window (nats/char), mean over {len(doc['setting']['seeds'])} "
+              f"seed(s), {EVAL_TOKENS:,} predicted characters per length; seed-to-seed spread of the full "
+              f"validation loss at the training length: {tie:.4f}")
     fig, (ax,) = figure()
-    for name, per_seed in curves.items():
-        ax.plot(lengths, [sum(c[i] for c in per_seed) / len(per_seed) for i in range(len(lengths))], "o-", label=name)
+    for name, per in curves.items():
+        ax.plot(lengths, [_mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
     ax.axvline(context, color="grey", linestyle=":", label="training context")
     ax.set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)", title=TITLE)
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.legend(fontsize=8)
-    plot = save_figure(fig, out / "irope_length.png")
-    return [save(out, "irope_length", setting, results, table, {"lengths": lengths, "curves": curves}), plot]
+    return [write_table(out, table), save_figure(fig, out / "irope_length.png")]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)

@@ -13,17 +13,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    ArmResult,
     Setting,
     base_model,
     figure,
+    load_results,
     markdown_table,
-    mean_loss,
+    paired,
+    per_seed,
     save,
     save_figure,
     spread,
     train_arm,
     verdict,
+    write_table,
 )
 
 TITLE = "router tricks: per-expert load over training"
@@ -59,32 +61,35 @@ def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> t
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
-    results: list[ArmResult] = []
-    for i, (name, changes) in enumerate(arms()):
-        for seed in setting.seeds if i == 0 else setting.seeds[:1]:
-            results.append(train_arm(name, config(changes), setting, out, seed, progress))
-    tie = spread(results, "no tricks")
-    base = mean_loss(results, "no tricks")
+    results = [train_arm(name, config(changes), setting, out, seed, progress)
+               for i, (name, changes) in enumerate(arms()) for seed in (setting.seeds if i == 0 else setting.seeds[:1])]
+    return [save(out, "router_tricks", setting, results), *report(out)]
+
+
+def report(out: Path) -> list[Path]:
+    _, results = load_results(out)
+    base = arms()[0][0]
+    tie = spread(results, base)
     rows = []
     for name, _ in arms():
-        first = next(r for r in results if r.name == name)
+        first = next(r for r in results if r.name == name and r.seed == min(x.seed for x in results))
         n, total = starved(first.expert_load, 1 / N_EXPERTS)
-        last = first.expert_load[-1]
-        loss = mean_loss(results, name)
-        rows.append([name, f"{n} of {total}", max(max(row) for row in last) * N_EXPERTS, loss, loss - base,
-                     verdict(loss - base, tie)])
-    table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end "
-                            "(x fair)", "full val loss", "vs no tricks", "reading"], rows)
-    table += f"\n\nseed-to-seed spread (no tricks, two seeds): {tie:.4f}; differences up to it are ties"
+        diffs = paired(results, name, base)
+        rows.append([name, f"{n} of {total}", max(max(row) for row in first.expert_load[-1]) * N_EXPERTS,
+                     per_seed(results, name), "-" if name == base else f"{diffs[0]:+.4f}",
+                     "baseline" if name == base else verdict(diffs[0], tie)])
+    table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end (x fair)",
+                            "full val loss per seed", "minus no tricks (seed 0)", "reading"], rows)
+    table += f"\n\nseed-to-seed spread ({base}): {tie:.4f}; a difference up to it is a tie"
     names = [name for name, _ in arms()]
-    fig, axes = figure(5, width=3.2, height=3.0)
-    fig2, axes2 = figure(5, width=3.2, height=3.0)
-    for ax, name in zip(axes + axes2, names, strict=True):
-        load = next(r for r in results if r.name == name).expert_load
-        grid = [[step[0][e] * N_EXPERTS for step in load] for e in range(N_EXPERTS)]  # layer 0, x fair share
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
-        ax.set(title=name, xlabel="step", ylabel="expert", yticks=range(N_EXPERTS))
-    fig.colorbar(image, ax=axes[-1], label="load (x fair share)")
-    fig2.colorbar(image, ax=axes2[-1], label="load (x fair share)")
-    plots = [save_figure(fig, out / "router_tricks_load_1.png"), save_figure(fig2, out / "router_tricks_load_2.png")]
-    return [save(out, "router_tricks", setting, results, table, {"tie_below": tie}), *plots]
+    plots = []
+    for part, chunk in enumerate((names[:5], names[5:]), start=1):
+        fig, axes = figure(len(chunk), width=3.2, height=3.0)
+        for ax, name in zip(axes, chunk, strict=True):
+            load = next(r for r in results if r.name == name).expert_load
+            grid = [[step[0][e] * N_EXPERTS for step in load] for e in range(N_EXPERTS)]  # layer 0, x fair
+            image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
+            ax.set(title=name, xlabel="step", ylabel="expert", yticks=range(N_EXPERTS))
+        fig.colorbar(image, ax=axes[-1], label="first layer's load (x fair share)")
+        plots.append(save_figure(fig, out / f"router_tricks_load_{part}.png"))
+    return [write_table(out, table), *plots]

@@ -2,8 +2,8 @@
 every token needs?
 
 At equal active parameters (384 per token) and nearly equal totals: top-1 of 8 routed experts of 192
-plus a shared expert of 192, against top-2 of 8 routed experts of 192 and no shared expert. Two seeds
-each.
+plus a shared expert of 192, against top-2 of 8 routed experts of 192 and no shared expert. Every seed
+for both.
 """
 
 from __future__ import annotations
@@ -11,16 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    ArmResult,
     Setting,
     base_model,
+    load_results,
     markdown_table,
     mean_loss,
+    paired,
+    per_seed,
     plot_curves,
     save,
     spread,
     train_arm,
     verdict,
+    write_table,
 )
 
 TITLE = "shared expert on / off"
@@ -33,20 +36,22 @@ def arms() -> list[tuple[str, object]]:
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
-    results: list[ArmResult] = [train_arm(name, cfg, setting, out, seed, progress)
-                                for name, cfg in arms() for seed in setting.seeds]
+    results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms() for seed in setting.seeds]
+    return [save(out, "shared_expert", setting, results), *report(out)]
+
+
+def report(out: Path) -> list[Path]:
+    _, results = load_results(out)
     names = [name for name, _ in arms()]
     tie = max(spread(results, n) for n in names)
-    base = mean_loss(results, names[0])
     rows = []
     for name in names:
         mine = [r for r in results if r.name == name]
-        loss = mean_loss(results, name)
-        per_seed = ", ".join(f"{r.full_val_loss:.4f}" for r in mine)
-        rows.append([name, mine[0].params_total, mine[0].params_active, per_seed, loss, loss - base,
-                     verdict(loss - base, tie)])
-    table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean", "vs shared on", "reading"],
-                           rows)
-    table += f"\n\nseed-to-seed spread (largest of the two arms): {tie:.4f}; differences up to it are ties"
-    plot = plot_curves(results, out / "shared_expert.png", TITLE)
-    return [save(out, "shared_expert", setting, results, table, {"tie_below": tie}), plot]
+        diffs = paired(results, name, names[0])
+        rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
+                     mean_loss(results, name), "-" if name == names[0] else ", ".join(f"{d:+.4f}" for d in diffs),
+                     "baseline" if name == names[0] else verdict(sum(diffs) / len(diffs), tie)])
+    table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean", "minus shared on, per seed",
+                            "reading"], rows)
+    table += f"\n\nseed-to-seed spread (largest of the two arms): {tie:.4f}; a mean difference up to it is a tie"
+    return [write_table(out, table), plot_curves(results, out / "shared_expert.png", TITLE)]
