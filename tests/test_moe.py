@@ -346,7 +346,6 @@ def test_assign_with_capacity_by_hand():
     assert torch.equal(experts, choice.topk(2, dim=-1).indices) and valid.all() and int(rerouted) == 0
 
 
-
 def test_capacity_without_overflow_drops_a_full_choice():
     # the first case above: token 0's first choice (expert 0) is full; without overflow it gets no expert
     choice = torch.tensor([[1.0, 0.5, -1.0, -1.0], [3.0, -1.0, 0.5, -1.0], [2.0, -1.0, -1.0, 0.5]])
@@ -369,9 +368,11 @@ def test_softmax_over_all_logits_keeps_the_chosen_probabilities():
     probs = torch.softmax(r_all.logits_TE, -1)
     torch.testing.assert_close(r_all.weights_TK, probs.gather(1, r_all.experts_TK))
     assert (r_all.weights_TK.sum(-1) < 1).all()
-    # and the sparse dispatch still equals the plain reference, with gradients
+    # and the sparse dispatch still equals the plain reference (the dispatch test above checks gradients too)
     y = torch.randn(1, 10, 8)
     torch.testing.assert_close(every(y), moe_reference(every, y), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="softmax_over applies to the softmax router only"):
+        ModelConfig(softmax_over="all")
 
 
 # ------------------------------------------------------------------------------------------- 6. dropped tokens

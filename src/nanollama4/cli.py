@@ -430,7 +430,8 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     from dataclasses import replace
 
     from .data import find_corpus_files
-    from .experiments import Setting, run_experiment
+    from .experiments import run_experiment
+    from .experiments.common import Setting
     from .runtime import tune_allocator
 
     tune_allocator()
@@ -462,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"nanollama4 {args.command}: interrupted", file=sys.stderr)
+        if under_torchrun:
+            _leave_now(EXIT_CTRL_C)
         return EXIT_CTRL_C
     except BaseException:
         if under_torchrun and not isinstance(sys.exc_info()[1], SystemExit):

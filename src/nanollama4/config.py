@@ -16,6 +16,8 @@ from .errors import ConfigError
 
 RouterKind = Literal["sigmoid", "softmax"]
 RouterNoise = Literal["none", "fixed", "learned"]
+CapacityOverflow = Literal["next", "drop"]
+SoftmaxOver = Literal["chosen", "all"]
 
 
 class _JsonConfig:
@@ -71,8 +73,8 @@ class ModelConfig(_JsonConfig):
     router_noise_std: float = 1.0  # std of the "fixed" router noise
     capacity_factor: float | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
     capacity_in_eval: bool = False  # also apply the capacity limit in eval() mode
-    capacity_overflow: str = "next"  # a token whose expert is full: "next" best expert with room, or "drop" it
-    softmax_over: str = "chosen"  # softmax router: over the top-k ("chosen", the rest -inf) or "all" logits
+    capacity_overflow: CapacityOverflow = "next"  # a full expert's token: to the "next" best with room, or "drop"
+    softmax_over: SoftmaxOver = "chosen"  # softmax router: over the top-k ("chosen", the rest -inf) or "all" logits
     aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
     z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
     bias_balance_rate: float = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
@@ -135,6 +137,9 @@ class ModelConfig(_JsonConfig):
         if self.softmax_over not in ("chosen", "all"):
             raise ConfigError(f"softmax_over ({self.softmax_over!r}) must be 'chosen' (the top-k, the rest -inf) "
                               "or 'all' (every logit)")
+        if self.softmax_over != "chosen" and self.router != "softmax":
+            raise ConfigError("softmax_over applies to the softmax router only; set router=softmax or "
+                              "softmax_over=chosen")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):

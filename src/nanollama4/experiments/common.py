@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import read_model_config, resolve_checkpoint
 from ..config import ModelConfig, TrainConfig
-from ..errors import ConfigError
 from ..evaluation import full_validation_loss_of_run
 from ..memory import param_counts
 from ..train import train
@@ -38,10 +37,12 @@ class Setting:
 
     @classmethod
     def tiny_scale(cls, data: str | None = None) -> Setting:
+        """The smoke-test scale: seconds per experiment, numbers that mean nothing."""
         return cls(steps=3, batch_size=2, seq_len=16, eval_interval=3, eval_batches=1, data=data, tiny=True)
 
     @property
     def tokens_per_step(self) -> int:
+        """Training characters (tokens) per optimizer step."""
         return self.batch_size * self.seq_len
 
 
@@ -70,59 +71,81 @@ class ArmResult:
     params_total: int
     params_active: int
     steps: int
-    seconds: float  # training wall-clock, evaluations excluded as the loop measures it
-    tokens_per_s: float
+    seconds: float  # time in training steps only (the sum of the logged step times: no evaluations, no saving)
+    tokens_per_s: float  # training tokens over `seconds`
     full_val_loss: float  # every validation token, in windows of the training length
     val_curve: list[dict[str, float]] = field(default_factory=list)  # {"step", "tokens", "time", "val_loss"}
     expert_load: list[list[list[float]]] = field(default_factory=list)  # per logged step: layers x experts
 
 
-def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
-              **train_changes: Any) -> ArmResult:
-    """Train one arm to setting.steps in OUT/runs/NAME-seedS and read back what it logged."""
+def slug(name: str) -> str:
+    """A folder name for an arm: its name with anything but letters, digits, '.', '=' and '-' as '_'."""
+    return "".join(c if c.isalnum() or c in ".=-" else "_" for c in name).strip("_")
+
+
+def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True
+              ) -> ArmResult:
+    """Train one arm to setting.steps in OUT/runs/SLUG-seedS and read back what it logged."""
     if setting.tiny:
         cfg = tiny_model(cfg)
     tc = TrainConfig(max_steps=setting.steps, batch_size=setting.batch_size, seq_len=setting.seq_len,
                      eval_interval=setting.eval_interval, eval_batches=setting.eval_batches, seed=seed,
-                     warmup_steps=min(50, setting.steps), **train_changes)
-    run_dir = out / "runs" / f"{name}-seed{seed}"
-    if run_dir.exists() and (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"{run_dir} already holds a run; pass a new --out (experiments never overwrite)")
+                     warmup_steps=min(50, setting.steps))
+    run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
     if progress:
         print(f"- {name} (seed {seed})", flush=True)
     result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
     if result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
         raise KeyboardInterrupt
-    loss, _, _ = full_validation_loss_of_run(run_dir, prefer="last")
-    curve, load, seconds = [], [], 0.0
+    return read_arm(name, seed, run_dir, setting.tokens_per_step)
+
+
+def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val_loss: float | None = None
+             ) -> ArmResult:
+    """An ArmResult from a finished run directory (its metrics.jsonl and last checkpoint); the full
+    validation loss is measured unless given.
+
+    The clock is rebuilt from the steps' own logged times: the loop's clock also runs through every
+    validation and checkpoint write, which take longer for a model with more parameters, and would
+    charge that to the MoE arms whose speed is being measured.
+    """
+    loss = full_validation_loss_of_run(run_dir, prefer="last")[0] if full_val_loss is None else full_val_loss
+    curve, load, seconds, steps = [], [], 0.0, 0
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        seconds = max(seconds, row.get("time", 0.0))
+        if "tokens_per_s" in row:
+            seconds += tokens_per_step / row["tokens_per_s"]
+            steps = row["step"]
         if "val_loss" in row:
-            curve.append({"step": row["step"], "tokens": row["step"] * setting.tokens_per_step, "time": row["time"],
+            curve.append({"step": row["step"], "tokens": row["step"] * tokens_per_step, "time": seconds,
                           "val_loss": row["val_loss"]})
         if "expert_load" in row:
             load.append(row["expert_load"])
     counts = param_counts(read_model_config(resolve_checkpoint(run_dir)))  # with the tokenizer's vocabulary
     return ArmResult(name=name, seed=seed, run_dir=str(run_dir), params_total=counts.total,
-                     params_active=counts.active, steps=result.step, seconds=seconds,
-                     tokens_per_s=result.tokens_per_s, full_val_loss=loss, val_curve=curve, expert_load=load)
+                     params_active=counts.active, steps=steps, seconds=seconds,
+                     tokens_per_s=steps * tokens_per_step / max(seconds, 1e-9), full_val_loss=loss, val_curve=curve,
+                     expert_load=load)
 
 
 def spread(results: Sequence[ArmResult], name: str) -> float:
     """The seed-to-seed spread of arm `name`: the largest minus the smallest full validation loss over its
-    seeds (0 with one seed). Differences between arms below this are ties."""
+    seeds; nan with one seed (then nothing can be called better or worse). Differences between arms up to
+    this are ties."""
     losses = [r.full_val_loss for r in results if r.name == name]
-    return max(losses) - min(losses) if len(losses) > 1 else 0.0
+    return max(losses) - min(losses) if len(losses) > 1 else math.nan
 
 
-def mean_loss(results: Sequence[ArmResult], name: str) -> float:
-    losses = [r.full_val_loss for r in results if r.name == name]
-    return sum(losses) / len(losses) if losses else math.nan
+def mean(values: Iterable[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else math.nan
 
 
 def verdict(diff: float, tie_below: float) -> str:
-    """'better' / 'worse' / 'tie' for a loss difference (arm minus baseline) against the spread."""
+    """'better' / 'worse' / 'tie' for a loss difference (arm minus baseline) against the spread; 'n/a (one
+    seed)' when no spread was measured."""
+    if math.isnan(tie_below):
+        return "n/a (one seed)"
     if math.isnan(diff):
         return "-"
     if abs(diff) <= tie_below:
@@ -141,6 +164,7 @@ def loss_at(curve: Sequence[dict[str, float]], key: str, x: float) -> float:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; floats with 4 decimals (thousands separated from 100 up)."""
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:,.4f}" if abs(v) < 100 else f"{v:,.0f}"
@@ -171,6 +195,7 @@ def load_results(out: Path) -> tuple[dict[str, Any], list[ArmResult]]:
 
 
 def write_table(out: Path, table: str) -> Path:
+    """OUT/table.md."""
     path = out / "table.md"
     path.write_text(table + "\n")
     return path
@@ -185,10 +210,11 @@ def paired(results: Sequence[ArmResult], name: str, base: str) -> list[float]:
 
 
 def per_seed(results: Sequence[ArmResult], name: str) -> str:
+    """Arm `name`'s full validation losses, seed by seed, as text."""
     return ", ".join(f"{r.full_val_loss:.4f}" for r in sorted(results, key=lambda r: r.seed) if r.name == name)
 
 
-def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Any, list[Any]]:
     """A matplotlib figure drawn off-screen (no display needed)."""
     import matplotlib
 
@@ -200,6 +226,7 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
 
 
 def save_figure(fig: Any, path: Path) -> Path:
+    """Write the figure as a small PNG (80 dpi) and close it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
@@ -209,8 +236,8 @@ def save_figure(fig: Any, path: Path) -> Path:
 
 
 def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
-    """Validation loss against tokens seen and against wall-clock, one line per arm (seed 0 solid, others
-    dotted in the same colour)."""
+    """Validation loss against tokens seen and against time in training steps, one line per arm (its lowest
+    seed solid, the others dotted in the same colour)."""
     fig, (by_tokens, by_time) = figure(2)
     colours: dict[str, Any] = {}
     for r in results:
@@ -229,6 +256,6 @@ def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
         for ax in (by_tokens, by_time):
             ax.set_ylim(min(finals) - 0.03, max(max(quarter), min(finals) + 0.1))
     by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
-    by_time.set(xlabel="training seconds", ylabel="validation loss (nats/char)", title=title + ", by wall-clock")
+    by_time.set(xlabel="seconds in training steps", ylabel="validation loss (nats/char)", title=title + ", by time")
     by_tokens.legend(fontsize=8)
     return save_figure(fig, path)

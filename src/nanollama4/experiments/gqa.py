@@ -2,7 +2,8 @@
 
 8 query heads over 1, 2, 4 or 8 KV heads (8 = plain multi-head attention), otherwise the same dense
 model. For each: the KV-cache bytes of one 128-token sequence, from the calculator (`memory.kv_cache`)
-and from a live cache after generating (its tensors' bytes), decode speed, and validation loss.
+and from a live cache that a full context went through (its preallocated tensors' bytes), decode speed
+(three timings), and validation loss.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from ..attention import KVCache
 from ..checkpoint import load_run
 from ..generation import generate_ids
 from ..memory import kv_cache
+from ..model import Transformer
 from .common import (
     Setting,
     base_model,
     figure,
     load_results,
     markdown_table,
-    mean_loss,
     paired,
     per_seed,
     save,
@@ -38,16 +39,21 @@ STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 KV_HEADS = (1, 2, 4, 8)
 
 
-def decode_rate(model: torch.nn.Module, new_tokens: int, batch: int = 4) -> float:
-    """Tokens per second generating `new_tokens` after a one-token prompt, greedy, batch `batch`."""
+def decode_rates(model: Transformer, new_tokens: int, batch: int = 4, repeats: int = 3) -> list[float]:
+    """Tokens per second generating `new_tokens` after a one-token prompt, greedy, batch `batch`, once per
+    repeat (the spread between them is the timing's noise)."""
     prompts = [[0]] * batch
     generate_ids(model, prompts, 2, temperature=0.0)  # warm up
-    t = time.perf_counter()
-    generate_ids(model, prompts, new_tokens, temperature=0.0)
-    return batch * new_tokens / (time.perf_counter() - t)
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        generate_ids(model, prompts, new_tokens, temperature=0.0)
+        rates.append(batch * new_tokens / (time.perf_counter() - t))
+    return rates
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
     results = [train_arm(f"kv_heads={h}", base_model(n_kv_heads=h), setting, out, seed, progress)
                for h in KV_HEADS for seed in (setting.seeds if h == 2 else setting.seeds[:1])]  # 2: the default
     measured = {}
@@ -60,31 +66,33 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
             model(torch.zeros(1, context, dtype=torch.long), cache=cache)  # a full context through the cache
         measured[str(h)] = {"calculator_bytes": kv_cache(model.cfg, context, "float32").bytes_for_sequence,
                             "live_bytes": cache.nbytes, "context": context,
-                            "decode_tokens_per_s": decode_rate(model, min(100, context - 2))}
+                            "decode_tokens_per_s": decode_rates(model, min(100, context - 2))}
     return [save(out, "gqa", setting, results, {"measured": measured}), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
+    """table.md and the plot, from results.json."""
     doc, results = load_results(out)
+    first = doc["setting"]["seeds"][0]
     tie = spread(results, "kv_heads=2")
     base = "kv_heads=8"
     rows = []
     for h in KV_HEADS:
         m, name = doc["measured"][str(h)], f"kv_heads={h}"
-        diffs = paired(results, name, base)
-        rows.append([f"{h} KV heads (sharing {8 // h})", m["calculator_bytes"], m["live_bytes"], 8 // h,
-                     m["decode_tokens_per_s"], per_seed(results, name), mean_loss(results, name),
-                     "-" if name == base else f"{diffs[0]:+.4f}",
-                     "baseline" if name == base else verdict(diffs[0], tie)])
+        diff = paired(results, name, base)[0]  # the first seed, the one every arm has
+        rates = m["decode_tokens_per_s"]
+        rate = ", ".join(f"{v:,.0f}" for v in rates) if isinstance(rates, list) else f"{rates:,.0f}"
+        rows.append([f"{h} KV heads (sharing {8 // h})", m["calculator_bytes"], m["live_bytes"], 8 // h, rate,
+                     per_seed(results, name), "-" if name == base else f"{diff:+.4f}",
+                     "baseline" if name == base else verdict(diff, tie)])
     context = doc["measured"][str(KV_HEADS[0])]["context"]
     table = markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
-                            "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed", "mean",
-                            "minus multi-head (seed 0)", "reading"], rows)
+                            "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed",
+                            f"minus multi-head (seed {first})", "reading"], rows)
     table += f"\n\nseed-to-seed spread (kv_heads=2): {tie:.4f}; a difference up to it is a tie"
     fig, (left, right) = figure(2)
-    left.bar([str(h) for h in KV_HEADS], [row[2] / 1024 for row in rows])
+    left.bar([str(h) for h in KV_HEADS], [doc["measured"][str(h)]["live_bytes"] / 1024 for h in KV_HEADS])
     left.set(xlabel="KV heads", ylabel=f"KV cache of one {context}-token sequence (KiB, fp32)", title=TITLE)
-    first = min(r.seed for r in results)
     right.plot(KV_HEADS, [next(r.full_val_loss for r in results if r.name == f"kv_heads={h}" and r.seed == first)
                           for h in KV_HEADS], "o-", label=f"seed {first}")
     others = [r for r in results if r.seed != first]

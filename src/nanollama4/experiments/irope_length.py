@@ -3,7 +3,8 @@
 Two models trained on windows of 128 characters: all layers RoPE, and iRoPE (every 4th layer without
 positional embedding, the RoPE layers attending within chunks of 128). Both are then evaluated on
 windows of 128 to 2,048 characters; the iRoPE model with and without the NoPE layers' attention
-temperature (floor_scale = the training context, so that it stays 1 inside it and grows beyond).
+temperature (floor_scale = the training context: the scale is 1 inside it but for its last position,
+1.07, and grows beyond).
 Reported: the mean loss over the second half of each window, the positions furthest from training.
 """
 
@@ -15,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import load_run
+from ..config import ModelConfig
 from ..data import TokenDataset, default_cache_dir, find_corpus_files
+from ..errors import DataError
 from ..model import Transformer
 from .common import (
     Setting,
@@ -23,6 +26,7 @@ from .common import (
     figure,
     load_results,
     markdown_table,
+    mean,
     save,
     save_figure,
     spread,
@@ -36,7 +40,7 @@ MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths, in training contexts
 EVAL_TOKENS = 32_768  # per length: the same number of predicted tokens at every length
 
 
-def arms(context: int) -> list[tuple[str, object]]:
+def arms(context: int) -> list[tuple[str, ModelConfig]]:
     longest = context * MULTIPLES[-1]
     return [("all RoPE", base_model(max_seq_len=longest, attn_temperature_tuning=False)),
             ("iRoPE", base_model(max_seq_len=longest, nope_interval=4, attention_chunk_size=context,
@@ -44,17 +48,20 @@ def arms(context: int) -> list[tuple[str, object]]:
 
 
 @torch.no_grad()
-def far_half_loss(model: Transformer, tokens: torch.Tensor, length: int, budget: int) -> float:
-    """Mean next-token loss over positions [length/2, length) of non-overlapping windows of `length`."""
-    n = max(1, min(budget // length, (len(tokens) - 1) // length))
-    total, count = 0.0, 0
+def far_half_loss(model: Transformer, tokens: torch.Tensor, length: int, budget: int) -> tuple[float, int]:
+    """Mean next-token loss over positions [length/2, length) of non-overlapping windows of `length` (as many
+    as `budget` tokens allow), and how many tokens it scored."""
+    n = min(budget // length, (len(tokens) - 1) // length)
+    if n < 1:
+        raise DataError(f"the validation text ({len(tokens):,} tokens) is shorter than one window of {length + 1}; "
+                        "use a larger corpus")
+    total, count, half = 0.0, 0, length // 2
     for i in range(n):
         w = tokens[i * length:(i + 1) * length + 1]
         logits = model(w[None, :-1])
-        half = length // 2
         total += F.cross_entropy(logits[0, half:].float(), w[1 + half:], reduction="sum").item()
         count += length - half
-    return total / count
+    return total / count, count
 
 
 def with_temperature(model: Transformer, on: bool) -> Transformer:
@@ -65,6 +72,7 @@ def with_temperature(model: Transformer, on: bool) -> Transformer:
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
     context = setting.seq_len
     results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms(context)
                for seed in setting.seeds]
@@ -81,32 +89,41 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
         for name, m in variants:
             if progress:
                 print(f"  evaluating {name} (seed {r.seed}) at {', '.join(map(str, lengths))}", flush=True)
-            curves.setdefault(name, []).append([far_half_loss(m, val, n, budget) for n in lengths])
-    return [save(out, "irope_length", setting, results, {"lengths": lengths, "curves": curves}), *report(out)]
+            scored = [far_half_loss(m, val, n, budget) for n in lengths]
+            curves.setdefault(name, []).append([loss for loss, _ in scored])
+            counted = [count for _, count in scored]
+    extra = {"lengths": lengths, "curves": curves, "scored_tokens": counted}
+    return [save(out, "irope_length", setting, results, extra), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
+    """table.md and the plot, from results.json."""
     doc, results = load_results(out)
     lengths, curves, context = doc["lengths"], doc["curves"], doc["setting"]["seq_len"]
     tie = max(spread(results, "all RoPE"), spread(results, "iRoPE"))
-    rows = [[name, *[_mean(c[i] for c in per) for i in range(len(lengths))],
+    rows = [[name, *[mean(c[i] for c in per) for i in range(len(lengths))],
              ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per)] for name, per in curves.items()]
+    # the seed-to-seed spread of the table's own quantity, at each length
+    rows.append(["spread between seeds (largest of the three)",
+                 *[max(max(c[i] for c in per) - min(c[i] for c in per) for per in curves.values())
+                   for i in range(len(lengths))], "-"])
+    on, off = curves.get("iRoPE, temperature on", []), curves.get("iRoPE, temperature off", [])
+    rows.append(["temperature on minus off, per seed",
+                 *[", ".join(f"{a[i] - b[i]:+.4f}" for a, b in zip(on, off, strict=True)) for i in range(len(lengths))],
+                 "-"])
+    scored = doc.get("scored_tokens") or ["?"] * len(lengths)
     table = markdown_table(["model", *[f"L={n}" for n in lengths],
                             f"L={lengths[-1]} minus L={lengths[0]}, per seed"], rows)
-    table += (f"\n\nloss over the far half of each window (nats/char), mean over {len(doc['setting']['seeds'])} "
-              f"seed(s), {EVAL_TOKENS:,} predicted characters per length; seed-to-seed spread of the full "
-              f"validation loss at the training length: {tie:.4f}")
+    table += (f"\n\nloss over the far half of each window (nats/char), mean over seeds "
+              f"{', '.join(map(str, doc['setting']['seeds']))}; characters scored per length: "
+              f"{', '.join(f'{n:,}' if isinstance(n, int) else n for n in scored)}; seed-to-seed spread of the "
+              f"full validation loss at the training length: {tie:.4f}")
     fig, (ax,) = figure()
     for name, per in curves.items():
-        ax.plot(lengths, [_mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
+        ax.plot(lengths, [mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
     ax.axvline(context, color="grey", linestyle=":", label="training context")
     ax.set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)", title=TITLE)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.legend(fontsize=8)
     return [write_table(out, table), save_figure(fig, out / "irope_length.png")]
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
     load_results,
     loss_at,
     markdown_table,
-    mean_loss,
+    mean,
     paired,
     per_seed,
     plot_curves,
@@ -33,7 +34,7 @@ STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 BASE = "dense"
 
 
-def arms() -> list[tuple[str, object, bool]]:
+def arms() -> list[tuple[str, ModelConfig, bool]]:
     """(name, model config, repeated with every seed)."""
     out = [(BASE, base_model(), True)]
     for n in (4, 8, 16, 32):
@@ -43,6 +44,7 @@ def arms() -> list[tuple[str, object, bool]]:
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
     results = [train_arm(name, cfg, setting, out, seed, progress)
                for name, cfg, repeated in arms() for seed in (setting.seeds if repeated else setting.seeds[:1])]
     return [save(out, "moe_vs_dense", setting, results), *report(out)]
@@ -50,29 +52,26 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
-    _, results = load_results(out)
+    doc, results = load_results(out)
+    first = doc["setting"]["seeds"][0]
     repeated = [name for name, _, again in arms() if again]
     tie = max(spread(results, name) for name in repeated)
-    speed = {name: _mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
+    speed = {name: mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
     equal_time = min(r.val_curve[-1]["time"] for r in results)  # the quickest arm's whole run
     rows = []
     for name, _, _ in arms():
-        mine = [r for r in results if r.name == name]
+        mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
         diffs = paired(results, name, BASE)
-        diff = _mean(diffs) if name != BASE else float("nan")
         rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
-                     mean_loss(results, name), ", ".join(f"{d:+.4f}" for d in diffs) if name != BASE else "-",
-                     verdict(diff, tie) if name != BASE else "baseline", speed[name] / speed[BASE],
-                     ", ".join(f"{loss_at(r.val_curve, 'time', equal_time):.4f}"
-                               for r in sorted(mine, key=lambda r: r.seed))])
-    table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean", "minus dense, per seed",
-                            "reading (by tokens)", "speed vs dense", f"val loss at {equal_time:.0f} s, per seed"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {tie:.4f}; a mean difference up to it "
-              "is a tie. The last column is the fixed-batch validation loss at the wall-clock the quickest arm "
-              "took for all its steps (interpolated between evaluations).")
+                     "-" if name == BASE else ", ".join(f"{d:+.4f}" for d in diffs),
+                     "baseline" if name == BASE else verdict(mean(diffs), tie), speed[name] / speed[BASE],
+                     ", ".join(f"{loss_at(r.val_curve, 'time', equal_time):.4f}" for r in mine)])
+    table = markdown_table(["arm", "params", "active", "full val loss per seed", f"minus {BASE}, per seed",
+                            "reading (by tokens)", "speed vs dense", f"val loss at {equal_time:.0f} s, per seed"],
+                           rows)
+    table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))} (arms with one seed: {first}); seed-to-seed "
+              f"spread (largest of {', '.join(repeated)}): {tie:.4f}; a mean difference up to it is a tie. Speed "
+              "and time count training steps only (no evaluations, no checkpoints). The last column is the "
+              "fixed-batch validation loss when the quickest arm had finished its steps (interpolated between "
+              "evaluations).")
     return [write_table(out, table), plot_curves(results, out / "moe_vs_dense.png", TITLE)]
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else float("nan")

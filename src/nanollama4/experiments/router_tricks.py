@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
@@ -29,11 +30,11 @@ from .common import (
 )
 
 TITLE = "router tricks: per-expert load over training"
-STEPS = 500  # per arm (of 16 x 128 characters): eleven arms, so fewer steps each than the others
+STEPS = 500  # per arm (of 16 x 128 characters): eleven runs, so fewer steps each than the others
 N_EXPERTS = 8
 
 
-def arms() -> list[tuple[str, dict]]:
+def arms() -> list[tuple[str, dict[str, object]]]:
     return [("no tricks", {}),
             ("learned noise", {"router_noise": "learned"}),
             ("fixed noise", {"router_noise": "fixed"}),
@@ -46,7 +47,7 @@ def arms() -> list[tuple[str, dict]]:
             ("bias balancing 0.001", {"bias_balance_rate": 0.001})]
 
 
-def config(changes: dict):
+def config(changes: dict[str, object]) -> ModelConfig:
     return base_model(n_experts=N_EXPERTS, experts_per_token=2, expert_dim=192, shared_expert=False,
                       router="softmax", **changes)
 
@@ -61,32 +62,35 @@ def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> t
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
     results = [train_arm(name, config(changes), setting, out, seed, progress)
                for i, (name, changes) in enumerate(arms()) for seed in (setting.seeds if i == 0 else setting.seeds[:1])]
     return [save(out, "router_tricks", setting, results), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
-    _, results = load_results(out)
+    """table.md and the heatmaps, from results.json."""
+    doc, results = load_results(out)
+    first_seed = doc["setting"]["seeds"][0]
     base = arms()[0][0]
     tie = spread(results, base)
     rows = []
     for name, _ in arms():
-        first = next(r for r in results if r.name == name and r.seed == min(x.seed for x in results))
+        first = next(r for r in results if r.name == name and r.seed == first_seed)
         n, total = starved(first.expert_load, 1 / N_EXPERTS)
         diffs = paired(results, name, base)
         rows.append([name, f"{n} of {total}", max(max(row) for row in first.expert_load[-1]) * N_EXPERTS,
                      per_seed(results, name), "-" if name == base else f"{diffs[0]:+.4f}",
                      "baseline" if name == base else verdict(diffs[0], tie)])
     table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end (x fair)",
-                            "full val loss per seed", "minus no tricks (seed 0)", "reading"], rows)
+                            "full val loss per seed", f"minus no tricks (seed {first_seed})", "reading"], rows)
     table += f"\n\nseed-to-seed spread ({base}): {tie:.4f}; a difference up to it is a tie"
     names = [name for name, _ in arms()]
     plots = []
     for part, chunk in enumerate((names[:5], names[5:]), start=1):
         fig, axes = figure(len(chunk), width=3.2, height=3.0)
         for ax, name in zip(axes, chunk, strict=True):
-            load = next(r for r in results if r.name == name).expert_load
+            load = next(r for r in results if r.name == name and r.seed == first_seed).expert_load
             grid = [[step[0][e] * N_EXPERTS for step in load] for e in range(N_EXPERTS)]  # layer 0, x fair
             image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
             ax.set(title=name, xlabel="step", ylabel="expert", yticks=range(N_EXPERTS))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
     load_results,
     markdown_table,
-    mean_loss,
+    mean,
     paired,
     per_seed,
     plot_curves,
@@ -30,17 +31,19 @@ TITLE = "shared expert on / off"
 STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 
 
-def arms() -> list[tuple[str, object]]:
+def arms() -> list[tuple[str, ModelConfig]]:
     return [("shared on (k=1 + shared)", base_model(n_experts=8, expert_dim=192)),
             ("shared off (k=2)", base_model(n_experts=8, experts_per_token=2, expert_dim=192, shared_expert=False))]
 
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+    """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
     results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms() for seed in setting.seeds]
     return [save(out, "shared_expert", setting, results), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
+    """table.md and the plot, from results.json."""
     _, results = load_results(out)
     names = [name for name, _ in arms()]
     tie = max(spread(results, n) for n in names)
@@ -48,10 +51,11 @@ def report(out: Path) -> list[Path]:
     for name in names:
         mine = [r for r in results if r.name == name]
         diffs = paired(results, name, names[0])
+        versus = "-" if name == names[0] else ", ".join(f"{d:+.4f}" for d in diffs)
         rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
-                     mean_loss(results, name), "-" if name == names[0] else ", ".join(f"{d:+.4f}" for d in diffs),
-                     "baseline" if name == names[0] else verdict(sum(diffs) / len(diffs), tie)])
-    table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean", "minus shared on, per seed",
-                            "reading"], rows)
+                     mean(r.full_val_loss for r in mine), versus,
+                     "baseline" if name == names[0] else verdict(mean(diffs), tie)])
+    table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean (same seeds)",
+                            "minus shared on, per seed", "reading"], rows)
     table += f"\n\nseed-to-seed spread (largest of the two arms): {tie:.4f}; a mean difference up to it is a tie"
     return [write_table(out, table), plot_curves(results, out / "shared_expert.png", TITLE)]

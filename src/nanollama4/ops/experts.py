@@ -56,8 +56,9 @@ def grouped_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: tor
 
 def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                    expert_A: torch.Tensor) -> torch.Tensor:
-    """Our compiled float32 kernel, the four grouped products and the activation in one autograd node
-    (`_KernelSwiGLU`): no chunk whose backward concatenates, no separate nodes for silu and the product."""
+    """Our compiled float32 kernel: both grouped products and the activation in one autograd node
+    (`_KernelSwiGLU`; four grouped products backward), with no chunk whose backward concatenates and no
+    separate nodes for silu and the product."""
     kernels.require()
     return _KernelSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E)
 
@@ -97,6 +98,8 @@ class _KernelSwiGLU(torch.autograd.Function):
         x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E = ctx.saved_tensors
         k, dy_AD, needs = kernels.module(), dy_AD.contiguous(), ctx.needs_input_grad
         d_down = k.weight_grad(act_AH, dy_AD, counts_E) if needs[2] else None
+        if not (needs[0] or needs[1]):
+            return None, None, d_down, None
         dh_AH2 = _activation_grad(k.input_grad(dy_AD, down_EHD, counts_E), h_AH2, silu_AH)
         dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
         return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down, None

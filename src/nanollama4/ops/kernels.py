@@ -137,7 +137,8 @@ def require() -> None:
 
 def module() -> ModuleType:
     """The compiled module's three products (forward, input_grad, weight_grad), after `require()`."""
-    assert _module is not None
+    if _module is None:
+        raise RuntimeError("the CPU expert kernels are not loaded; call nanollama4.ops.kernels.require() first")
     return _module
 
 
