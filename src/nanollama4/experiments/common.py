@@ -100,6 +100,34 @@ def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: in
     return read_arm(name, seed, run_dir, setting.tokens_per_step)
 
 
+def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setting: Setting, out: Path,
+                       progress: bool = True, always: Sequence[str] = (),
+                       done: Sequence[ArmResult] = ()) -> list[ArmResult]:
+    """Train the baseline arm `base` with every seed (its spread), every other arm with the first seed,
+    and again with the other seeds when its difference from `base` on the first seed is within that
+    spread: a tie needs more than one seed before it is read. Arms named in `always` get every seed
+    anyway. Arms already in `done` (name and seed) are kept, not retrained."""
+    results = list(done)
+    have = {(r.name, r.seed) for r in results}
+
+    def ensure(name: str, cfg: ModelConfig, seeds: Sequence[int]) -> None:
+        for seed in seeds:
+            if (name, seed) not in have:
+                results.append(train_arm(name, cfg, setting, out, seed, progress))
+                have.add((name, seed))
+
+    first, rest = setting.seeds[0], setting.seeds[1:]
+    configs = dict(arms)
+    ensure(base, configs[base], setting.seeds)
+    tie = spread(results, base)
+    for name, cfg in arms:
+        ensure(name, cfg, setting.seeds if name in always else [first])
+        diff = paired(results, name, base)
+        if rest and name != base and (not diff or math.isnan(tie) or abs(diff[0]) <= tie):
+            ensure(name, cfg, rest)
+    return results
+
+
 def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val_loss: float | None = None
              ) -> ArmResult:
     """An ArmResult from a finished run directory (its metrics.jsonl and last checkpoint); the full
@@ -134,6 +162,19 @@ def spread(results: Sequence[ArmResult], name: str) -> float:
     this are ties."""
     losses = [r.full_val_loss for r in results if r.name == name]
     return max(losses) - min(losses) if len(losses) > 1 else math.nan
+
+
+def largest_spread(results: Sequence[ArmResult]) -> tuple[float, list[str]]:
+    """The largest seed-to-seed spread over the arms trained with more than one seed (nan if none), and
+    those arms' names: the tie threshold of a table."""
+    names = list(dict.fromkeys(r.name for r in results))
+    repeated = [n for n in names if len({r.seed for r in results if r.name == n}) > 1]
+    return max((spread(results, n) for n in repeated), default=math.nan), repeated
+
+
+def versus(diffs: Sequence[float]) -> str:
+    """Per-seed differences as text ('-' for none)."""
+    return ", ".join(f"{d:+.4f}" for d in diffs) if diffs else "-"
 
 
 def mean(values: Iterable[float]) -> float:

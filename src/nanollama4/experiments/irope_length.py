@@ -30,7 +30,7 @@ from .common import (
     save,
     save_figure,
     spread,
-    train_arm,
+    train_with_repeats,
     write_table,
 )
 
@@ -74,8 +74,7 @@ def with_temperature(model: Transformer, on: bool) -> Transformer:
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
     context = setting.seq_len
-    results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms(context)
-               for seed in setting.seeds]
+    results = train_with_repeats(arms(context), "all RoPE", setting, out, progress, always=["all RoPE", "iRoPE"])
     lengths = [context * m for m in MULTIPLES]
     budget = EVAL_TOKENS if not setting.tiny else 4 * lengths[-1]
     curves: dict[str, list[list[float]]] = {}  # variant -> per seed, loss per length

@@ -22,7 +22,7 @@ from .common import (
     plot_curves,
     save,
     spread,
-    train_arm,
+    train_with_repeats,
     verdict,
     write_table,
 )
@@ -38,7 +38,8 @@ def arms() -> list[tuple[str, ModelConfig]]:
 
 def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
-    results = [train_arm(name, cfg, setting, out, seed, progress) for name, cfg in arms() for seed in setting.seeds]
+    names = [name for name, _ in arms()]
+    results = train_with_repeats(arms(), names[0], setting, out, progress, always=names)
     return [save(out, "shared_expert", setting, results), *report(out)]
 
 
