@@ -57,11 +57,11 @@ def _metrics_path(run_dir: str | os.PathLike) -> Path:
     return path
 
 
-def _save(fig: Figure, out: Path) -> Path:
+def save_png(fig: Figure, out: Path, dpi: int = 120) -> Path:
     """Write the PNG atomically (files.atomic_write), so a viewer polling the file never sees half of it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    atomic_write(out, lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out, lambda p: fig.savefig(p, format="png", dpi=dpi))
     return out
 
 
@@ -100,7 +100,7 @@ def plot_losses(run_dir: str | os.PathLike) -> Path:
         ax.legend(loc="upper right")
     if bad:
         fig.text(0.01, 0.01, f"{bad} unparsable line(s) skipped", fontsize=7, color="gray")
-    return _save(fig, Path(run_dir) / "plots" / "loss.png")
+    return save_png(fig, Path(run_dir) / "plots" / "loss.png")
 
 
 def _bin_columns(steps: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +147,7 @@ def plot_expert_load(run_dir: str | os.PathLike) -> Path | None:
     axes[0].set_title(f"Expert load / uniform — {Path(run_dir).resolve().name} (1.0 = balanced)")
     # default aspect makes the bar height/20 wide, a slab on tall figures; keep it ~0.2 inch
     fig.colorbar(mesh, ax=list(axes), label="load / uniform", aspect=max(20.0, fig.get_figheight() / 0.2))
-    return _save(fig, Path(run_dir) / "plots" / "expert_load.png")
+    return save_png(fig, Path(run_dir) / "plots" / "expert_load.png")
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:

@@ -15,10 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
+
 from ..checkpoint import read_model_config, resolve_checkpoint
 from ..config import ModelConfig, TrainConfig
 from ..evaluation import full_validation_loss_of_run
 from ..memory import param_counts
+from ..plots import read_metrics, save_png
 from ..train import train
 
 
@@ -138,17 +141,15 @@ def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val
     charge that to the MoE arms whose speed is being measured.
     """
     loss = full_validation_loss_of_run(run_dir, prefer="last")[0] if full_val_loss is None else full_val_loss
-    curve, load, seconds, steps = [], [], 0.0, 0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "tokens_per_s" in row:
-            seconds += tokens_per_step / row["tokens_per_s"]
-            steps = row["step"]
-        if "val_loss" in row:
-            curve.append({"step": row["step"], "tokens": row["step"] * tokens_per_step, "time": seconds,
-                          "val_loss": row["val_loss"]})
-        if "expert_load" in row:
-            load.append(row["expert_load"])
+    train_rows, val_rows = read_metrics(run_dir / "metrics.jsonl")
+    clock, seconds = {}, 0.0  # step -> seconds spent in training steps up to and including it
+    for row in train_rows:
+        seconds += tokens_per_step / row["tokens_per_s"]
+        clock[row["step"]] = seconds
+    curve = [{"step": v["step"], "tokens": v["step"] * tokens_per_step, "time": clock.get(v["step"], 0.0),
+              "val_loss": v["val_loss"]} for v in val_rows]
+    load = [row["expert_load"] for row in train_rows if "expert_load" in row]
+    steps = train_rows[-1]["step"] if train_rows else 0
     counts = param_counts(read_model_config(resolve_checkpoint(run_dir)))  # with the tokenizer's vocabulary
     return ArmResult(name=name, seed=seed, run_dir=str(run_dir), params_total=counts.total,
                      params_active=counts.active, steps=steps, seconds=seconds,
@@ -255,25 +256,16 @@ def per_seed(results: Sequence[ArmResult], name: str) -> str:
     return ", ".join(f"{r.full_val_loss:.4f}" for r in sorted(results, key=lambda r: r.seed) if r.name == name)
 
 
-def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Any, list[Any]]:
-    """A matplotlib figure drawn off-screen (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, list(axes[0])
+def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Figure, list[Any]]:
+    """A figure of `ncols` side-by-side axes, drawn off-screen without pyplot (as plots.py draws), so that
+    running an experiment never changes a caller's matplotlib backend."""
+    fig = Figure(figsize=(width * ncols, height), layout="tight")
+    return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
 
 
-def save_figure(fig: Any, path: Path) -> Path:
-    """Write the figure as a small PNG (80 dpi) and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Write the figure as a small PNG (80 dpi), atomically."""
+    return save_png(fig, path, dpi=80)
 
 
 def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:

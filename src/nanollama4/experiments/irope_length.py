@@ -24,12 +24,12 @@ from .common import (
     Setting,
     base_model,
     figure,
+    largest_spread,
     load_results,
     markdown_table,
     mean,
     save,
     save_figure,
-    spread,
     train_with_repeats,
     write_table,
 )
@@ -99,7 +99,7 @@ def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
     doc, results = load_results(out)
     lengths, curves, context = doc["lengths"], doc["curves"], doc["setting"]["seq_len"]
-    tie = max(spread(results, "all RoPE"), spread(results, "iRoPE"))
+    tie, _ = largest_spread(results)
     rows = [[name, *[mean(c[i] for c in per) for i in range(len(lengths))],
              ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per)] for name, per in curves.items()]
     # the seed-to-seed spread of the table's own quantity, at each length

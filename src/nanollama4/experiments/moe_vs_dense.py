@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
+    largest_spread,
     load_results,
     loss_at,
     markdown_table,
@@ -23,7 +24,6 @@ from .common import (
     per_seed,
     plot_curves,
     save,
-    spread,
     train_with_repeats,
     verdict,
     write_table,
@@ -54,8 +54,7 @@ def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
     doc, results = load_results(out)
     first = doc["setting"]["seeds"][0]
-    repeated = [name for name, _, _ in arms() if len({r.seed for r in results if r.name == name}) > 1]
-    tie = max((spread(results, name) for name in repeated), default=float("nan"))
+    tie, repeated = largest_spread(results)
     speed = {name: mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
     equal_time = min(r.val_curve[-1]["time"] for r in results)  # the quickest arm's whole run
     rows = []

@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
+    largest_spread,
     load_results,
     markdown_table,
     mean,
@@ -21,7 +22,6 @@ from .common import (
     per_seed,
     plot_curves,
     save,
-    spread,
     train_with_repeats,
     verdict,
     write_table,
@@ -47,7 +47,7 @@ def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
     _, results = load_results(out)
     names = [name for name, _ in arms()]
-    tie = max(spread(results, n) for n in names)
+    tie, _ = largest_spread(results)
     rows = []
     for name in names:
         mine = [r for r in results if r.name == name]
