@@ -17,7 +17,12 @@ Every repetition routes the same input, so group sizes never change: the set-up 
 new row count, which decides between the bf16 products in training, does not show here (moe_cost.py
 measures training steps).
 
-    python benchmarks/moe_scaling.py [--quick] [--tokens 768,8192] [--device cuda] [--dtypes bf16]
+The tables time one row after another, so drift over the minutes between the N = 4 and the N = 128 row
+lands in their ratio. The last section measures that ratio directly (k = 1, 8,192 tokens): the two
+layers run alternately, forward + backward, each in every dispatch mode, and the ratio is of the best
+N = 128 median over the best N = 4 median (`--paired-only` runs just that).
+
+    python benchmarks/moe_scaling.py [--quick] [--tokens 768,8192] [--device cuda] [--dtypes bf16] [--paired-only]
 """
 
 from __future__ import annotations
@@ -116,13 +121,57 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--no-reference", action="store_true", help="skip transformers")
     ap.add_argument("--tokens", default="768,8192", help="tokens per batch, comma-separated")
+    ap.add_argument("--paired-only", action="store_true", help="only the alternated N = 128 over N = 4 ratio")
     args = ap.parse_args()
     dev = args.device
     ns = [4, 64] if args.quick else [4, 16, 64, 128]
     reps = 2 if args.quick else 5
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        table(tokens, ns, reps, dev, dtypes, args)
+    if not args.paired_only:
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            table(tokens, ns, reps, dev, dtypes, args)
+    paired(8192, 4 if args.quick else 10, dev, {d: dtypes[d] for d in args.dtypes.split(",")})
+
+
+def modes_for(dtype: torch.dtype, dev: str) -> list[str]:
+    """The dispatch modes worth timing for dtype on dev (the kernel: float32 on the CPU, when built)."""
+    has_kernel = dev == "cpu" and dtype == torch.float32 and kernels.available()
+    return ["kernel", "grouped", "loop", "padded", "bucketed"][0 if has_kernel else 1:]
+
+
+def paired(tokens: int, rounds: int, dev: str, dtypes: dict[str, torch.dtype]) -> None:
+    """N = 128 over N = 4 at k = 1, the two layers alternated forward + backward in every mode."""
+    print(f"\nN = 128 over N = 4, k = 1, {tokens} tokens, alternated ({rounds} rounds each); medians in ms")
+    print(f"{'dtype':5} {'mode':>8} | {'N=4':>8} {'N=128':>8} | {'ratio':>6}")
+    for dname, dtype in dtypes.items():
+        x = torch.randn(1, tokens, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
+        x.requires_grad_(True)
+        layers = {n: make_ours(n, 1, dtype, dev).train() for n in (4, 128)}
+        best = {4: float("inf"), 128: float("inf")}
+        for mode in modes_for(dtype, dev):
+            runs = {}
+            for n, layer in layers.items():
+                layer.experts.dispatch = mode
+                runs[n] = fwd_bwd(layer, x, False)
+                runs[n]()  # warm-up
+            times = {4: [], 128: []}
+            for _ in range(rounds):
+                for n, run in runs.items():
+                    times[n].append(_once_ms(run, dev))
+            m4, m128 = (statistics.median(times[n]) for n in (4, 128))
+            best = {4: min(best[4], m4), 128: min(best[128], m128)}
+            print(f"{dname:5} {mode:>8} | {m4:8.2f} {m128:8.2f} | {m128 / m4:5.2f}x", flush=True)
+        print(f"{dname:5} {'best':>8} | {best[4]:8.2f} {best[128]:8.2f} | {best[128] / best[4]:5.2f}x", flush=True)
+
+
+def _once_ms(fn, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
 
 
 def table(tokens: int, ns: list[int], reps: int, dev: str, dtypes: dict[str, torch.dtype], args) -> None:
@@ -145,8 +194,8 @@ def table(tokens: int, ns: list[int], reps: int, dev: str, dtypes: dict[str, tor
                 x = torch.randn(1, tokens, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
                 x.requires_grad_(True)
                 row = {}
-                has_kernel = dev == "cpu" and dtype == torch.float32 and kernels.available()
-                for mode in ("kernel", "grouped", "loop", "padded", "bucketed")[0 if has_kernel else 1:]:
+                has_kernel = "kernel" in modes_for(dtype, dev)
+                for mode in modes_for(dtype, dev):
                     ours.experts.dispatch = mode
                     row[mode] = timed(fwd_bwd(ours, x, False), reps, dev) * 1e3
                 ours.experts.dispatch = "auto"
