@@ -4,7 +4,7 @@ Forward+backward of one MoE layer on 768 and on 8,192 tokens (width 256, expert 
 on), for N in {4, 16, 64, 128} and k in {1, 2}, fp32 and bf16, all in one process with the same weights;
 plus a single-token forward (the decode case). transformers' Llama4TextMoe runs every expert on every
 token (at 8,192 tokens it is left out: 128 experts on every token take minutes). "kernel" (our compiled
-grouped product) exists for fp32 on the CPU only; "-" elsewhere.
+grouped product) exists on the CPU only, for bf16 where the CPU has AVX512_BF16; "-" elsewhere.
 
 The roofline column is a lower bound for each row, from two rates measured here at start-up: the
 matrix-product rate of the dtype (a 2048 x 2048 x 2048 product) and the memory bandwidth (a 256 MiB
@@ -134,8 +134,10 @@ def main() -> None:
 
 
 def modes_for(dtype: torch.dtype, dev: str) -> list[str]:
-    """The dispatch modes worth timing for dtype on dev (the kernel: float32 on the CPU, when built)."""
-    has_kernel = dev == "cpu" and dtype == torch.float32 and kernels.available()
+    """The dispatch modes worth timing for dtype on dev (the kernel: on the CPU when built, bf16 only where
+    the CPU has AVX512_BF16)."""
+    has_kernel = dev == "cpu" and (kernels.bf16_available() if dtype == torch.bfloat16 else
+                                   dtype == torch.float32 and kernels.available())
     return ["kernel", "grouped", "loop", "padded", "bucketed"][0 if has_kernel else 1:]
 
 

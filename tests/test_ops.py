@@ -80,11 +80,25 @@ def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
     assert product_named("auto", torch.zeros(3, 64), 64, 1) is PRODUCTS["kernel" if kernels.available() else "grouped"]
 
 
-def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones():
-    """bf16 CPU: the bucketed loop from BUCKETED_ROWS rows per expert (the demo's 4096 tokens over 8 experts),
-    grouped_mm below it, or the padded bmm where grouped_mm cannot run (benchmarks/RESULTS.md)."""
+def test_auto_in_bf16_on_the_cpu_takes_the_kernel_where_it_can(monkeypatch):
+    """bf16 CPU with AVX512_BF16: the kernel, for every row count, at widths it takes; elsewhere the rules
+    of the CPUs without it (next test)."""
+    from nanollama4.ops.experts import auto_product
+
+    monkeypatch.setattr(kernels, "bf16_available", lambda: True)
+    assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "kernel"
+    assert auto_product(torch.zeros(0, 256, dtype=torch.bfloat16), 384, 128, rows=768) == "kernel"
+    assert auto_product(torch.zeros(0, 6, dtype=torch.bfloat16), 5, 8, rows=4096) == "bucketed"  # widths it cannot take
+    assert auto_product(torch.zeros(0, 48, dtype=torch.bfloat16), 64, 8, rows=4096) == "bucketed"
+
+
+def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones(monkeypatch):
+    """bf16 CPU without AVX512_BF16: the bucketed loop from BUCKETED_ROWS rows per expert (the demo's 4096
+    tokens over 8 experts), grouped_mm below it, or the padded bmm where grouped_mm cannot run
+    (benchmarks/RESULTS.md)."""
     from nanollama4.ops.experts import BUCKETED_ROWS, ROW_MULTIPLE, auto_product, chosen_product
 
+    monkeypatch.setattr(kernels, "bf16_available", lambda: False)
     bf16 = torch.zeros(0, 256, dtype=torch.bfloat16)
     assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "bucketed"
     assert auto_product(bf16, 384, 8, rows=4096) == chosen_product("auto", bf16, 384, 8, 4096) == "bucketed"

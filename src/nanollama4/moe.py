@@ -28,6 +28,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .ops.experts import (
+    CASTS_WEIGHTS,
     PRODUCTS,
     ROW_MULTIPLE,
     check_dispatch,
@@ -184,7 +185,10 @@ class Experts(nn.Module):
         """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype, by the product
         named `product` (`ops.experts.PRODUCTS`). (Expert parallelism replaces this: rows travel to the rank
         holding their expert and back.)"""
-        return PRODUCTS[product](x_AD, self.gate_up.to(x_AD.dtype), self.down.to(x_AD.dtype), counts_E, expert_A)
+        gate_up, down = self.gate_up, self.down
+        if product not in CASTS_WEIGHTS:
+            gate_up, down = gate_up.to(x_AD.dtype), down.to(x_AD.dtype)
+        return PRODUCTS[product](x_AD, gate_up, down, counts_E, expert_A)
 
 
 def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:

@@ -17,9 +17,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#define NANOLLAMA4_BF16 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -304,6 +312,247 @@ at::Tensor row_products(const at::Tensor& a, const at::Tensor& w, const at::Tens
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------- bfloat16
+// The same three products for bf16 rows, on AVX512_BF16's dot-product instruction (vdpbf16ps: 16 float
+// lanes, each += a[2i] * b[2i] + a[2i+1] * b[2i+1]), accumulating in float32. Every operand therefore
+// comes in pairs along the summed index:
+//   forward  y = x @ w:   x's rows are already pairs along k; w is packed once per call into
+//                          (k / 2, n, 2) order (`pack_pairs`, which also casts float32 master weights);
+//   input    dx = dy @ w^T: both dy's rows and w's rows run along n, so this one sums whole rows
+//                          (dot products, then one butterfly of horizontal sums per 4 x 4 tile);
+//   weight   dw = x^T @ dy: the sum runs over rows, so each group's x and dy are re-packed into pairs of
+//                          rows first; dw comes out in float32, as the master weights' gradient.
+// The group loop, the slicing and the per-core split are the float32 ones. Compiled for AVX512_BF16
+// whatever the build flags (`#pragma GCC target`), and used only when the CPU reports it (`bf16_supported`).
+#ifdef NANOLLAMA4_BF16
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+using bf16 = uint16_t;
+// Packed operands are stored in panels of this many columns, each panel's rows consecutive, so that a
+// tile streams through contiguous memory (row strides of 4 KiB made every row of a tile fall into the
+// same cache sets).
+constexpr int64_t kPanel = 4 * kLanes;
+
+inline __m512bh load_pairs(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh broadcast_pair(const void* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+inline void store_bf16(bf16* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+// y[R rows, V vectors] = x[R rows, :2 K2] @ w, from one panel of w's packing: K2 pair rows of V vectors.
+template <int R, int V>
+void tile_xw_bf16(const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t ldy, int64_t K2) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load_pairs(wp + (p * V + v) * 2 * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = broadcast_pair(x + r * ldx + 2 * p);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, wv[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store_bf16(y + r * ldy + v * kLanes, acc[r][v]);
+}
+
+template <int V>
+void rows_xw_bf16(int64_t rows, const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t ldy, int64_t K2) {
+  for (int64_t r = 0; r < rows; r += 6) {
+    const bf16* xr = x + r * ldx;
+    bf16* yr = y + r * ldy;
+    switch (std::min<int64_t>(6, rows - r)) {
+      case 6: tile_xw_bf16<6, V>(xr, ldx, wp, yr, ldy, K2); break;
+      case 5: tile_xw_bf16<5, V>(xr, ldx, wp, yr, ldy, K2); break;
+      case 4: tile_xw_bf16<4, V>(xr, ldx, wp, yr, ldy, K2); break;
+      case 3: tile_xw_bf16<3, V>(xr, ldx, wp, yr, ldy, K2); break;
+      case 2: tile_xw_bf16<2, V>(xr, ldx, wp, yr, ldy, K2); break;
+      default: tile_xw_bf16<1, V>(xr, ldx, wp, yr, ldy, K2); break;
+    }
+  }
+}
+
+// Forward of one group: x (m x K) @ w (K x N, packed in panels of kPanel columns), N a multiple of 16.
+void small_xw_bf16(int64_t m, const bf16* x, const bf16* wp, bf16* y, int64_t K, int64_t N) {
+  for (int64_t n = 0; n < N; n += kPanel) {
+    const bf16* panel = wp + n * K;  // every earlier panel holds kPanel columns of K rows
+    switch (std::min<int64_t>(kPanel, N - n) / kLanes) {
+      case 4: rows_xw_bf16<4>(m, x, K, panel, y + n, N, K / 2); break;
+      case 3: rows_xw_bf16<3>(m, x, K, panel, y + n, N, K / 2); break;
+      case 2: rows_xw_bf16<2>(m, x, K, panel, y + n, N, K / 2); break;
+      default: rows_xw_bf16<1>(m, x, K, panel, y + n, N, K / 2); break;
+    }
+  }
+}
+
+// dx[R rows, C columns] = dy[R rows, :N] @ w[C rows, :N]^T, N a multiple of 32.
+template <int R, int C>
+void tile_dx_bf16(const bf16* dy, const bf16* w, bf16* dx, int64_t K, int64_t N) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t n = 0; n < N; n += 2 * kLanes) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = load_pairs(w + c * N + n);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh g = load_pairs(dy + r * N + n);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], g, wv[c]);
+    }
+  }
+  if constexpr (R == 4 && C == 4) {
+    bf16 sums[16];
+    store_bf16(sums, (__m512)hsum16((vec)acc[0][0], (vec)acc[0][1], (vec)acc[0][2], (vec)acc[0][3],
+                                    (vec)acc[1][0], (vec)acc[1][1], (vec)acc[1][2], (vec)acc[1][3],
+                                    (vec)acc[2][0], (vec)acc[2][1], (vec)acc[2][2], (vec)acc[2][3],
+                                    (vec)acc[3][0], (vec)acc[3][1], (vec)acc[3][2], (vec)acc[3][3]));
+    for (int r = 0; r < 4; ++r) std::memcpy(dx + r * K, sums + 4 * r, 4 * sizeof(bf16));
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dx[r * K + c] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][c])).x;
+  }
+}
+
+template <int C>
+void rows_dx_bf16(int64_t rows, const bf16* dy, const bf16* w, bf16* dx, int64_t K, int64_t N) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const bf16* g = dy + r * N;
+    bf16* o = dx + r * K;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 4: tile_dx_bf16<4, C>(g, w, o, K, N); break;
+      case 3: tile_dx_bf16<3, C>(g, w, o, K, N); break;
+      case 2: tile_dx_bf16<2, C>(g, w, o, K, N); break;
+      default: tile_dx_bf16<1, C>(g, w, o, K, N); break;
+    }
+  }
+}
+
+// Input gradient of one group: dy (m x N) @ w (K x N)^T, in chunks of rows that stay in cache.
+void small_dx_bf16(int64_t m, const bf16* dy, const bf16* w, bf16* dx, int64_t K, int64_t N) {
+  constexpr int64_t kChunk = 64;
+  for (int64_t r = 0; r < m; r += kChunk) {
+    const int64_t rows = std::min<int64_t>(kChunk, m - r);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) rows_dx_bf16<4>(rows, dy + r * N, w + k * N, dx + r * K + k, K, N);
+    for (; k < K; ++k) rows_dx_bf16<1>(rows, dy + r * N, w + k * N, dx + r * K + k, K, N);
+  }
+}
+
+// dw[C rows, V vectors] = sum over row pairs p of x's pair p (column c) times dy's pair p (one panel of V
+// vectors per pair), summed in float32 and stored as float32 or bf16 (Out).
+inline void store_sum(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_sum(bf16* p, __m512 v) { store_bf16(p, v); }
+
+template <int C, int V, typename Out>
+void tile_dw_bf16(int64_t pairs, const int32_t* xp, int64_t ldx, const int32_t* dyp, int64_t N, Out* dw) {
+  __m512 acc[C][V];
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) acc[c][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh g[V];
+    for (int v = 0; v < V; ++v) g[v] = load_pairs(dyp + (p * V + v) * kLanes);
+    for (int c = 0; c < C; ++c) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[p * ldx + c]);
+      for (int v = 0; v < V; ++v) acc[c][v] = _mm512_dpbf16_ps(acc[c][v], a, g[v]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int v = 0; v < V; ++v) store_sum(dw + c * N + v * kLanes, acc[c][v]);
+}
+
+template <int V, typename Out>
+void cols_dw_bf16(int64_t c, int64_t pairs, const int32_t* xp, int64_t ldx, const int32_t* dyp, int64_t N,
+                  Out* dw) {
+  switch (c) {
+    case 6: tile_dw_bf16<6, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+    case 5: tile_dw_bf16<5, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+    case 4: tile_dw_bf16<4, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+    case 3: tile_dw_bf16<3, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+    case 2: tile_dw_bf16<2, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+    default: tile_dw_bf16<1, V, Out>(pairs, xp, ldx, dyp, N, dw); break;
+  }
+}
+
+// Weight gradient of one group, K of its weight's rows, from its row pairs: xp (pairs x ldx) and dyp
+// (pairs x N, in panels of kPanel columns).
+template <typename Out>
+void small_dw_bf16(int64_t pairs, const int32_t* xp, const int32_t* dyp, Out* dw, int64_t ldx, int64_t K,
+                   int64_t N) {
+  for (int64_t k = 0; k < K; k += 6) {
+    const int64_t c = std::min<int64_t>(6, K - k);
+    for (int64_t n = 0; n < N; n += kPanel) {
+      const int32_t* panel = dyp + n * pairs;
+      Out* out = dw + k * N + n;
+      switch (std::min<int64_t>(kPanel, N - n) / kLanes) {
+        case 4: cols_dw_bf16<4>(c, pairs, xp + k, ldx, panel, N, out); break;
+        case 3: cols_dw_bf16<3>(c, pairs, xp + k, ldx, panel, N, out); break;
+        case 2: cols_dw_bf16<2>(c, pairs, xp + k, ldx, panel, N, out); break;
+        default: cols_dw_bf16<1>(c, pairs, xp + k, ldx, panel, N, out); break;
+      }
+    }
+  }
+}
+
+// Rows 2p and 2p + 1 of a (rows x W), interleaved: pair p of column j holds a[2p][j] (low half) and
+// a[2p+1][j] (high half); an odd last row is paired with zeros. `paneled`: stored in panels of kPanel
+// columns (panel of column j at j * pairs, then pair p at p * width), else as a (pairs x W) matrix.
+void pair_rows(const bf16* a, int64_t rows, int64_t W, int32_t* out, bool paneled) {
+  const int64_t pairs = (rows + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16* lo = a + 2 * p * W;
+    const bool has_hi = 2 * p + 1 < rows;
+    for (int64_t j = 0; j < W; j += kLanes) {
+      const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(lo + j)));
+      const __m512i h = has_hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(lo + W + j)))
+                               : _mm512_setzero_si512();
+      const int64_t panel = j - j % kPanel, width = std::min<int64_t>(kPanel, W - panel);
+      int32_t* o = paneled ? out + panel * pairs + p * width + j % kPanel : out + p * W + j;
+      _mm512_storeu_si512(o, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+    }
+  }
+}
+
+// 16 weights of a row as bf16: cast from float32 (round to nearest even), or loaded as they are.
+inline __m256i row_bf16(const float* w) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w)); }
+inline __m256i row_bf16(const bf16* w) { return _mm256_loadu_si256((const __m256i*)w); }
+
+// w (G x K x N) -> its forward packing: per group, pairs of rows interleaved (pair_rows) in panels of
+// kPanel columns; and, from float32, its bf16 copy (plain, same layout), in the same pass.
+template <typename T>
+void pack_pairs_of(const T* w, int64_t G, int64_t K, int64_t N, bf16* plain, bf16* packed) {
+  const int64_t K2 = K / 2;
+  at::parallel_for(0, G * K2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gp = begin; gp < end; ++gp) {
+      const int64_t g = gp / K2, p = gp % K2, row = 2 * gp;  // row: over all groups, g * K + 2 p
+      bf16* group = packed + g * K * N;
+      for (int64_t n = 0; n < N; n += kLanes) {
+        const __m256i l = row_bf16(w + row * N + n), h = row_bf16(w + (row + 1) * N + n);
+        if (plain != nullptr) {
+          _mm256_storeu_si256((__m256i*)(plain + row * N + n), l);
+          _mm256_storeu_si256((__m256i*)(plain + (row + 1) * N + n), h);
+        }
+        const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(l), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        const int64_t panel = n - n % kPanel, width = std::min<int64_t>(kPanel, N - panel);
+        _mm512_storeu_si512(group + panel * K + (p * width + n % kPanel) * 2, pairs);
+      }
+    }
+  });
+}
+
+void check_bf16(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.is_contiguous(),
+              name, " must be a contiguous bfloat16 CPU tensor with ", dim, " dimensions");
+}
+
+const bf16* bf16_data(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); }
+bf16* bf16_data(at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
+
+#pragma GCC pop_options
+#endif  // NANOLLAMA4_BF16
+
 }  // namespace
 
 at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
@@ -339,10 +588,130 @@ at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
   return dw;
 }
 
+#ifdef NANOLLAMA4_BF16
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+std::vector<at::Tensor> pack_bf16(at::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "w must be a contiguous float32 or bfloat16 CPU tensor with 3 dimensions");
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  TORCH_CHECK(K % 2 == 0 && N % kLanes == 0, "bf16 products need an even K and N a multiple of 16");
+  auto packed = at::empty({G, K / 2, 2 * N}, w.options().dtype(at::kBFloat16));
+  if (w.scalar_type() == at::kBFloat16) {  // already bf16: it is its own plain copy
+    pack_pairs_of(bf16_data(w), G, K, N, nullptr, bf16_data(packed));
+    return {w, packed};
+  }
+  auto plain = at::empty({G, K, N}, w.options().dtype(at::kBFloat16));
+  pack_pairs_of(w.data_ptr<float>(), G, K, N, bf16_data(plain), bf16_data(packed));
+  return {plain, packed};
+}
+
+at::Tensor forward_bf16(at::Tensor x, at::Tensor packed, at::Tensor counts) {
+  check_bf16(x, 2, "x"); check_bf16(packed, 3, "packed w");
+  const int64_t G = packed.size(0), K = 2 * packed.size(1), N = packed.size(2) / 2;
+  TORCH_CHECK(x.size(1) == K && N % kLanes == 0, "x must be A x K for packed w G x K/2 x 2N, N a multiple of 16");
+  const auto start = group_starts(counts, G, x.size(0));
+  auto y = at::empty({x.size(0), N}, x.options());
+  const bf16 *px = bf16_data(x), *pw = bf16_data(packed);
+  bf16* py = bf16_data(y);
+  per_core(
+      G, [&](int64_t g) { return start[g + 1] - start[g]; },
+      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 6,
+      [&](const Piece& p) {
+        const int64_t row = start[p.g] + p.lo;
+        small_xw_bf16(p.hi - p.lo, px + row * K, pw + p.g * K * N, py + row * N, K, N);
+      });
+  return y;
+}
+
+at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
+  check_bf16(dy, 2, "dy"); check_bf16(w, 3, "w");
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  TORCH_CHECK(dy.size(1) == N && N % (2 * kLanes) == 0, "dy must be A x N for w G x K x N, N a multiple of 32");
+  const auto start = group_starts(counts, G, dy.size(0));
+  auto dx = at::empty({dy.size(0), K}, dy.options());
+  const bf16 *pg = bf16_data(dy), *pw = bf16_data(w);
+  bf16* px = bf16_data(dx);
+  per_core(
+      G, [&](int64_t g) { return start[g + 1] - start[g]; },
+      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 4,
+      [&](const Piece& p) {
+        const int64_t row = start[p.g] + p.lo;
+        small_dx_bf16(p.hi - p.lo, pg + row * N, pw + p.g * K * N, px + row * K, K, N);
+      });
+  return dx;
+}
+
+// Out: the gradient's dtype (float for float32 master weights, bf16 for bf16 ones).
+template <typename Out>
+void weight_grad_into(const bf16* px, const bf16* pg, const std::vector<int64_t>& start, int64_t G, int64_t K,
+                      int64_t N, Out* pw) {
+  std::vector<int64_t> pair_start(G + 1, 0);  // each group's first row pair
+  for (int64_t g = 0; g < G; ++g) pair_start[g + 1] = pair_start[g] + (start[g + 1] - start[g] + 1) / 2;
+  auto xp = at::empty({pair_start[G] * K}, at::kInt), dyp = at::empty({pair_start[G] * N}, at::kInt);
+  int32_t *pxp = xp.data_ptr<int32_t>(), *pdyp = dyp.data_ptr<int32_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t m = start[g + 1] - start[g];
+      pair_rows(px + start[g] * K, m, K, pxp + pair_start[g] * K, false);
+      pair_rows(pg + start[g] * N, m, N, pdyp + pair_start[g] * N, true);
+    }
+  });
+  // Pieces are ranges of the weight's K rows: each reads all of the group's row pairs, writes its own slice.
+  per_core(
+      G, [&](int64_t) { return K; },
+      [&](int64_t g, int64_t) { return (start[g + 1] - start[g] + 4.0) * K * N; }, 6,
+      [&](const Piece& p) {
+        const int64_t pairs = pair_start[p.g + 1] - pair_start[p.g], rows = p.hi - p.lo;
+        Out* out = pw + (p.g * K + p.lo) * N;
+        if (pairs == 0) {
+          std::fill(out, out + rows * N, Out(0));
+        } else {
+          small_dw_bf16(pairs, pxp + pair_start[p.g] * K + p.lo, pdyp + pair_start[p.g] * N, out, K, rows, N);
+        }
+      });
+}
+
+at::Tensor weight_grad_bf16(at::Tensor x, at::Tensor dy, at::Tensor counts, bool bf16_out) {
+  check_bf16(x, 2, "x"); check_bf16(dy, 2, "dy");
+  TORCH_CHECK(counts.dim() == 1, "counts must be a vector with one entry per group");
+  const int64_t G = counts.size(0), K = x.size(1), N = dy.size(1);
+  TORCH_CHECK(x.size(0) == dy.size(0), "x and dy must have the same rows");
+  TORCH_CHECK(K % kLanes == 0 && N % kLanes == 0, "bf16 weight gradients need K and N multiples of 16");
+  const auto start = group_starts(counts, G, x.size(0));
+  auto dw = at::empty({G, K, N}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (bf16_out)
+    weight_grad_into(bf16_data(x), bf16_data(dy), start, G, K, N, bf16_data(dw));
+  else
+    weight_grad_into(bf16_data(x), bf16_data(dy), start, G, K, N, dw.data_ptr<float>());
+  return dw;
+}
+
+#pragma GCC pop_options
+#endif  // NANOLLAMA4_BF16
+
+bool bf16_supported() {
+#ifdef NANOLLAMA4_BF16
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Like torch's own operators, these let other Python threads run while they compute.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("forward", &forward, "y_g = x_g @ w_g for consecutive row groups", release());
   m.def("input_grad", &input_grad, "dx_g = dy_g @ w_g^T for consecutive row groups", release());
   m.def("weight_grad", &weight_grad, "dw_g = x_g^T @ dy_g for consecutive row groups", release());
+  m.def("bf16_supported", &bf16_supported, "whether this CPU runs the bf16 products (AVX512_BF16)");
+#ifdef NANOLLAMA4_BF16
+  m.def("pack_bf16", &pack_bf16, "w -> (its bf16 copy, its bf16 forward packing)", release());
+  m.def("forward_bf16", &forward_bf16, "bf16 y_g = x_g @ w_g from a packed w", release());
+  m.def("input_grad_bf16", &input_grad_bf16, "bf16 dx_g = dy_g @ w_g^T", release());
+  m.def("weight_grad_bf16", &weight_grad_bf16, "dw_g = x_g^T @ dy_g from bf16 rows, summed in float32 and "
+        "returned as float32 or (bf16_out) bf16", release());
+#endif
 }

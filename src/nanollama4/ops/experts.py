@@ -6,7 +6,8 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
 
   loop     one matmul pair per expert (the readable one)
   grouped  torch's F.grouped_mm over the contiguous groups
-  kernel   our compiled CPU float32 grouped product (ops/kernels.py)
+  kernel   our compiled CPU grouped product (ops/kernels.py): float32, and bf16 where the CPU has
+           AVX512_BF16; it takes the float32 master weights as they are (casting them in its packing)
   padded   one bmm over an (E, C, D) buffer, C the largest group rounded up
   bucketed one product per expert into preallocated buffers (for groups the caller pads to 32-row
            multiples: `pad_groups`)
@@ -56,11 +57,15 @@ def grouped_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: tor
 
 def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                    expert_A: torch.Tensor) -> torch.Tensor:
-    """Our compiled float32 kernel: both grouped products and the activation in one autograd node
-    (`_KernelSwiGLU`; four grouped products backward), with no chunk whose backward concatenates and no
-    separate nodes for silu and the product."""
+    """Our compiled kernel: both grouped products and the activation in one autograd node (four grouped
+    products backward), with no chunk whose backward concatenates and no separate nodes for silu and the
+    product. float32 rows: `_KernelSwiGLU`; bf16 rows: `_KernelSwiGLUBf16`, which takes the weights in
+    their own dtype (float32 masters under autocast) and returns their gradients in it."""
+    if x_AD.dtype == torch.bfloat16:
+        kernels.require_bf16()
+        return _KernelSwiGLUBf16.apply(x_AD, gate_up_EDH, down_EHD, counts_E)
     kernels.require()
-    return _KernelSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E)
+    return _KernelSwiGLU.apply(x_AD, gate_up_EDH.to(x_AD.dtype), down_EHD.to(x_AD.dtype), counts_E)
 
 
 def _activate(h_AH2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +108,43 @@ class _KernelSwiGLU(torch.autograd.Function):
         dh_AH2 = _activation_grad(k.input_grad(dy_AD, down_EHD, counts_E), h_AH2, silu_AH)
         dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
         return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down, None
+
+
+class _KernelSwiGLUBf16(torch.autograd.Function):
+    """SwiGLU_e over consecutive row groups of bf16 rows on our kernel's bf16 products.
+
+    The weights come in their own dtype. One pass over each (`pack_bf16`) gives its bf16 copy, which the
+    backward's input gradients read, and the pair-interleaved packing the forward products read; for
+    float32 masters that pass replaces autocast's cast. Weight gradients are summed in float32 and
+    written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
+    trip. (Weights of another dtype are refused by the kernel.)
+    """
+
+    @staticmethod
+    def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
+                counts_E: torch.Tensor) -> torch.Tensor:
+        k, x_AD = kernels.module(), x_AD.contiguous()
+        gate_up_bf16, gate_up_packed = k.pack_bf16(gate_up_EDH.detach().contiguous())
+        down_bf16, down_packed = k.pack_bf16(down_EHD.detach().contiguous())
+        h_AH2 = k.forward_bf16(x_AD, gate_up_packed, counts_E)
+        silu_AH, act_AH = _activate(h_AH2)
+        ctx.save_for_backward(x_AD, h_AH2, silu_AH, act_AH, gate_up_bf16, down_bf16, counts_E)
+        ctx.weight_dtypes = (gate_up_EDH.dtype, down_EHD.dtype)
+        return k.forward_bf16(act_AH, down_packed, counts_E)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_AD: torch.Tensor):
+        x_AD, h_AH2, silu_AH, act_AH, gate_up_bf16, down_bf16, counts_E = ctx.saved_tensors
+        k, needs, (gate_up_dtype, down_dtype) = kernels.module(), ctx.needs_input_grad, ctx.weight_dtypes
+        dy_AD = dy_AD.to(torch.bfloat16).contiguous()
+        d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_dtype == torch.bfloat16) if needs[2] else None
+        if not (needs[0] or needs[1]):
+            return None, None, d_down, None
+        dh_AH2 = _activation_grad(k.input_grad_bf16(dy_AD, down_bf16, counts_E), h_AH2, silu_AH)
+        dx = k.input_grad_bf16(dh_AH2, gate_up_bf16, counts_E) if needs[0] else None
+        d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_dtype == torch.bfloat16) if needs[1] else None
+        return dx, d_gate_up, d_down, None
 
 
 def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
@@ -191,6 +233,7 @@ PRODUCTS: dict[str, Product] = {"loop": loop_product, "grouped": grouped_product
                                 "padded": padded_product, "bucketed": bucketed_product}
 DISPATCH_NAMES = ("auto", *PRODUCTS)
 ROW_MULTIPLE = {"bucketed": 32}  # products that want each group's rows padded to a multiple of this
+CASTS_WEIGHTS = {"kernel"}  # products that take the weights in their own dtype (the others: in x's)
 
 
 def pad_groups(token_A: torch.Tensor, weight_A: torch.Tensor, expert_A: torch.Tensor, counts_E: torch.Tensor,
@@ -240,7 +283,8 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     """The fastest product measured (benchmarks/RESULTS.md) for `rows` rows (default x's) like x's:
 
     - float32, CPU: our kernel; without it, grouped_mm where its strides allow, else the loop.
-    - bfloat16, CPU: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
+    - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`).
+    - bfloat16, other CPUs: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
       moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
       demo's start); below that, grouped_mm where its strides allow, else the padded bmm (padding each of
       many small groups to 32 rows would waste more). While compiling, the padded bmm (one host read).
@@ -252,6 +296,8 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     if x.device.type == "cpu" and x.dtype == torch.bfloat16:
         if torch.compiler.is_compiling():
             return "padded"
+        if kernel_bf16_ok(x, hidden) and kernels.bf16_available():
+            return "kernel"
         if rows >= BUCKETED_ROWS * n_experts:
             return "bucketed"
         return "grouped" if grouped_mm_ok(x, hidden) else "padded"
@@ -262,6 +308,12 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     if torch.compiler.is_compiling():
         fast = torch.bfloat16
     return "grouped" if x.dtype == fast and grouped_mm_ok(x, hidden) else "loop"
+
+
+def kernel_bf16_ok(x: torch.Tensor, hidden: int) -> bool:
+    """Whether the kernel's bf16 products take these widths: the model width a multiple of 32 and the
+    expert width of 16 (its vectors hold 16 sums, and its input gradients sum 32 products at a time)."""
+    return x.shape[-1] % 32 == 0 and hidden % 16 == 0
 
 
 def grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:

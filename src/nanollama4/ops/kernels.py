@@ -135,8 +135,21 @@ def require() -> None:
         raise RuntimeError("the CPU expert kernels are not available; check nanollama4.ops.kernels.available() first")
 
 
+def bf16_available() -> bool:
+    """Whether the kernel's bf16 products can run here: built, on an x86 CPU with AVX512_BF16."""
+    return available() and bool(_module.bf16_supported())
+
+
+def require_bf16() -> None:
+    """Raise unless `bf16_available()`."""
+    if not bf16_available():
+        raise RuntimeError("the CPU kernels' bf16 products need AVX512_BF16; check "
+                           "nanollama4.ops.kernels.bf16_available() first")
+
+
 def module() -> ModuleType:
-    """The compiled module's three products (forward, input_grad, weight_grad), after `require()`."""
+    """The compiled module's products (forward, input_grad, weight_grad; with AVX512_BF16 also pack_bf16,
+    forward_bf16, input_grad_bf16, weight_grad_bf16), after `require()`."""
     if _module is None:
         raise RuntimeError("the CPU expert kernels are not loaded; call nanollama4.ops.kernels.require() first")
     return _module
