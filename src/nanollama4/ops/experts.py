@@ -117,7 +117,9 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     backward's input gradients read, and the pair-interleaved packing the forward products read; for
     float32 masters that pass replaces autocast's cast. Weight gradients are summed in float32 and
     written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
-    trip. (Weights of another dtype are refused by the kernel.)
+    trip. (Weights of another dtype are refused by the kernel.) The activation between the products is
+    the kernel's too (`swiglu_bf16` and its gradient, in float32 on bf16 rows), which recomputes silu in
+    the backward instead of saving it.
     """
 
     @staticmethod
@@ -127,21 +129,21 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
         gate_up_bf16, gate_up_packed = k.pack_bf16(gate_up_EDH.detach().contiguous())
         down_bf16, down_packed = k.pack_bf16(down_EHD.detach().contiguous())
         h_AH2 = k.forward_bf16(x_AD, gate_up_packed, counts_E)
-        silu_AH, act_AH = _activate(h_AH2)
-        ctx.save_for_backward(x_AD, h_AH2, silu_AH, act_AH, gate_up_bf16, down_bf16, counts_E)
+        act_AH = k.swiglu_bf16(h_AH2)
+        ctx.save_for_backward(x_AD, h_AH2, act_AH, gate_up_bf16, down_bf16, counts_E)
         ctx.weight_dtypes = (gate_up_EDH.dtype, down_EHD.dtype)
         return k.forward_bf16(act_AH, down_packed, counts_E)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_AD: torch.Tensor):
-        x_AD, h_AH2, silu_AH, act_AH, gate_up_bf16, down_bf16, counts_E = ctx.saved_tensors
+        x_AD, h_AH2, act_AH, gate_up_bf16, down_bf16, counts_E = ctx.saved_tensors
         k, needs, (gate_up_dtype, down_dtype) = kernels.module(), ctx.needs_input_grad, ctx.weight_dtypes
         dy_AD = dy_AD.to(torch.bfloat16).contiguous()
         d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_dtype == torch.bfloat16) if needs[2] else None
         if not (needs[0] or needs[1]):
             return None, None, d_down, None
-        dh_AH2 = _activation_grad(k.input_grad_bf16(dy_AD, down_bf16, counts_E), h_AH2, silu_AH)
+        dh_AH2 = k.swiglu_grad_bf16(k.input_grad_bf16(dy_AD, down_bf16, counts_E), h_AH2)
         dx = k.input_grad_bf16(dh_AH2, gate_up_bf16, counts_E) if needs[0] else None
         d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_dtype == torch.bfloat16) if needs[1] else None
         return dx, d_gate_up, d_down, None
