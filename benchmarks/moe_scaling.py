@@ -142,19 +142,27 @@ def modes_for(dtype: torch.dtype, dev: str) -> list[str]:
 
 
 def paired(tokens: int, rounds: int, dev: str, dtypes: dict[str, torch.dtype]) -> None:
-    """N = 128 over N = 4 at k = 1, the two layers alternated forward + backward in every mode."""
+    """N = 128 over N = 4 at k = 1, the two layers alternated forward + backward in every mode.
+
+    bf16 is measured twice: the layer cast to bf16, as in the tables above, and float32 weights under bf16
+    autocast, as `nanollama4 train` runs with bf16=true (there the router's product runs in bf16 too;
+    in a bf16 layer the router casts to float32).
+    """
     print(f"\nN = 128 over N = 4, k = 1, {tokens} tokens, alternated ({rounds} rounds each); medians in ms")
-    print(f"{'dtype':5} {'mode':>8} | {'N=4':>8} {'N=128':>8} | {'ratio':>6}")
-    for dname, dtype in dtypes.items():
+    print(f"{'dtype':13} {'mode':>8} | {'N=4':>8} {'N=128':>8} | {'ratio':>6}")
+    cases = [(name, dtype, False) for name, dtype in dtypes.items()]
+    if "bf16" in dtypes and dev == "cpu":
+        cases.append(("bf16 autocast", torch.float32, True))
+    for dname, dtype, autocast in cases:
         x = torch.randn(1, tokens, WIDTH, generator=torch.Generator().manual_seed(1)).to(dev, dtype)
         x.requires_grad_(True)
         layers = {n: make_ours(n, 1, dtype, dev).train() for n in (4, 128)}
         best = {4: float("inf"), 128: float("inf")}
-        for mode in modes_for(dtype, dev):
+        for mode in modes_for(torch.bfloat16 if autocast else dtype, dev):
             runs = {}
             for n, layer in layers.items():
                 layer.experts.dispatch = mode
-                runs[n] = fwd_bwd(layer, x, False)
+                runs[n] = _autocast(fwd_bwd(layer, x, False)) if autocast else fwd_bwd(layer, x, False)
                 runs[n]()  # warm-up
             times = {4: [], 128: []}
             for _ in range(rounds):
@@ -162,8 +170,15 @@ def paired(tokens: int, rounds: int, dev: str, dtypes: dict[str, torch.dtype]) -
                     times[n].append(_once_ms(run, dev))
             m4, m128 = (statistics.median(times[n]) for n in (4, 128))
             best = {4: min(best[4], m4), 128: min(best[128], m128)}
-            print(f"{dname:5} {mode:>8} | {m4:8.2f} {m128:8.2f} | {m128 / m4:5.2f}x", flush=True)
-        print(f"{dname:5} {'best':>8} | {best[4]:8.2f} {best[128]:8.2f} | {best[128] / best[4]:5.2f}x", flush=True)
+            print(f"{dname:13} {mode:>8} | {m4:8.2f} {m128:8.2f} | {m128 / m4:5.2f}x", flush=True)
+        print(f"{dname:13} {'best':>8} | {best[4]:8.2f} {best[128]:8.2f} | {best[128] / best[4]:5.2f}x", flush=True)
+
+
+def _autocast(fn):
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fn()
+    return run
 
 
 def _once_ms(fn, device: str) -> float:
