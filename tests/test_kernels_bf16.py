@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not kernels.bf16_available(),
 
 
 def check(counts: list[int], K: int, N: int, seed: int, weights: torch.dtype) -> None:
-    """pack_bf16, forward_bf16, input_grad_bf16 and weight_grad_bf16 against float64 products."""
+    """forward_bf16, input_grad_bf16 (weights float32 or bf16, cast as torch casts) and weight_grad_bf16
+    against float64 products of the bf16 values."""
     k = kernels.module()
     g = torch.Generator().manual_seed(seed)
     counts_G = torch.tensor(counts, dtype=torch.long)
@@ -31,14 +32,12 @@ def check(counts: list[int], K: int, N: int, seed: int, weights: torch.dtype) ->
     x = torch.randn(A, K, generator=g).bfloat16()
     w = torch.randn(G, K, N, generator=g).to(weights)
     dy = torch.randn(A, N, generator=g).bfloat16()
-    plain, packed = k.pack_bf16(w)
-    assert torch.equal(plain, w.bfloat16())  # round to nearest even, as torch casts
     xs, dys, w64 = x.double().split(counts), dy.double().split(counts), w.bfloat16().double()
     want_y = torch.cat([xs[i] @ w64[i] for i in range(G)])
     want_dx = torch.cat([dys[i] @ w64[i].T for i in range(G)])  # (A, K): needs w as (G, K, N) plain
     want_dw = torch.stack([xs[i].T @ dys[i] for i in range(G)])
     # y and dx are rounded to bf16 once (8 bits: 2^-8 relative) after a float32 sum
-    for got, want in ((k.forward_bf16(x, packed, counts_G), want_y), (k.input_grad_bf16(dy, plain, counts_G), want_dx)):
+    for got, want in ((k.forward_bf16(x, w, counts_G), want_y), (k.input_grad_bf16(dy, w, counts_G), want_dx)):
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         torch.testing.assert_close(got.double(), want, atol=1e-5 * max(K, N), rtol=2 ** -8)
     dw = k.weight_grad_bf16(x, dy, counts_G, False)  # float32 sums of products of bf16 values: exact to float32
@@ -69,9 +68,12 @@ def test_large_groups_split_across_cores(threads):
 def test_widths_it_cannot_take_are_refused_with_a_message():
     k = kernels.module()
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        k.pack_bf16(torch.zeros(1, 8, 24))
+        k.forward_bf16(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(1, 8, 24), torch.tensor([4]))
     with pytest.raises(RuntimeError, match="bfloat16"):
-        k.forward_bf16(torch.zeros(4, 8), k.pack_bf16(torch.zeros(1, 8, 16))[1], torch.tensor([4]))
+        k.forward_bf16(torch.zeros(4, 8), torch.zeros(1, 8, 16), torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        k.input_grad_bf16(torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(1, 8, 32, dtype=torch.float64),
+                          torch.tensor([4]))
     assert not products.kernel_bf16_ok(torch.zeros(1, 48), 64) and not products.kernel_bf16_ok(torch.zeros(1, 64), 40)
 
 

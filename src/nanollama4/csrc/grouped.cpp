@@ -318,8 +318,9 @@ at::Tensor row_products(const at::Tensor& a, const at::Tensor& w, const at::Tens
 // The same three products for bf16 rows, on AVX512_BF16's dot-product instruction (vdpbf16ps: 16 float
 // lanes, each += a[2i] * b[2i] + a[2i+1] * b[2i+1]), accumulating in float32. Every operand therefore
 // comes in pairs along the summed index:
-//   forward  y = x @ w:   x's rows are already pairs along k; w is packed once per call into
-//                          (k / 2, n, 2) order (`pack_pairs`, which also casts float32 master weights);
+//   forward  y = x @ w:   x's rows are already pairs along k; each 64-column panel of w is packed
+//                          into (k / 2, n, 2) order in the core's cache (`pack_panel`, which also casts
+//                          float32 master weights);
 //   input    dx = dy @ w^T: both dy's rows and w's rows run along n, so this one sums whole rows
 //                          (dot products, then one butterfly of horizontal sums per 4 x 4 tile);
 //   weight   dw = x^T @ dy: the sum runs over rows, so each group's x and dy are re-packed into pairs of
@@ -378,15 +379,36 @@ void rows_xw_bf16(int64_t rows, const bf16* x, int64_t ldx, const bf16* wp, bf16
   }
 }
 
-// Forward of one group: x (m x K) @ w (K x N, packed in panels of kPanel columns), N a multiple of 16.
-void small_xw_bf16(int64_t m, const bf16* x, const bf16* wp, bf16* y, int64_t K, int64_t N) {
+// 16 weights of a row as bf16: cast from float32 (round to nearest even), or loaded as they are.
+inline __m256i row_bf16(const float* w) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w)); }
+inline __m256i row_bf16(const bf16* w) { return _mm256_loadu_si256((const __m256i*)w); }
+
+// Columns [n, n + width) of w (K x N, float32 or bf16) as bf16 pairs of rows: panel[p][j] holds w[2p][n + j]
+// (low half) and w[2p + 1][n + j]. A core packs each panel of a group's weight into its cache once and
+// runs every row tile of its piece over it, so no packed copy of the weights is ever written to memory.
+template <typename T>
+void pack_panel(const T* w, int64_t K, int64_t N, int64_t n, int64_t width, bf16* panel) {
+  for (int64_t p = 0; p < K / 2; ++p)
+    for (int64_t j = 0; j < width; j += kLanes) {
+      const __m256i l = row_bf16(w + 2 * p * N + n + j), h = row_bf16(w + (2 * p + 1) * N + n + j);
+      const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(l), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm512_storeu_si512(panel + (p * width + j) * 2, pairs);
+    }
+}
+
+// Forward of one group: x (m x K) @ w (K x N), N a multiple of 16, one packed panel of kPanel columns at a time.
+template <typename T>
+void small_xw_bf16(int64_t m, const bf16* x, const T* w, bf16* y, int64_t K, int64_t N) {
+  thread_local std::vector<bf16> panel;
+  panel.resize(K * kPanel);
   for (int64_t n = 0; n < N; n += kPanel) {
-    const bf16* panel = wp + n * K;  // every earlier panel holds kPanel columns of K rows
-    switch (std::min<int64_t>(kPanel, N - n) / kLanes) {
-      case 4: rows_xw_bf16<4>(m, x, K, panel, y + n, N, K / 2); break;
-      case 3: rows_xw_bf16<3>(m, x, K, panel, y + n, N, K / 2); break;
-      case 2: rows_xw_bf16<2>(m, x, K, panel, y + n, N, K / 2); break;
-      default: rows_xw_bf16<1>(m, x, K, panel, y + n, N, K / 2); break;
+    const int64_t width = std::min<int64_t>(kPanel, N - n);
+    pack_panel(w, K, N, n, width, panel.data());
+    switch (width / kLanes) {
+      case 4: rows_xw_bf16<4>(m, x, K, panel.data(), y + n, N, K / 2); break;
+      case 3: rows_xw_bf16<3>(m, x, K, panel.data(), y + n, N, K / 2); break;
+      case 2: rows_xw_bf16<2>(m, x, K, panel.data(), y + n, N, K / 2); break;
+      default: rows_xw_bf16<1>(m, x, K, panel.data(), y + n, N, K / 2); break;
     }
   }
 }
@@ -432,7 +454,9 @@ void rows_dx_bf16(int64_t rows, const bf16* dy, const bf16* w, bf16* dx, int64_t
   }
 }
 
-// Input gradient of one group: dy (m x N) @ w (K x N)^T, in chunks of rows that stay in cache.
+// Input gradient of one group: dy (m x N) @ w (K x N)^T, in chunks of rows that stay in cache. float32
+// weights are cast into a per-core bf16 copy of the group's weight first.
+void small_dx_bf16(int64_t m, const bf16* dy, const float* w32, bf16* dx, int64_t K, int64_t N);
 void small_dx_bf16(int64_t m, const bf16* dy, const bf16* w, bf16* dx, int64_t K, int64_t N) {
   constexpr int64_t kChunk = 64;
   for (int64_t r = 0; r < m; r += kChunk) {
@@ -441,6 +465,13 @@ void small_dx_bf16(int64_t m, const bf16* dy, const bf16* w, bf16* dx, int64_t K
     for (; k + 4 <= K; k += 4) rows_dx_bf16<4>(rows, dy + r * N, w + k * N, dx + r * K + k, K, N);
     for (; k < K; ++k) rows_dx_bf16<1>(rows, dy + r * N, w + k * N, dx + r * K + k, K, N);
   }
+}
+
+void small_dx_bf16(int64_t m, const bf16* dy, const float* w32, bf16* dx, int64_t K, int64_t N) {
+  thread_local std::vector<bf16> w;
+  w.resize(K * N);
+  for (int64_t i = 0; i < K * N; i += kLanes) _mm256_storeu_si256((__m256i*)(w.data() + i), row_bf16(w32 + i));
+  small_dx_bf16(m, dy, w.data(), dx, K, N);
 }
 
 // dw[C rows, V vectors] = sum over row pairs p of x's pair p (column c) times dy's pair p (one panel of V
@@ -515,33 +546,6 @@ void pair_rows(const bf16* a, int64_t rows, int64_t W, int32_t* out, bool panele
       _mm512_storeu_si512(o, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
     }
   }
-}
-
-// 16 weights of a row as bf16: cast from float32 (round to nearest even), or loaded as they are.
-inline __m256i row_bf16(const float* w) { return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w)); }
-inline __m256i row_bf16(const bf16* w) { return _mm256_loadu_si256((const __m256i*)w); }
-
-// w (G x K x N) -> its forward packing: per group, pairs of rows interleaved (pair_rows) in panels of
-// kPanel columns; and, from float32, its bf16 copy (plain, same layout), in the same pass.
-template <typename T>
-void pack_pairs_of(const T* w, int64_t G, int64_t K, int64_t N, bf16* plain, bf16* packed) {
-  const int64_t K2 = K / 2;
-  at::parallel_for(0, G * K2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t gp = begin; gp < end; ++gp) {
-      const int64_t g = gp / K2, p = gp % K2, row = 2 * gp;  // row: over all groups, g * K + 2 p
-      bf16* group = packed + g * K * N;
-      for (int64_t n = 0; n < N; n += kLanes) {
-        const __m256i l = row_bf16(w + row * N + n), h = row_bf16(w + (row + 1) * N + n);
-        if (plain != nullptr) {
-          _mm256_storeu_si256((__m256i*)(plain + row * N + n), l);
-          _mm256_storeu_si256((__m256i*)(plain + (row + 1) * N + n), h);
-        }
-        const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(l), _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        const int64_t panel = n - n % kPanel, width = std::min<int64_t>(kPanel, N - panel);
-        _mm512_storeu_si512(group + panel * K + (p * width + n % kPanel) * 2, pairs);
-      }
-    }
-  });
 }
 
 void check_bf16(const at::Tensor& t, int64_t dim, const char* name) {
@@ -620,30 +624,16 @@ at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-std::vector<at::Tensor> pack_bf16(at::Tensor w) {
+// The weights of the bf16 products: float32 (masters under autocast) or bf16, read as they are.
+void check_weights(const at::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 3 && w.is_contiguous() &&
                   (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "w must be a contiguous float32 or bfloat16 CPU tensor with 3 dimensions");
-  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(K % 2 == 0 && N % kLanes == 0, "bf16 products need an even K and N a multiple of 16");
-  auto packed = at::empty({G, K / 2, 2 * N}, w.options().dtype(at::kBFloat16));
-  if (w.scalar_type() == at::kBFloat16) {  // already bf16: it is its own plain copy
-    pack_pairs_of(bf16_data(w), G, K, N, nullptr, bf16_data(packed));
-    return {w, packed};
-  }
-  auto plain = at::empty({G, K, N}, w.options().dtype(at::kBFloat16));
-  pack_pairs_of(w.data_ptr<float>(), G, K, N, bf16_data(plain), bf16_data(packed));
-  return {plain, packed};
 }
 
-at::Tensor forward_bf16(at::Tensor x, at::Tensor packed, at::Tensor counts) {
-  check_bf16(x, 2, "x"); check_bf16(packed, 3, "packed w");
-  const int64_t G = packed.size(0), K = 2 * packed.size(1), N = packed.size(2) / 2;
-  TORCH_CHECK(x.size(1) == K && N % kLanes == 0, "x must be A x K for packed w G x K/2 x 2N, N a multiple of 16");
-  const auto start = group_starts(counts, G, x.size(0));
-  auto y = at::empty({x.size(0), N}, x.options());
-  const bf16 *px = bf16_data(x), *pw = bf16_data(packed);
-  bf16* py = bf16_data(y);
+template <typename T>
+void forward_into(const bf16* px, const T* pw, const std::vector<int64_t>& start, int64_t G, int64_t K, int64_t N,
+                  bf16* py) {
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
       [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 6,
@@ -651,17 +641,25 @@ at::Tensor forward_bf16(at::Tensor x, at::Tensor packed, at::Tensor counts) {
         const int64_t row = start[p.g] + p.lo;
         small_xw_bf16(p.hi - p.lo, px + row * K, pw + p.g * K * N, py + row * N, K, N);
       });
+}
+
+at::Tensor forward_bf16(at::Tensor x, at::Tensor w, at::Tensor counts) {
+  check_bf16(x, 2, "x"); check_weights(w);
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  TORCH_CHECK(x.size(1) == K && K % 2 == 0 && N % kLanes == 0,
+              "x must be A x K for w G x K x N, K even and N a multiple of 16");
+  const auto start = group_starts(counts, G, x.size(0));
+  auto y = at::empty({x.size(0), N}, x.options());
+  if (w.scalar_type() == at::kFloat)
+    forward_into(bf16_data(x), w.data_ptr<float>(), start, G, K, N, bf16_data(y));
+  else
+    forward_into(bf16_data(x), bf16_data(w), start, G, K, N, bf16_data(y));
   return y;
 }
 
-at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
-  check_bf16(dy, 2, "dy"); check_bf16(w, 3, "w");
-  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(dy.size(1) == N && N % (2 * kLanes) == 0, "dy must be A x N for w G x K x N, N a multiple of 32");
-  const auto start = group_starts(counts, G, dy.size(0));
-  auto dx = at::empty({dy.size(0), K}, dy.options());
-  const bf16 *pg = bf16_data(dy), *pw = bf16_data(w);
-  bf16* px = bf16_data(dx);
+template <typename T>
+void input_grad_into(const bf16* pg, const T* pw, const std::vector<int64_t>& start, int64_t G, int64_t K, int64_t N,
+                     bf16* px) {
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
       [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 4,
@@ -669,6 +667,18 @@ at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
         const int64_t row = start[p.g] + p.lo;
         small_dx_bf16(p.hi - p.lo, pg + row * N, pw + p.g * K * N, px + row * K, K, N);
       });
+}
+
+at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
+  check_bf16(dy, 2, "dy"); check_weights(w);
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  TORCH_CHECK(dy.size(1) == N && N % (2 * kLanes) == 0, "dy must be A x N for w G x K x N, N a multiple of 32");
+  const auto start = group_starts(counts, G, dy.size(0));
+  auto dx = at::empty({dy.size(0), K}, dy.options());
+  if (w.scalar_type() == at::kFloat)
+    input_grad_into(bf16_data(dy), w.data_ptr<float>(), start, G, K, N, bf16_data(dx));
+  else
+    input_grad_into(bf16_data(dy), bf16_data(w), start, G, K, N, bf16_data(dx));
   return dx;
 }
 
@@ -778,9 +788,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_grad", &weight_grad, "dw_g = x_g^T @ dy_g for consecutive row groups", release());
   m.def("bf16_supported", &bf16_supported, "whether this CPU runs the bf16 products (AVX512_BF16)");
 #ifdef NANOLLAMA4_BF16
-  m.def("pack_bf16", &pack_bf16, "w -> (its bf16 copy, its bf16 forward packing)", release());
-  m.def("forward_bf16", &forward_bf16, "bf16 y_g = x_g @ w_g from a packed w", release());
-  m.def("input_grad_bf16", &input_grad_bf16, "bf16 dx_g = dy_g @ w_g^T", release());
+  m.def("forward_bf16", &forward_bf16, "bf16 y_g = x_g @ w_g, w float32 or bf16", release());
+  m.def("input_grad_bf16", &input_grad_bf16, "bf16 dx_g = dy_g @ w_g^T, w float32 or bf16", release());
   m.def("swiglu_bf16", &swiglu_bf16, "silu(gate) * up for bf16 rows [gate | up]", release());
   m.def("swiglu_grad_bf16", &swiglu_grad_bf16, "the gradient of [gate | up] from that of silu(gate) * up",
         release());

@@ -113,9 +113,10 @@ class _KernelSwiGLU(torch.autograd.Function):
 class _KernelSwiGLUBf16(torch.autograd.Function):
     """SwiGLU_e over consecutive row groups of bf16 rows on our kernel's bf16 products.
 
-    The weights come in their own dtype. One pass over each (`pack_bf16`) gives its bf16 copy, which the
-    backward's input gradients read, and the pair-interleaved packing the forward products read; for
-    float32 masters that pass replaces autocast's cast. Weight gradients are summed in float32 and
+    The weights come in their own dtype and the kernel reads them as they are: each core casts the part
+    it multiplies into its cache (float32 masters under autocast never get a bf16 copy in memory, which
+    at 128 experts of the 8,192-token benchmark moved more bytes than the products). Weight gradients are
+    summed in float32 and
     written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
     trip. (Weights of another dtype are refused by the kernel.) The activation between the products is
     the kernel's too (`swiglu_bf16` and its gradient, in float32 on bf16 rows), which recomputes silu in
@@ -126,26 +127,25 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
                 counts_E: torch.Tensor) -> torch.Tensor:
         k, x_AD = kernels.module(), x_AD.contiguous()
-        gate_up_bf16, gate_up_packed = k.pack_bf16(gate_up_EDH.detach().contiguous())
-        down_bf16, down_packed = k.pack_bf16(down_EHD.detach().contiguous())
-        h_AH2 = k.forward_bf16(x_AD, gate_up_packed, counts_E)
+        gate_up_EDH, down_EHD = gate_up_EDH.contiguous(), down_EHD.contiguous()
+        h_AH2 = k.forward_bf16(x_AD, gate_up_EDH, counts_E)
         act_AH = k.swiglu_bf16(h_AH2)
-        ctx.save_for_backward(x_AD, h_AH2, act_AH, gate_up_bf16, down_bf16, counts_E)
-        ctx.weight_dtypes = (gate_up_EDH.dtype, down_EHD.dtype)
-        return k.forward_bf16(act_AH, down_packed, counts_E)
+        ctx.save_for_backward(x_AD, h_AH2, act_AH, gate_up_EDH, down_EHD, counts_E)
+        return k.forward_bf16(act_AH, down_EHD, counts_E)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_AD: torch.Tensor):
-        x_AD, h_AH2, act_AH, gate_up_bf16, down_bf16, counts_E = ctx.saved_tensors
-        k, needs, (gate_up_dtype, down_dtype) = kernels.module(), ctx.needs_input_grad, ctx.weight_dtypes
+        x_AD, h_AH2, act_AH, gate_up_EDH, down_EHD, counts_E = ctx.saved_tensors
+        k, needs = kernels.module(), ctx.needs_input_grad
         dy_AD = dy_AD.to(torch.bfloat16).contiguous()
-        d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_dtype == torch.bfloat16) if needs[2] else None
+        d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_EHD.dtype == torch.bfloat16) if needs[2] else None
         if not (needs[0] or needs[1]):
             return None, None, d_down, None
-        dh_AH2 = k.swiglu_grad_bf16(k.input_grad_bf16(dy_AD, down_bf16, counts_E), h_AH2)
-        dx = k.input_grad_bf16(dh_AH2, gate_up_bf16, counts_E) if needs[0] else None
-        d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_dtype == torch.bfloat16) if needs[1] else None
+        dh_AH2 = k.swiglu_grad_bf16(k.input_grad_bf16(dy_AD, down_EHD, counts_E), h_AH2)
+        dx = k.input_grad_bf16(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
+        d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_EDH.dtype == torch.bfloat16) \
+            if needs[1] else None
         return dx, d_gate_up, d_down, None
 
 

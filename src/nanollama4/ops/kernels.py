@@ -148,8 +148,8 @@ def require_bf16() -> None:
 
 
 def module() -> ModuleType:
-    """The compiled module's products (forward, input_grad, weight_grad; with AVX512_BF16 also pack_bf16,
-    forward_bf16, input_grad_bf16, weight_grad_bf16), after `require()`."""
+    """The compiled module's products (forward, input_grad, weight_grad; with AVX512_BF16 also forward_bf16,
+    input_grad_bf16, weight_grad_bf16, swiglu_bf16, swiglu_grad_bf16), after `require()`."""
     if _module is None:
         raise RuntimeError("the CPU expert kernels are not loaded; call nanollama4.ops.kernels.require() first")
     return _module
