@@ -553,9 +553,9 @@ void check_bf16(const at::Tensor& t, int64_t dim, const char* name) {
               name, " must be a contiguous bfloat16 CPU tensor with ", dim, " dimensions");
 }
 
-// The SwiGLU activation between the two products, on bf16 rows h = [gate | up], computed in float32.
-// torch's bf16 elementwise operators cost an MoE layer of the demo model ~4.7 ms per forward + backward
-// in five passes; these are two.
+// The SwiGLU activation between the two products, on rows h = [gate | up] of float32 or bf16, computed
+// in float32: two passes (forward, backward) where torch's elementwise operators take five (silu, the
+// product; silu's gradient and two products). (Compiled with the bf16 code, and used where it runs.)
 inline __m512 load_bf16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -727,45 +727,69 @@ at::Tensor weight_grad_bf16(at::Tensor x, at::Tensor dy, at::Tensor counts, bool
   return dw;
 }
 
-// act = silu(gate) * up for h = [gate | up] (A x 2H) -> (A x H).
-at::Tensor swiglu_bf16(at::Tensor h) {
-  check_bf16(h, 2, "h");
-  const int64_t A = h.size(0), H = h.size(1) / 2;
-  TORCH_CHECK(h.size(1) % (2 * kLanes) == 0, "h's width must be a multiple of 32");
-  auto act = at::empty({A, H}, h.options());
-  const bf16* ph = bf16_data(h);
-  bf16* pa = bf16_data(act);
+inline __m512 load_any(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_any(const bf16* p) { return load_bf16(p); }
+inline void store_any(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_any(bf16* p, __m512 v) { store_bf16(p, v); }
+
+template <typename T>
+void swiglu_rows(const T* h, int64_t A, int64_t H, T* act) {
   at::parallel_for(0, A, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t j = 0; j < H; j += kLanes) {
-        const __m512 g = load_bf16(ph + r * 2 * H + j), u = load_bf16(ph + r * 2 * H + H + j);
-        store_bf16(pa + r * H + j, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid_ps(g)), u));
+        const __m512 g = load_any(h + r * 2 * H + j), u = load_any(h + r * 2 * H + H + j);
+        store_any(act + r * H + j, _mm512_mul_ps(_mm512_mul_ps(g, sigmoid_ps(g)), u));
       }
   });
+}
+
+template <typename T>
+void swiglu_grad_rows(const T* d_act, const T* h, int64_t A, int64_t H, T* dh) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  at::parallel_for(0, A, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < H; j += kLanes) {
+        const __m512 g = load_any(h + r * 2 * H + j), u = load_any(h + r * 2 * H + H + j);
+        const __m512 d = load_any(d_act + r * H + j), sg = sigmoid_ps(g);
+        const __m512 slope = _mm512_mul_ps(sg, _mm512_fmadd_ps(g, _mm512_sub_ps(one, sg), one));
+        store_any(dh + r * 2 * H + j, _mm512_mul_ps(_mm512_mul_ps(d, u), slope));
+        store_any(dh + r * 2 * H + H + j, _mm512_mul_ps(d, _mm512_mul_ps(g, sg)));
+      }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous() &&
+                  (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+              name, " must be a contiguous float32 or bfloat16 CPU matrix");
+}
+
+// act = silu(gate) * up for h = [gate | up] (A x 2H) -> (A x H), float32 or bf16, computed in float32.
+at::Tensor swiglu(at::Tensor h) {
+  check_rows(h, "h");
+  const int64_t A = h.size(0), H = h.size(1) / 2;
+  TORCH_CHECK(h.size(1) % (2 * kLanes) == 0, "h's width must be a multiple of 32");
+  auto act = at::empty({A, H}, h.options());
+  if (h.scalar_type() == at::kFloat)
+    swiglu_rows(h.data_ptr<float>(), A, H, act.data_ptr<float>());
+  else
+    swiglu_rows(bf16_data(h), A, H, bf16_data(act));
   return act;
 }
 
 // The gradient of h = [gate | up] from that of act: d gate = d act * up * s (1 + gate (1 - s)) with
 // s = sigmoid(gate), d up = d act * silu(gate).
-at::Tensor swiglu_grad_bf16(at::Tensor d_act, at::Tensor h) {
-  check_bf16(d_act, 2, "d_act"); check_bf16(h, 2, "h");
+at::Tensor swiglu_grad(at::Tensor d_act, at::Tensor h) {
+  check_rows(d_act, "d_act"); check_rows(h, "h");
   const int64_t A = h.size(0), H = h.size(1) / 2;
-  TORCH_CHECK(h.size(1) % (2 * kLanes) == 0 && d_act.size(0) == A && d_act.size(1) == H,
-              "d_act must be A x H for h A x 2H, H a multiple of 16");
+  TORCH_CHECK(h.size(1) % (2 * kLanes) == 0 && d_act.size(0) == A && d_act.size(1) == H &&
+                  d_act.scalar_type() == h.scalar_type(),
+              "d_act must be A x H for h A x 2H, H a multiple of 16, both of one dtype");
   auto dh = at::empty_like(h);
-  const bf16 *pd = bf16_data(d_act), *ph = bf16_data(h);
-  bf16* po = bf16_data(dh);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  at::parallel_for(0, A, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < H; j += kLanes) {
-        const __m512 g = load_bf16(ph + r * 2 * H + j), u = load_bf16(ph + r * 2 * H + H + j);
-        const __m512 d = load_bf16(pd + r * H + j), sg = sigmoid_ps(g);
-        const __m512 slope = _mm512_mul_ps(sg, _mm512_fmadd_ps(g, _mm512_sub_ps(one, sg), one));
-        store_bf16(po + r * 2 * H + j, _mm512_mul_ps(_mm512_mul_ps(d, u), slope));
-        store_bf16(po + r * 2 * H + H + j, _mm512_mul_ps(d, _mm512_mul_ps(g, sg)));
-      }
-  });
+  if (h.scalar_type() == at::kFloat)
+    swiglu_grad_rows(d_act.data_ptr<float>(), h.data_ptr<float>(), A, H, dh.data_ptr<float>());
+  else
+    swiglu_grad_rows(bf16_data(d_act), bf16_data(h), A, H, bf16_data(dh));
   return dh;
 }
 
@@ -790,9 +814,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef NANOLLAMA4_BF16
   m.def("forward_bf16", &forward_bf16, "bf16 y_g = x_g @ w_g, w float32 or bf16", release());
   m.def("input_grad_bf16", &input_grad_bf16, "bf16 dx_g = dy_g @ w_g^T, w float32 or bf16", release());
-  m.def("swiglu_bf16", &swiglu_bf16, "silu(gate) * up for bf16 rows [gate | up]", release());
-  m.def("swiglu_grad_bf16", &swiglu_grad_bf16, "the gradient of [gate | up] from that of silu(gate) * up",
-        release());
+  m.def("swiglu", &swiglu, "silu(gate) * up for rows [gate | up], float32 or bf16", release());
+  m.def("swiglu_grad", &swiglu_grad, "the gradient of [gate | up] from that of silu(gate) * up", release());
   m.def("weight_grad_bf16", &weight_grad_bf16, "dw_g = x_g^T @ dy_g from bf16 rows, summed in float32 and "
         "returned as float32 or (bf16_out) bf16", release());
 #endif

@@ -68,6 +68,12 @@ def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torc
     return _KernelSwiGLU.apply(x_AD, gate_up_EDH.to(x_AD.dtype), down_EHD.to(x_AD.dtype), counts_E)
 
 
+def compiled_activation(h_AH2: torch.Tensor) -> bool:
+    """Whether the kernel's own SwiGLU activation (`swiglu`, `swiglu_grad`: AVX-512, built with the bf16
+    products) can take h = [gate | up]: its halves are whole vectors of 16."""
+    return h_AH2.shape[1] % 32 == 0 and kernels.bf16_available()
+
+
 def _activate(h_AH2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) and silu(gate) * up from h = [gate | up]."""
     H = h_AH2.shape[1] // 2
@@ -92,10 +98,15 @@ class _KernelSwiGLU(torch.autograd.Function):
     def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
                 counts_E: torch.Tensor) -> torch.Tensor:
         x_AD, gate_up_EDH, down_EHD = x_AD.contiguous(), gate_up_EDH.contiguous(), down_EHD.contiguous()
-        h_AH2 = kernels.module().forward(x_AD, gate_up_EDH, counts_E)
-        silu_AH, act_AH = _activate(h_AH2)
+        k = kernels.module()
+        h_AH2 = k.forward(x_AD, gate_up_EDH, counts_E)
+        ctx.compiled_activation = compiled_activation(h_AH2)
+        if ctx.compiled_activation:  # silu is recomputed in the backward
+            silu_AH, act_AH = None, k.swiglu(h_AH2)
+        else:
+            silu_AH, act_AH = _activate(h_AH2)
         ctx.save_for_backward(x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E)
-        return kernels.module().forward(act_AH, down_EHD, counts_E)
+        return k.forward(act_AH, down_EHD, counts_E)
 
     @staticmethod
     @once_differentiable
@@ -105,7 +116,8 @@ class _KernelSwiGLU(torch.autograd.Function):
         d_down = k.weight_grad(act_AH, dy_AD, counts_E) if needs[2] else None
         if not (needs[0] or needs[1]):
             return None, None, d_down, None
-        dh_AH2 = _activation_grad(k.input_grad(dy_AD, down_EHD, counts_E), h_AH2, silu_AH)
+        d_act = k.input_grad(dy_AD, down_EHD, counts_E)
+        dh_AH2 = k.swiglu_grad(d_act, h_AH2) if ctx.compiled_activation else _activation_grad(d_act, h_AH2, silu_AH)
         dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
         return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down, None
 
@@ -119,8 +131,8 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     summed in float32 and
     written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
     trip. (Weights of another dtype are refused by the kernel.) The activation between the products is
-    the kernel's too (`swiglu_bf16` and its gradient, in float32 on bf16 rows), which recomputes silu in
-    the backward instead of saving it.
+    the kernel's too (`swiglu` and `swiglu_grad`, in float32 on bf16 rows), which recompute silu in the
+    backward instead of saving it.
     """
 
     @staticmethod
@@ -129,7 +141,7 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
         k, x_AD = kernels.module(), x_AD.contiguous()
         gate_up_EDH, down_EHD = gate_up_EDH.contiguous(), down_EHD.contiguous()
         h_AH2 = k.forward_bf16(x_AD, gate_up_EDH, counts_E)
-        act_AH = k.swiglu_bf16(h_AH2)
+        act_AH = k.swiglu(h_AH2)
         ctx.save_for_backward(x_AD, h_AH2, act_AH, gate_up_EDH, down_EHD, counts_E)
         return k.forward_bf16(act_AH, down_EHD, counts_E)
 
@@ -142,7 +154,7 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
         d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_EHD.dtype == torch.bfloat16) if needs[2] else None
         if not (needs[0] or needs[1]):
             return None, None, d_down, None
-        dh_AH2 = k.swiglu_grad_bf16(k.input_grad_bf16(dy_AD, down_EHD, counts_E), h_AH2)
+        dh_AH2 = k.swiglu_grad(k.input_grad_bf16(dy_AD, down_EHD, counts_E), h_AH2)
         dx = k.input_grad_bf16(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
         d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_EDH.dtype == torch.bfloat16) \
             if needs[1] else None

@@ -34,6 +34,7 @@ SOURCE = Path(__file__).parent.parent / "csrc" / "grouped.cpp"
 
 _module: ModuleType | None = None
 _tried = False
+_bf16: tuple[ModuleType, bool] | None = None  # bf16_available()'s answer, for the module it asked
 _lock = threading.Lock()  # a second thread waits for the first one's build instead of seeing None
 
 
@@ -137,7 +138,13 @@ def require() -> None:
 
 def bf16_available() -> bool:
     """Whether the kernel's bf16 products can run here: built, on an x86 CPU with AVX512_BF16."""
-    return available() and bool(_module.bf16_supported())
+    global _bf16
+    built = load()
+    if built is None:
+        return False
+    if _bf16 is None or _bf16[0] is not built:  # asked once per loaded module
+        _bf16 = (built, bool(built.bf16_supported()))
+    return _bf16[1]
 
 
 def require_bf16() -> None:
@@ -149,7 +156,7 @@ def require_bf16() -> None:
 
 def module() -> ModuleType:
     """The compiled module's products (forward, input_grad, weight_grad; with AVX512_BF16 also forward_bf16,
-    input_grad_bf16, weight_grad_bf16, swiglu_bf16, swiglu_grad_bf16), after `require()`."""
+    input_grad_bf16, weight_grad_bf16, and the activation swiglu, swiglu_grad), after `require()`."""
     if _module is None:
         raise RuntimeError("the CPU expert kernels are not loaded; call nanollama4.ops.kernels.require() first")
     return _module
