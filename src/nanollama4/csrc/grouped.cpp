@@ -1,4 +1,5 @@
-// Grouped matrix products for a mixture of experts on the CPU, float32, rows sorted by expert.
+// Grouped matrix products for a mixture of experts on the CPU, float32 (and bf16 further down: AVX512_BF16),
+// rows sorted by expert.
 //
 // torch's products are built for large matrices: for an expert that sees a handful of rows, MKL spends
 // its time packing the weight and both cores synchronise on every product, so an MoE layer with many

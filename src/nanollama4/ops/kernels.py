@@ -1,4 +1,5 @@
-"""Our one compiled kernel: the feed-forward layers' matrix products on the CPU in float32.
+"""Our one compiled kernel: the feed-forward layers' matrix products on the CPU, in float32, and in bf16
+where the CPU has AVX512_BF16 (`bf16_available()`).
 
 torch's CPU products are built for large matrices. An expert that sees a few dozen rows spends most of
 a product packing its weight, and both cores synchronise on every product, so an MoE layer with many
@@ -8,6 +9,11 @@ every weight element once. It is compiled with torch's C++ extension tools on fi
 cached afterwards under ~/.cache/torch_extensions, one build per source and flags); where that is
 impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer
 keeps torch's `grouped_mm`.
+
+The bf16 products follow the same plan on the CPU's bf16 dot-product instruction, with float32 sums; they
+take float32 master weights as they are (casting in the core's cache) and write float32 gradients, so
+an autocast MoE step has no cast of its experts and no bf16 round trip of their gradients. The same
+module holds the SwiGLU activation between the two products (AVX-512).
 
 The same loops also beat torch's fp32 products at dense sizes (benchmarks/RESULTS.md), so the dense SwiGLU
 (the dense FFN and the shared expert) uses them too, through `linear`: every feed-forward product
