@@ -102,6 +102,9 @@ void tile_xw(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
   for (int64_t k = 0; k < K; ++k) {
     vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(w + k * ldw + v * kLanes);
+    // 16 weight rows ahead: a tile's first pass over a strip reads the weight from memory in training
+    // (after the optimizer's pass), with a 2 KiB stride the hardware prefetcher does not follow far enough
+    for (int v = 0; v < V; ++v) __builtin_prefetch(w + (k + 16) * ldw + v * kLanes, 0, 3);
     for (int r = 0; r < R; ++r) {
       float a = x[r * ldx + k];
       for (int v = 0; v < V; ++v) acc[r][v] += a * wv[v];
@@ -195,7 +198,11 @@ void small_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, 
     const float* g = dy + r * N;
     float* o = dx + r * K;
     int64_t k = 0;
-    for (; k + 4 <= K; k += 4) rows_dx<4>(rows, g, w + k * N, o + k, K, N);
+    for (; k + 4 <= K; k += 4) {
+      // the next four weight rows, while these four multiply the chunk (they come from memory in training)
+      for (int64_t i = (k + 4) * N; i < std::min(k + 8, K) * N; i += kLanes) __builtin_prefetch(w + i, 0, 3);
+      rows_dx<4>(rows, g, w + k * N, o + k, K, N);
+    }
     for (; k < K; ++k) rows_dx<1>(rows, g, w + k * N, o + k, K, N);
   }
 }
