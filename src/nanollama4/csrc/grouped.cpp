@@ -198,11 +198,7 @@ void small_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, 
     const float* g = dy + r * N;
     float* o = dx + r * K;
     int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
-      // the next four weight rows, while these four multiply the chunk (they come from memory in training)
-      for (int64_t i = (k + 4) * N; i < std::min(k + 8, K) * N; i += kLanes) __builtin_prefetch(w + i, 0, 3);
-      rows_dx<4>(rows, g, w + k * N, o + k, K, N);
-    }
+    for (; k + 4 <= K; k += 4) rows_dx<4>(rows, g, w + k * N, o + k, K, N);
     for (; k < K; ++k) rows_dx<1>(rows, g, w + k * N, o + k, K, N);
   }
 }
