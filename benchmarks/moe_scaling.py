@@ -86,12 +86,18 @@ def timed(fn, reps: int, device: str) -> float:
 
 
 def measured_rates(dtype: torch.dtype, device: str) -> tuple[float, float]:
-    """(matrix-product FLOP/s of dtype, memory bytes/s) on this machine, now."""
+    """(matrix-product FLOP/s of dtype, memory bytes/s) on this machine, now: the best of 10 runs each, since
+    a bound wants the peak (a median of 5 once caught a slow moment and put rows below their "bound")."""
     a = torch.randn(2048, 2048, device=device).to(dtype)
-    flops = 2 * 2048 ** 3 / timed(lambda: a @ a, 5, device)
+    flops = 2 * 2048 ** 3 / _fastest(lambda: a @ a, 10, device)
     src, dst = torch.ones(64 * 2 ** 20, device=device), torch.zeros(64 * 2 ** 20, device=device)  # 256 MiB each
-    bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 5, device)  # read + write
+    bandwidth = 2 * src.numel() * 4 / _fastest(lambda: dst.copy_(src), 10, device)  # read + write
     return flops, bandwidth
+
+
+def _fastest(fn, reps: int, device: str) -> float:
+    fn()
+    return min(_once_ms(fn, device) for _ in range(reps)) / 1e3
 
 
 def roofline_s(n: int, k: int, tokens: int, dtype: torch.dtype, rates: tuple[float, float]) -> float:
