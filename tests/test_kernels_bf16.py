@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +56,7 @@ def test_matches_plain_products(counts, K, N, seed, weights):
     check(counts, K, N, seed, torch.float32 if weights == "fp32" else torch.bfloat16)
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3, 16])
 def test_large_groups_split_across_cores(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -63,6 +64,36 @@ def test_large_groups_split_across_cores(threads):
         check([700, 3, 0, 261], 64, 96, seed=1, weights=torch.float32)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_activation_matches_silu_times_up_and_its_gradient(dtype):
+    """swiglu and swiglu_grad against float64 autograd, over |x| up to 100 (exp clamped past 87)."""
+    k = kernels.module()
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(37, 96, generator=g) * 8).to(dtype)
+    h[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    d = torch.randn(37, 48, generator=g).to(dtype)
+    h64 = h.double().requires_grad_()
+    want = F.silu(h64[:, :48]) * h64[:, 48:]
+    want.backward(d.double())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-3, rtol=2 ** -7)
+    torch.testing.assert_close(k.swiglu(h).double(), want.detach(), **tol)
+    torch.testing.assert_close(k.swiglu_grad(d, h).double(), h64.grad, **tol)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        k.swiglu(torch.zeros(4, 40, dtype=dtype))
+
+
+def test_other_weight_dtypes_are_multiplied_as_float32():
+    k = kernels.module()
+    x = torch.randn(10, 32).bfloat16()
+    gate_up, down = torch.randn(2, 32, 64, dtype=torch.float64), torch.randn(2, 32, 32, dtype=torch.float64)
+    counts = torch.tensor([4, 6])
+    y = products.kernel_product(x, gate_up, down, counts, torch.tensor([0] * 4 + [1] * 6))
+    want = products.kernel_product(x, gate_up.float(), down.float(), counts, torch.tensor([0] * 4 + [1] * 6))
+    assert torch.equal(y, want)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        k.forward_bf16(x, gate_up, counts)
 
 
 def test_widths_it_cannot_take_are_refused_with_a_message():

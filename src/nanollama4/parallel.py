@@ -38,7 +38,7 @@ from .errors import ConfigError, Nanollama4Error, TrainingError
 from .evaluation import autocast
 from .model import Loss, Transformer
 from .moe import Experts
-from .ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
+from .ops.experts import CASTS_WEIGHTS, PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
 from .runtime import pick_device
 
 
@@ -439,7 +439,9 @@ class ShardedExperts(Experts):
                                                             multiple)
             x_PD = x_GD.index_select(0, rows_P) * keep_P.unsqueeze(1).to(x_GD.dtype)  # padding rows: zeros
         gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up, self.down))
-        y_PD = PRODUCTS[name](x_PD, gate_up.to(x_PD.dtype), down.to(x_PD.dtype), counts_N, expert_P)
+        if name not in CASTS_WEIGHTS:
+            gate_up, down = gate_up.to(x_PD.dtype), down.to(x_PD.dtype)
+        y_PD = PRODUCTS[name](x_PD, gate_up, down, counts_N, expert_P)
         if multiple == 1:
             return y_PD
         # back to one row per received row (padding rows hold zeros and add nothing)

@@ -4,7 +4,8 @@
 // torch's products are built for large matrices: for an expert that sees a handful of rows, MKL spends
 // its time packing the weight and both cores synchronise on every product, so an MoE layer with many
 // experts ran several times slower than a dense layer of the same active size. Here each core takes
-// whole experts (no synchronisation inside a call; a group larger than a core's share is sliced), and
+// an equal share of a call's work in whole experts (no synchronisation inside a call; a group that
+// straddles two shares is cut between them), and
 // every product runs through register-tiled loops that read each weight element once per six rows.
 // On the AMD EPYC we develop on they also beat torch's fp32 products on large groups, about 2x
 // (benchmarks/RESULTS.md). Written with GCC/Clang vector extensions (GCC >= 12 for the shuffles),
@@ -27,7 +28,7 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#if defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11  // the bf16 code needs #pragma GCC target
 #define NANOLLAMA4_BF16 1
 #endif
 #endif
@@ -89,8 +90,8 @@ inline void store_stream(float* p, vec v) {
   store(p, v);
 }
 
-inline void fence() {
-#if defined(__AVX512F__)
+inline void fence() {  // (the bf16 code streams its gradients whatever the build flags)
+#if defined(__x86_64__)
   _mm_sfence();
 #endif
 }
@@ -104,7 +105,8 @@ void tile_xw(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
     for (int v = 0; v < V; ++v) wv[v] = load(w + k * ldw + v * kLanes);
     // 16 weight rows ahead: a tile's first pass over a strip reads the weight from memory in training
     // (after the optimizer's pass), with a 2 KiB stride the hardware prefetcher does not follow far enough
-    for (int v = 0; v < V; ++v) __builtin_prefetch(w + (k + 16) * ldw + v * kLanes, 0, 3);
+    if (k + 16 < K)
+      for (int v = 0; v < V; ++v) __builtin_prefetch(w + (k + 16) * ldw + v * kLanes, 0, 3);
     for (int r = 0; r < R; ++r) {
       float a = x[r * ldx + k];
       for (int v = 0; v < V; ++v) acc[r][v] += a * wv[v];
@@ -270,6 +272,7 @@ void per_core(int64_t G, const Span& span, const Cost& cost, int64_t align, cons
   double done = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t n = span(g);
+    while (t + 1 < cores && done >= share_end(t)) ++t;
     if (n == 0) {  // one empty piece (the weight gradient of a group without rows is still zeroed)
       shares[t].push_back({g, 0, 0});
       done += costs[g];
@@ -332,7 +335,7 @@ at::Tensor row_products(const at::Tensor& a, const at::Tensor& w, const at::Tens
   float* py = y.data_ptr<float>();
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, align,
+      [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, align,
       [&](const Piece& p) {
         const int64_t row = start[p.g] + p.lo;
         tile(p.hi - p.lo, pa + row * in, pw + p.g * K * N, py + row * out, K, N);
@@ -350,7 +353,7 @@ at::Tensor row_products(const at::Tensor& a, const at::Tensor& w, const at::Tens
 //   input    dx = dy @ w^T: both dy's rows and w's rows run along n, so this one sums whole rows
 //                          (dot products, then one butterfly of horizontal sums per 4 x 4 tile);
 //   weight   dw = x^T @ dy: the sum runs over rows, so each group's x and dy are re-packed into pairs of
-//                          rows first; dw comes out in float32, as the master weights' gradient.
+//                          rows first; dw is summed in float32 and written in the weights' dtype.
 // The group loop, the slicing and the per-core split are the float32 ones. Compiled for AVX512_BF16
 // whatever the build flags (`#pragma GCC target`), and used only when the CPU reports it (`bf16_supported`).
 #ifdef NANOLLAMA4_BF16
@@ -425,6 +428,7 @@ void pack_panel(const T* w, int64_t K, int64_t N, int64_t n, int64_t width, bf16
 // Forward of one group: x (m x K) @ w (K x N), N a multiple of 16, one packed panel of kPanel columns at a time.
 template <typename T>
 void small_xw_bf16(int64_t m, const bf16* x, const T* w, bf16* y, int64_t K, int64_t N) {
+  if (m == 0) return;
   thread_local std::vector<bf16> panel;
   panel.resize(K * kPanel);
   for (int64_t n = 0; n < N; n += kPanel) {
@@ -481,7 +485,8 @@ void rows_dx_bf16(int64_t rows, const bf16* dy, const bf16* w, bf16* dx, int64_t
 }
 
 // Input gradient of one group: dy (m x N) @ w (K x N)^T, in chunks of rows that stay in cache. float32
-// weights are cast into a per-core bf16 copy of the group's weight first.
+// weights are cast into a scratch bf16 copy of this group's weight first (the size of one expert, so in
+// cache for the models here; never a copy of all the experts).
 void small_dx_bf16(int64_t m, const bf16* dy, const float* w32, bf16* dx, int64_t K, int64_t N);
 void small_dx_bf16(int64_t m, const bf16* dy, const bf16* w, bf16* dx, int64_t K, int64_t N) {
   constexpr int64_t kChunk = 64;
@@ -494,8 +499,8 @@ void small_dx_bf16(int64_t m, const bf16* dy, const bf16* w, bf16* dx, int64_t K
 }
 
 void small_dx_bf16(int64_t m, const bf16* dy, const float* w32, bf16* dx, int64_t K, int64_t N) {
-  thread_local std::vector<bf16> w;
-  w.resize(K * N);
+  if (m == 0) return;
+  std::vector<bf16> w(K * N);  // scratch, freed after the piece
   for (int64_t i = 0; i < K * N; i += kLanes) _mm256_storeu_si256((__m256i*)(w.data() + i), row_bf16(w32 + i));
   small_dx_bf16(m, dy, w.data(), dx, K, N);
 }
@@ -503,7 +508,7 @@ void small_dx_bf16(int64_t m, const bf16* dy, const float* w32, bf16* dx, int64_
 // dw[C rows, V vectors] = sum over row pairs p of x's pair p (column c) times dy's pair p (one panel of V
 // vectors per pair), summed in float32 and stored as float32 or bf16 (Out).
 inline void store_sum(float* p, __m512 v) { store_stream(p, reinterpret_cast<vec>(v)); }
-inline void store_sum(bf16* p, __m512 v) {  // streamed too (store_stream), where aligned
+inline void store_sum(bf16* p, __m512 v) {  // streamed too, where aligned (fence() after each piece)
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
   if ((reinterpret_cast<uintptr_t>(p) & 31) == 0)
     _mm256_stream_si256((__m256i*)p, h);
@@ -592,8 +597,10 @@ inline __m512 load_bf16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// e^x, to float32 rounding: x = n ln 2 + r with |r| <= ln 2 / 2, a degree-7 Taylor polynomial for e^r
-// (relative error below 1e-8 there) and a scaling by 2^n.
+// e^x, to float32 rounding for |x| <= 87: x = n ln 2 + r with |r| <= ln 2 / 2, a degree-7 Taylor polynomial
+// for e^r (relative error below 1e-8 there) and a scaling by 2^n. x is clamped to [-87, 88] first (so
+// silu(-100) is ~1e-36 instead of ~4e-42, and a NaN x gives e^-87: the activation's products with x
+// still carry the NaN on).
 inline __m512 exp_ps(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -656,6 +663,7 @@ at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
 #ifdef NANOLLAMA4_BF16
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace {
 
 // The weights of the bf16 products: float32 (masters under autocast) or bf16, read as they are.
 void check_weights(const at::Tensor& w) {
@@ -669,14 +677,14 @@ void forward_into(const bf16* px, const T* pw, const std::vector<int64_t>& start
                   bf16* py) {
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 6,
+      [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, 6,
       [&](const Piece& p) {
         const int64_t row = start[p.g] + p.lo;
         small_xw_bf16(p.hi - p.lo, px + row * K, pw + p.g * K * N, py + row * N, K, N);
       });
 }
 
-at::Tensor forward_bf16(at::Tensor x, at::Tensor w, at::Tensor counts) {
+at::Tensor forward_bf16_avx512(at::Tensor x, at::Tensor w, at::Tensor counts) {
   check_bf16(x, 2, "x"); check_weights(w);
   const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
   TORCH_CHECK(x.size(1) == K && K % 2 == 0 && N % kLanes == 0,
@@ -695,14 +703,14 @@ void input_grad_into(const bf16* pg, const T* pw, const std::vector<int64_t>& st
                      bf16* px) {
   per_core(
       G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return (m + 4.0) * K * N; }, 4,
+      [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, 4,
       [&](const Piece& p) {
         const int64_t row = start[p.g] + p.lo;
         small_dx_bf16(p.hi - p.lo, pg + row * N, pw + p.g * K * N, px + row * K, K, N);
       });
 }
 
-at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
+at::Tensor input_grad_bf16_avx512(at::Tensor dy, at::Tensor w, at::Tensor counts) {
   check_bf16(dy, 2, "dy"); check_weights(w);
   const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
   TORCH_CHECK(dy.size(1) == N && N % (2 * kLanes) == 0, "dy must be A x N for w G x K x N, N a multiple of 32");
@@ -746,7 +754,7 @@ void weight_grad_into(const bf16* px, const bf16* pg, const std::vector<int64_t>
       });
 }
 
-at::Tensor weight_grad_bf16(at::Tensor x, at::Tensor dy, at::Tensor counts, bool bf16_out) {
+at::Tensor weight_grad_bf16_avx512(at::Tensor x, at::Tensor dy, at::Tensor counts, bool bf16_out) {
   check_bf16(x, 2, "x"); check_bf16(dy, 2, "dy");
   TORCH_CHECK(counts.dim() == 1, "counts must be a vector with one entry per group");
   const int64_t G = counts.size(0), K = x.size(1), N = dy.size(1);
@@ -799,7 +807,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 }
 
 // act = silu(gate) * up for h = [gate | up] (A x 2H) -> (A x H), float32 or bf16, computed in float32.
-at::Tensor swiglu(at::Tensor h) {
+at::Tensor swiglu_avx512(at::Tensor h) {
   check_rows(h, "h");
   const int64_t A = h.size(0), H = h.size(1) / 2;
   TORCH_CHECK(h.size(1) % (2 * kLanes) == 0, "h's width must be a multiple of 32");
@@ -813,7 +821,7 @@ at::Tensor swiglu(at::Tensor h) {
 
 // The gradient of h = [gate | up] from that of act: d gate = d act * up * s (1 + gate (1 - s)) with
 // s = sigmoid(gate), d up = d act * silu(gate).
-at::Tensor swiglu_grad(at::Tensor d_act, at::Tensor h) {
+at::Tensor swiglu_grad_avx512(at::Tensor d_act, at::Tensor h) {
   check_rows(d_act, "d_act"); check_rows(h, "h");
   const int64_t A = h.size(0), H = h.size(1) / 2;
   TORCH_CHECK(h.size(1) % (2 * kLanes) == 0 && d_act.size(0) == A && d_act.size(1) == H &&
@@ -827,6 +835,7 @@ at::Tensor swiglu_grad(at::Tensor d_act, at::Tensor h) {
   return dh;
 }
 
+}  // namespace
 #pragma GCC pop_options
 #endif  // NANOLLAMA4_BF16
 
@@ -837,6 +846,34 @@ bool bf16_supported() {
   return false;
 #endif
 }
+
+#ifdef NANOLLAMA4_BF16
+// The entry points check the CPU first (in code compiled for any x86), so that a call on a CPU without
+// AVX512_BF16 raises instead of stopping on an illegal instruction.
+void require_bf16_cpu() {
+  TORCH_CHECK(bf16_supported(), "the bf16 products need a CPU with AVX512_BF16 (kernels.bf16_available())");
+}
+at::Tensor forward_bf16(at::Tensor x, at::Tensor w, at::Tensor counts) {
+  require_bf16_cpu();
+  return forward_bf16_avx512(x, w, counts);
+}
+at::Tensor input_grad_bf16(at::Tensor dy, at::Tensor w, at::Tensor counts) {
+  require_bf16_cpu();
+  return input_grad_bf16_avx512(dy, w, counts);
+}
+at::Tensor weight_grad_bf16(at::Tensor x, at::Tensor dy, at::Tensor counts, bool bf16_out) {
+  require_bf16_cpu();
+  return weight_grad_bf16_avx512(x, dy, counts, bf16_out);
+}
+at::Tensor swiglu(at::Tensor h) {
+  require_bf16_cpu();
+  return swiglu_avx512(h);
+}
+at::Tensor swiglu_grad(at::Tensor d_act, at::Tensor h) {
+  require_bf16_cpu();
+  return swiglu_grad_avx512(d_act, h);
+}
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Like torch's own operators, these let other Python threads run while they compute.

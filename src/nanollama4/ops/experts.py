@@ -63,6 +63,9 @@ def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torc
     their own dtype (float32 masters under autocast) and returns their gradients in it."""
     if x_AD.dtype == torch.bfloat16:
         kernels.require_bf16()
+        # it reads float32 or bf16 weights as they are; others (fp16, fp64 masters) as float32 copies
+        gate_up_EDH, down_EHD = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()
+                                 for w in (gate_up_EDH, down_EHD))
         return _KernelSwiGLUBf16.apply(x_AD, gate_up_EDH, down_EHD, counts_E)
     kernels.require()
     return _KernelSwiGLU.apply(x_AD, gate_up_EDH.to(x_AD.dtype), down_EHD.to(x_AD.dtype), counts_E)
@@ -126,8 +129,9 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     """SwiGLU_e over consecutive row groups of bf16 rows on our kernel's bf16 products.
 
     The weights come in their own dtype and the kernel reads them as they are: each core casts the part
-    it multiplies into its cache (float32 masters under autocast never get a bf16 copy in memory, which
-    at 128 experts of the 8,192-token benchmark moved more bytes than the products). Weight gradients are
+    it multiplies into scratch memory (a 64-column panel for the forward, one expert's weight for the
+    input gradient), so float32 masters under autocast never get a bf16 copy of all the experts, which at
+    128 experts of the 8,192-token benchmark moved more bytes than the products. Weight gradients are
     summed in float32 and
     written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
     trip. (Weights of another dtype are refused by the kernel.) The activation between the products is

@@ -11,7 +11,7 @@ impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is Fal
 keeps torch's `grouped_mm`.
 
 The bf16 products follow the same plan on the CPU's bf16 dot-product instruction, with float32 sums; they
-take float32 master weights as they are (casting in the core's cache) and write float32 gradients, so
+take float32 master weights as they are (each core casting the part it multiplies) and write float32 gradients, so
 an autocast MoE step has no cast of its experts and no bf16 round trip of their gradients. The same
 module holds the SwiGLU activation between the two products (AVX-512).
 
