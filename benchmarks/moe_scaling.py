@@ -73,16 +73,7 @@ def make_reference(ours: MoE, n: int, k: int):
 def timed(fn, reps: int, device: str) -> float:
     """Median seconds of fn() over reps runs, after one warm-up run."""
     fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(_once_ms(fn, device) for _ in range(reps)) / 1e3
 
 
 def measured_rates(dtype: torch.dtype, device: str) -> tuple[float, float]:
@@ -188,6 +179,7 @@ def _autocast(fn):
 
 
 def _once_ms(fn, device: str) -> float:
+    """Milliseconds of one fn() call (waiting for the GPU on CUDA)."""
     if device == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
