@@ -7,7 +7,7 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
   loop     one matmul pair per expert (the readable one)
   grouped  torch's F.grouped_mm over the contiguous groups
   kernel   our compiled CPU grouped product (ops/kernels.py): float32, and bf16 where the CPU has
-           AVX512_BF16; it takes the float32 master weights as they are (casting them in its packing)
+           AVX512_BF16; it takes the float32 master weights as they are (each core casts what it multiplies)
   padded   one bmm over an (E, C, D) buffer, C the largest group rounded up
   bucketed one product per expert into preallocated buffers (for groups the caller pads to 32-row
            multiples: `pad_groups`)
@@ -132,11 +132,10 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     it multiplies into scratch memory (a 64-column panel for the forward, one expert's weight for the
     input gradient), so float32 masters under autocast never get a bf16 copy of all the experts, which at
     128 experts of the 8,192-token benchmark moved more bytes than the products. Weight gradients are
-    summed in float32 and
-    written in the weights' dtype (float32 or bf16), so float32 masters get them without a bf16 round
-    trip. (Weights of another dtype are refused by the kernel.) The activation between the products is
-    the kernel's too (`swiglu` and `swiglu_grad`, in float32 on bf16 rows), which recompute silu in the
-    backward instead of saving it.
+    summed in float32 and written in the weights' dtype (float32 or bf16), so float32 masters get them
+    without a bf16 round trip (`kernel_product` hands weights of other dtypes over as float32 copies).
+    The activation between the products is the kernel's too (`swiglu` and `swiglu_grad`, in float32 on
+    bf16 rows), which recompute silu in the backward instead of saving it.
     """
 
     @staticmethod
