@@ -672,55 +672,47 @@ void check_weights(const at::Tensor& w) {
               "w must be a contiguous float32 or bfloat16 CPU tensor with 3 dimensions");
 }
 
-template <typename T>
-void forward_into(const bf16* px, const T* pw, const std::vector<int64_t>& start, int64_t G, int64_t K, int64_t N,
-                  bf16* py) {
-  per_core(
-      G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, 6,
-      [&](const Piece& p) {
-        const int64_t row = start[p.g] + p.lo;
-        small_xw_bf16(p.hi - p.lo, px + row * K, pw + p.g * K * N, py + row * N, K, N);
-      });
+// Row products of bf16 rows, as `row_products` does them for float32: out_g = a_g @ (w_g or w_g^T) for w
+// float32 or bf16; `tile(m, a, w_g, out, K, N)` is small_xw_bf16 (a: A x K) or small_dx_bf16 (a: A x N).
+template <typename Tile>
+at::Tensor row_products_bf16(const at::Tensor& a, const at::Tensor& w, const at::Tensor& counts, bool transposed,
+                             int64_t align, Tile tile) {
+  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
+  const int64_t in = transposed ? N : K, out = transposed ? K : N;
+  const auto start = group_starts(counts, G, a.size(0));
+  auto y = at::empty({a.size(0), out}, a.options());
+  const bf16* pa = bf16_data(a);
+  bf16* py = bf16_data(y);
+  const auto run = [&](const auto* pw) {
+    per_core(
+        G, [&](int64_t g) { return start[g + 1] - start[g]; },
+        [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, align,
+        [&](const Piece& p) {
+          const int64_t row = start[p.g] + p.lo;
+          tile(p.hi - p.lo, pa + row * in, pw + p.g * K * N, py + row * out, K, N);
+        });
+  };
+  if (w.scalar_type() == at::kFloat)
+    run(w.data_ptr<float>());
+  else
+    run(bf16_data(w));
+  return y;
 }
 
 at::Tensor forward_bf16_avx512(at::Tensor x, at::Tensor w, at::Tensor counts) {
   check_bf16(x, 2, "x"); check_weights(w);
-  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(x.size(1) == K && K % 2 == 0 && N % kLanes == 0,
+  TORCH_CHECK(x.size(1) == w.size(1) && w.size(1) % 2 == 0 && w.size(2) % kLanes == 0,
               "x must be A x K for w G x K x N, K even and N a multiple of 16");
-  const auto start = group_starts(counts, G, x.size(0));
-  auto y = at::empty({x.size(0), N}, x.options());
-  if (w.scalar_type() == at::kFloat)
-    forward_into(bf16_data(x), w.data_ptr<float>(), start, G, K, N, bf16_data(y));
-  else
-    forward_into(bf16_data(x), bf16_data(w), start, G, K, N, bf16_data(y));
-  return y;
-}
-
-template <typename T>
-void input_grad_into(const bf16* pg, const T* pw, const std::vector<int64_t>& start, int64_t G, int64_t K, int64_t N,
-                     bf16* px) {
-  per_core(
-      G, [&](int64_t g) { return start[g + 1] - start[g]; },
-      [&](int64_t, int64_t m) { return m > 0 ? (m + 4.0) * K * N : 0.0; }, 4,
-      [&](const Piece& p) {
-        const int64_t row = start[p.g] + p.lo;
-        small_dx_bf16(p.hi - p.lo, pg + row * N, pw + p.g * K * N, px + row * K, K, N);
-      });
+  return row_products_bf16(x, w, counts, false, 6, [](int64_t m, const bf16* a, const auto* wg, bf16* o, int64_t K,
+                                                      int64_t N) { small_xw_bf16(m, a, wg, o, K, N); });
 }
 
 at::Tensor input_grad_bf16_avx512(at::Tensor dy, at::Tensor w, at::Tensor counts) {
   check_bf16(dy, 2, "dy"); check_weights(w);
-  const int64_t G = w.size(0), K = w.size(1), N = w.size(2);
-  TORCH_CHECK(dy.size(1) == N && N % (2 * kLanes) == 0, "dy must be A x N for w G x K x N, N a multiple of 32");
-  const auto start = group_starts(counts, G, dy.size(0));
-  auto dx = at::empty({dy.size(0), K}, dy.options());
-  if (w.scalar_type() == at::kFloat)
-    input_grad_into(bf16_data(dy), w.data_ptr<float>(), start, G, K, N, bf16_data(dx));
-  else
-    input_grad_into(bf16_data(dy), bf16_data(w), start, G, K, N, bf16_data(dx));
-  return dx;
+  TORCH_CHECK(dy.size(1) == w.size(2) && w.size(2) % (2 * kLanes) == 0,
+              "dy must be A x N for w G x K x N, N a multiple of 32");
+  return row_products_bf16(dy, w, counts, true, 4, [](int64_t m, const bf16* a, const auto* wg, bf16* o, int64_t K,
+                                                      int64_t N) { small_dx_bf16(m, a, wg, o, K, N); });
 }
 
 // Out: the gradient's dtype (float for float32 master weights, bf16 for bf16 ones).
