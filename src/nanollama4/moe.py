@@ -158,8 +158,8 @@ class Experts(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
         if self.takes_few_rows(expert_A):
             return few_rows(x_TD, token_A, expert_A, weight_A, self.gate_up, self.down, scale_input, dtype)
-        order_A = torch.argsort(expert_A, stable=True)
-        token_A, expert_A, weight_A = token_A[order_A], expert_A[order_A], weight_A[order_A]
+        expert_A, order_A = torch.sort(expert_A, stable=True)
+        token_A, weight_A = token_A[order_A], weight_A[order_A]
         counts_E = count_per_expert(expert_A, self.n_experts)
         name = chosen_product(self.dispatch, x_TD[:0].to(dtype), self.hidden, self.n_experts, expert_A.shape[0])
         multiple = ROW_MULTIPLE.get(name, 1) if self.pads_groups else 1
@@ -224,8 +224,8 @@ class MoE(nn.Module):
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
         self._assigned: tuple[torch.Tensor, int] | None = None  # the last pass's expert ids and slot count
-        self._training_stats: dict[str, torch.Tensor] = {}
-        self._logits = torch.zeros(0, cfg.n_experts)
+        self._counts: torch.Tensor | None = None  # counted from _assigned when first needed
+        self._training: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rerouted, dropped, logits
         self.aux_loss = torch.zeros(())
 
     def capacity(self, n_tokens: int) -> int | None:
@@ -246,8 +246,9 @@ class MoE(nn.Module):
         choice_TE = scores_TE + self.router_bias
         cap = self.capacity(x_TD.shape[0])
         zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
-        if cap is None:
-            experts_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        if cap is None:  # (max is 3x quicker than topk for the top-1)
+            experts_TK = choice_TE.max(dim=-1, keepdim=True).indices if self.top_k == 1 \
+                else choice_TE.topk(self.top_k, dim=-1).indices
             valid_TK, rerouted = None, zero
         else:
             experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap, self.overflow)
@@ -283,37 +284,34 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------------------------------ statistics, losses
     def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
-        """Keep what `stats` reads, and compute the auxiliary losses (training only)."""
+        """Keep what `stats` reads, and compute the auxiliary losses (training only). What the step itself
+        does not use (counts without balancing, the fractions, the entropy) is derived when `stats` is read."""
         self._assigned = (expert_A, n_tokens * self.top_k)
-        self._training_stats = {}
+        self._counts = None
+        self._training = None
         if not self.training:
             self.aux_loss = r.logits_TE.new_zeros(())
             return
-        counts_E = count_per_expert(expert_A, self.n_experts)
+        self._training = (r.rerouted, r.dropped, r.logits_TE.detach())
         slots = n_tokens * self.top_k
-        self._training_stats = {
-            "counts": counts_E,
-            "rerouted_frac": r.rerouted.float() / slots,
-            "dropped_frac": r.dropped.float() / slots,
-        }
-        self._logits = r.logits_TE.detach()  # for the entropy, computed only when `stats` is read
         aux = r.logits_TE.new_zeros(())
         if self.aux_coef:
-            frac_E = counts_E.float() / slots  # f_e: share of assignments (not differentiable)
+            frac_E = self.counts.float() / slots  # f_e: share of assignments (not differentiable)
             aux = aux + self.aux_coef * self.n_experts * (frac_E * r.logits_TE.softmax(-1).mean(0)).sum()
         if self.z_coef:
             aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
         self.aux_loss = aux
         if self.bias_rate:
-            self.pending_counts += counts_E.float()
+            self.pending_counts += self.counts.float()
 
     @property
     def counts(self) -> torch.Tensor | None:
         """Assignments per expert in the last forward pass (E,), or None before the first."""
         if self._assigned is None:
             return None
-        counts_E = self._training_stats.get("counts")
-        return count_per_expert(self._assigned[0], self.n_experts) if counts_E is None else counts_E
+        if self._counts is None:
+            self._counts = count_per_expert(self._assigned[0], self.n_experts)
+        return self._counts
 
     @property
     def stats(self) -> dict[str, torch.Tensor]:
@@ -324,12 +322,15 @@ class MoE(nn.Module):
         counts_E = self.counts
         if counts_E is None:
             return {}
-        mean_load = self._assigned[1] / self.n_experts
+        slots = self._assigned[1]
         extra = {}
-        if self._training_stats:
-            probs_TE = self._logits.softmax(-1)
-            extra["entropy"] = -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()
-        return {**self._training_stats, **extra, "counts": counts_E, "max_load": counts_E.max().float() / mean_load,
+        if self._training is not None:
+            rerouted, dropped, logits_TE = self._training
+            probs_TE = logits_TE.softmax(-1)
+            extra = {"rerouted_frac": rerouted.float() / slots, "dropped_frac": dropped.float() / slots,
+                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()}
+        mean_load = slots / self.n_experts
+        return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
                 "min_load": counts_E.min().float() / mean_load}
 
     @torch.no_grad()
