@@ -56,14 +56,14 @@ def check(counts: list[int], K: int, N: int, seed: int) -> None:
 @given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=9), K=st.integers(1, 100), N=st.integers(1, 140),
        seed=st.integers(0, 2**16))
 def test_matches_plain_products(counts, K, N, seed):
-    """Any widths (the vector tails, and the input gradient's 64- and 16-row panels of w and the rows
-    after them), empty groups (zero weight gradient), groups across tile sizes."""
+    """Any widths (the vector tails, and the input gradient's panels of 64 and of 16-48 rows of w and the
+    rows after them), empty groups (zero weight gradient), groups across tile sizes."""
     check(counts, K, N, seed)
 
 
 @pytest.mark.parametrize(("K", "N"), [(21, 2048), (21, 2049), (70, 2100)])
 def test_rows_too_wide_for_a_panel_take_dot_products(K, N):
-    """The input gradient transposes w into panels up to 2,048 wide and sums dot products beyond that."""
+    """The input gradient transposes w (K x N) into panels for N up to 2,048 and sums dot products beyond."""
     check([5, 0, 13], K, N, seed=2)
 
 

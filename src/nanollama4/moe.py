@@ -306,7 +306,8 @@ class MoE(nn.Module):
 
     @property
     def counts(self) -> torch.Tensor | None:
-        """Assignments per expert in the last forward pass (E,), or None before the first."""
+        """Assignments per expert in the last forward pass (E,), or None before the first; counted once per
+        pass, and the same tensor for every caller."""
         if self._assigned is None:
             return None
         if self._counts is None:
@@ -323,7 +324,7 @@ class MoE(nn.Module):
         if counts_E is None:
             return {}
         slots = self._assigned[1]
-        extra = {}
+        extra: dict[str, torch.Tensor] = {}
         if self._training is not None:
             rerouted, dropped, logits_TE = self._training
             probs_TE = logits_TE.softmax(-1)

@@ -103,8 +103,9 @@ void tile_xw(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
   for (int64_t k = 0; k < K; ++k) {
     vec wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load(w + k * ldw + v * kLanes);
-    // 16 weight rows ahead: a tile's first pass over a strip reads the weight from memory in training
-    // (after the optimizer's pass), with a 2 KiB stride the hardware prefetcher does not follow far enough
+    // 16 weight rows ahead: in the forward a tile's first pass over a strip reads the weight from memory in
+    // training (after the optimizer's pass), with a 2 KiB stride the hardware prefetcher does not follow far
+    // enough (the input gradient's panels are in cache already: there it costs an instruction)
     if (k + 16 < K)
       for (int v = 0; v < V; ++v) __builtin_prefetch(w + (k + 16) * ldw + v * kLanes, 0, 3);
     for (int r = 0; r < R; ++r) {
@@ -239,41 +240,51 @@ void pack_transposed(const float* w, int64_t N, int64_t width, float* panel) {
   }
 }
 
-// The input gradient as dot products along whole rows: for widths N too large for packed panels.
-// Rows are taken kChunk at a time, so that a chunk's output gradient stays in cache while every weight
-// row passes over it (unchunked, a large group's dy was re-read from L3 once per four weight rows).
-void dot_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, int64_t N) {
-  constexpr int64_t kChunk = 64;  // 3072 rows of 1024: 5.6 -> 4.3 ms
+// The input gradient as dot products along whole rows, for columns [k0, K) of dx: w's rows too long for a
+// panel, and the last K % 16 rows after the panels. Rows are taken kChunk at a time, so that a chunk's
+// output gradient stays in cache while every weight row passes over it (unchunked, a large group's dy
+// was re-read from L3 once per four weight rows).
+void dot_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, int64_t N, int64_t k0 = 0) {
+  constexpr int64_t kChunk = 64;
   for (int64_t r = 0; r < m; r += kChunk) {
     const int64_t rows = std::min<int64_t>(kChunk, m - r);
     const float* g = dy + r * N;
     float* o = dx + r * K;
-    int64_t k = 0;
+    int64_t k = k0;
     for (; k + 4 <= K; k += 4) rows_dx<4>(rows, g, w + k * N, o + k, K, N);
     for (; k < K; ++k) rows_dx<1>(rows, g, w + k * N, o + k, K, N);
   }
 }
 
-constexpr int64_t kMaxPanelWidth = 2048;  // N x 64 floats: 512 KiB, half of a Zen 4 core's L2
+constexpr int64_t kPanelColumns = 4 * kLanes;  // a panel holds 64 rows of w, as the forward's tiles 64 columns
+constexpr int64_t kMaxPanelRows = 2048;  // a panel's N rows of 64 floats: 512 KiB, half of a Zen 4 core's L2
 
-// Input gradient of one small group: dy (m x N) @ w (K x N)^T. Each 64 rows of w are transposed into a
-// panel in the core's cache and multiplied like the forward (tile_xw): dot products along rows need a
-// horizontal sum per output, which at N = 128 halved the rate (100 against 190 GFLOP/s), and reading w
-// once, in order, for the panel also fetches a cold weight at the memory's streaming rate.
+// Input gradient of one small group: dy (m x N) @ w (K x N)^T. Every 64 rows of w (then the 16, 32 or 48
+// left) are transposed into a panel in the core's cache and multiplied like the forward (tile_xw): dot
+// products along rows need a horizontal sum per output, which at N = 128 halved the rate (100 against
+// 190 GFLOP/s), and reading w once, in order, for the panel also fetches a cold weight at the memory's
+// streaming rate. The last K % 16 rows of w, and w longer than a panel holds, take dot products.
 void small_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, int64_t N) {
-  if (N > kMaxPanelWidth) return dot_dx(m, dy, w, dx, K, N);
+  if (m == 0) return;
+  if (N > kMaxPanelRows) return dot_dx(m, dy, w, dx, K, N);
   thread_local std::vector<float> panel;
-  panel.resize(N * 4 * kLanes);
+  panel.resize(N * kPanelColumns);
   int64_t k = 0;
-  for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
-    pack_transposed(w + k * N, N, 4 * kLanes, panel.data());
-    rows_xw<4>(m, dy, N, panel.data(), 4 * kLanes, dx + k, K, N);
+  for (; k + kPanelColumns <= K; k += kPanelColumns) {
+    pack_transposed(w + k * N, N, kPanelColumns, panel.data());
+    rows_xw<4>(m, dy, N, panel.data(), kPanelColumns, dx + k, K, N);
   }
-  for (; k + kLanes <= K; k += kLanes) {
-    pack_transposed(w + k * N, N, kLanes, panel.data());
-    rows_xw<1>(m, dy, N, panel.data(), kLanes, dx + k, K, N);
+  const int64_t rest = (K - k) / kLanes * kLanes;
+  if (rest > 0) {
+    pack_transposed(w + k * N, N, rest, panel.data());
+    switch (rest / kLanes) {
+      case 3: rows_xw<3>(m, dy, N, panel.data(), rest, dx + k, K, N); break;
+      case 2: rows_xw<2>(m, dy, N, panel.data(), rest, dx + k, K, N); break;
+      default: rows_xw<1>(m, dy, N, panel.data(), rest, dx + k, K, N); break;
+    }
+    k += rest;
   }
-  for (; k < K; ++k) rows_dx<1>(m, dy, w + k * N, dx + k, K, N);  // the last K % 16 rows of w
+  if (k < K) dot_dx(m, dy, w, dx, K, N, k);
 }
 
 // dw[C rows, V vectors] = x[:m, C columns]^T @ dy[:m, V vectors]: each output element is written once.
@@ -702,7 +713,7 @@ at::Tensor forward(at::Tensor x, at::Tensor w, at::Tensor counts) {
 }
 
 at::Tensor input_grad(at::Tensor dy, at::Tensor w, at::Tensor counts) {
-  return row_products(dy, w, counts, true, 4, small_dx);
+  return row_products(dy, w, counts, true, 12, small_dx);  // 6-row tiles (4 on the dot products)
 }
 
 at::Tensor weight_grad(at::Tensor x, at::Tensor dy, at::Tensor counts) {
