@@ -19,9 +19,12 @@ from moe_scaling import timed  # benchmarks/ is on the path when this runs as a 
 from nanollama4.ops import kernels
 from nanollama4.runtime import tune_allocator
 
-# (groups, K, N, rows): the throughput benchmark's experts, the MoE-scaling benchmark's, and large groups
+# (groups, K, N, rows): the throughput benchmark's experts, the MoE-scaling benchmark's, large groups, and
+# the dense twin's gate / up projection of moe_cost.py's fp32 regime (an nn.Linear's forward x @ w^T is
+# the input-gradient product, here with w 512 x 128)
 SHAPES = [(16, 128, 512, 768), (64, 128, 512, 768), (64, 256, 128, 768), (4, 256, 1024, 768),
-          (128, 256, 1024, 768), (128, 512, 256, 768), (1, 256, 1024, 768), (4, 256, 1024, 3072)]
+          (128, 256, 1024, 768), (128, 512, 256, 768), (1, 256, 1024, 768), (4, 256, 1024, 3072),
+          (1, 512, 128, 768)]
 
 
 def median_ms(fn) -> float:

@@ -7,12 +7,14 @@ warm-up, and the ratio. Two regimes:
 
   demo  the shakespeare-char preset (8 experts, top-1, shared expert) under bf16 autocast, batch 16 x 256
         of the default corpus (real text: its routing is as uneven as the demo's)
-  fp32  width 128, 4 layers, top-1 of 16 or 64 experts of width 256 + a shared one, float32, batch 12 x 64
+  fp32  width 128, 4 layers, top-1 of 16 or 64 experts of width 256 + a shared one, float32, batch 12 x 64;
+        and of 1 expert, which has the dense twin's parameters and FLOPs: its ratio is what routing and
+        splitting one FFN into two half-width ones cost, without the extra parameters to move
 
 With --breakdown, one MoE layer of the demo model is timed piece by piece on the hidden states it sees
 (forward + backward of each piece), beside the dense twin's FFN.
 
-    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 16,64] [--rounds 12] [--breakdown]
+    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 1,16,64] [--rounds 12] [--breakdown]
 """
 
 from __future__ import annotations
@@ -128,8 +130,8 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         r = moe.route(x)
     expert_A = r.experts_TK.reshape(-1)
-    order_A = torch.argsort(expert_A, stable=True)
-    token_A, sorted_A = order_A.div(cfg.experts_per_token, rounding_mode="floor"), expert_A[order_A]
+    sorted_A, order_A = torch.sort(expert_A, stable=True)
+    token_A = order_A.div(cfg.experts_per_token, rounding_mode="floor")
     counts_E = count_per_expert(sorted_A, cfg.n_experts)
     gate_up, down = moe.experts.gate_up, moe.experts.down
     name = chosen_product("auto", x[:0].to(torch.bfloat16), cfg.expert_dim, cfg.n_experts, sorted_A.numel())
@@ -147,7 +149,7 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
         "router (logits, top-k, weights)": ms(fwd_bwd(lambda xx: moe.route(xx).weights_TK)),
         f"routed experts' products ({name}, with the gather and padding)": ms(fwd_bwd(routed_products)),
         "shared expert": ms(fwd_bwd(moe.shared_expert)),
-        "whole MoE layer (with gather, scatter, stats)": ms(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
+        "whole MoE layer (with sort, gather, scatter)": ms(fwd_bwd(lambda xx: moe(xx.view(1, *xx.shape)))),
         "dense twin's FFN": ms(fwd_bwd(dense_ffn)),
     }
     print(f"\none MoE layer of the demo model, forward + backward, bf16 autocast, {x.shape[0]} tokens, "
@@ -160,7 +162,7 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--regimes", default="demo,fp32")
-    ap.add_argument("--experts", default="16,64", help="expert counts of the fp32 regime")
+    ap.add_argument("--experts", default="1,16,64", help="expert counts of the fp32 regime")
     ap.add_argument("--rounds", type=int, default=12, help="steps per model per run")
     ap.add_argument("--breakdown", action="store_true")
     args = ap.parse_args()
