@@ -12,9 +12,11 @@ warm-up, and the ratio. Two regimes:
         splitting one FFN into two half-width ones cost, without the extra parameters to move
 
 With --breakdown, one MoE layer of the demo model is timed piece by piece on the hidden states it sees
-(forward + backward of each piece), beside the dense twin's FFN.
+(forward + backward of each piece), beside the dense twin's FFN. With --fusion, the fp32 regime's
+shared expert and dense FFN are timed as three nn.Linear products and as one kernel SwiGLU group, and
+the shared expert as one more group of the routed experts' call: what that fusion would save each model.
 
-    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 1,16,64] [--rounds 12] [--breakdown]
+    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 1,16,64] [--rounds 12] [--breakdown] [--fusion]
 """
 
 from __future__ import annotations
@@ -159,12 +161,66 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
         print(f"| {k} | {v:.1f} |")
 
 
+def fusion(n_experts: int) -> None:
+    """What one kernel call per SwiGLU would save, for the MoE and for the dense twin alike (fp32 regime,
+    first layer, forward + backward on 768 random rows, alternated medians): the shared expert and the
+    dense FFN as three nn.Linear products against their weights in one kernel group (gate and up in one
+    product, the kernel's activation), and the shared expert as a 17th group of the routed experts' call.
+    The fused weights are copies made once, as a measurement only: the model keeps its nn.Linear layers."""
+    torch.manual_seed(0)
+    cfg = fp32_config(n_experts)
+    moe = nanollama4.Transformer(cfg).moe_layers()[0]
+    ffn = nanollama4.Transformer(dense_twin(cfg)).blocks[0].ffn
+    x = torch.randn(768, cfg.d_model)
+    sorted_E, order = torch.sort(moe.route(x).experts_TK.reshape(-1), stable=True)
+    counts = count_per_expert(sorted_E, n_experts)
+
+    def as_group(swiglu) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = torch.cat([swiglu.gate_proj.weight.T, swiglu.up_proj.weight.T], 1)[None]
+        return gate_up.detach().contiguous().requires_grad_(), swiglu.down_proj.weight.T[None].detach().contiguous(
+            ).requires_grad_()
+
+    shared_gu, shared_dn = as_group(moe.shared_expert)
+    dense_gu, dense_dn = as_group(ffn)
+    all_gu = torch.cat([moe.experts.gate_up.detach(), shared_gu.detach()]).requires_grad_()
+    all_dn = torch.cat([moe.experts.down.detach(), shared_dn.detach()]).requires_grad_()
+    one, all_counts = torch.tensor([768]), torch.cat([counts, torch.tensor([768])])
+    kernel = PRODUCTS["kernel"]
+
+    def step(f):
+        def run():
+            xx = x.clone().requires_grad_()
+            f(xx).sum().backward()
+        return run
+
+    cases = {
+        "shared expert: 3 nn.Linear": step(moe.shared_expert),
+        "shared expert: one kernel group": step(lambda xx: kernel(xx, shared_gu, shared_dn, one, one)),
+        "dense FFN: 3 nn.Linear": step(ffn),
+        "dense FFN: one kernel group": step(lambda xx: kernel(xx, dense_gu, dense_dn, one, one)),
+        f"routed ({n_experts} groups) + shared, two calls": step(
+            lambda xx: torch.cat([kernel(xx[order], moe.experts.gate_up, moe.experts.down, counts, counts),
+                                  moe.shared_expert(xx)])),
+        f"routed + shared as one call of {n_experts + 1} groups": step(
+            lambda xx: kernel(torch.cat([xx[order], xx]), all_gu, all_dn, all_counts, all_counts)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(7):
+        for name, run in cases.items():
+            times[name].append(timed(run, 10, "cpu") * 1e3)
+    print(f"\none layer of the fp32 regime ({n_experts} experts), forward + backward, 768 rows, alternated medians")
+    print("| product | ms |\n|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--regimes", default="demo,fp32")
     ap.add_argument("--experts", default="1,16,64", help="expert counts of the fp32 regime")
     ap.add_argument("--rounds", type=int, default=12, help="steps per model per run")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--fusion", action="store_true", help="what one kernel call per SwiGLU would save (fp32)")
     args = ap.parse_args()
     tune_allocator()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.machine()}")
@@ -183,6 +239,8 @@ def main() -> None:
             compare(f"fp32: width 128, {n} experts, 12x64", fp32_config(n), data, False, args.rounds)
     if args.breakdown:
         breakdown(demo_cfg, demo_data)
+    if args.fusion:
+        fusion(16)
 
 
 if __name__ == "__main__":
