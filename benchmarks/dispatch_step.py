@@ -22,7 +22,7 @@ from nanollama4.runtime import tune_allocator
 
 def step_ms(cfg: nanollama4.ModelConfig, mode: str, bf16: bool, batch_size: int = 32, seq: int = 128) -> float:
     torch.manual_seed(0)
-    model = nanollama4.Transformer(cfg)
+    model = nanollama4.build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), 1e-3, fused=True)
     for moe in model.moe_layers():
         moe.experts.dispatch = mode

@@ -70,7 +70,7 @@ def main() -> None:
     chosen = args.models.split(",") if args.models else list(models())
     for name, cfg in ((n, c) for n, c in models().items() if n in chosen):
         torch.manual_seed(0)
-        model = nanollama4.Transformer(cfg).eval()
+        model = nanollama4.build_model(cfg).eval()
         with tempfile.TemporaryDirectory() as tmp:
             nanollama4.export_hf(model, tmp)
             ref = AutoModelForCausalLM.from_pretrained(tmp).eval()

@@ -63,7 +63,7 @@ def demo_batches(cfg: ModelConfig, batch: int, seq: int, n: int) -> tuple[ModelC
 
 def stepper(cfg: ModelConfig, batches: list[torch.Tensor], bf16: bool):
     torch.manual_seed(0)
-    model = nanollama4.Transformer(cfg)
+    model = nanollama4.build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     state = {"i": 0}
 
@@ -108,14 +108,14 @@ def _median_ms(times: list[list[float]], phase: int) -> float:
 def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     """The first MoE layer's pieces, forward + backward each, on the hidden states the layer sees."""
     torch.manual_seed(0)
-    model = nanollama4.Transformer(cfg)
+    model = nanollama4.build_model(cfg)
     moe = model.moe_layers()[0]
     seen = {}
     moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.loss(batches[0][:, :-1], batches[0][:, 1:])
     x = seen["x"].reshape(-1, cfg.d_model)
-    dense_ffn = nanollama4.Transformer(dense_twin(cfg)).blocks[0].ffn
+    dense_ffn = nanollama4.build_model(dense_twin(cfg)).blocks[0].ffn
 
     def ms(fn) -> float:
         fn()  # (timed warms up once more)
@@ -139,7 +139,7 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     name = chosen_product("auto", x[:0].to(torch.bfloat16), cfg.expert_dim, cfg.n_experts, sorted_A.numel())
     product = PRODUCTS[name]
     rows_A, weight_A, groups_E, group_A = token_A, torch.ones(token_A.numel()), counts_E, sorted_A
-    if ROW_MULTIPLE.get(name, 1) > 1:  # padded as `moe.Experts` pads them in training
+    if ROW_MULTIPLE.get(name, 1) > 1:  # padded per expert, as `ops.experts.FastExperts` pads them
         rows_A, weight_A, groups_E, group_A = pad_groups(token_A, weight_A, sorted_A, counts_E,
                                                                ROW_MULTIPLE[name])
 
@@ -169,8 +169,8 @@ def fusion(n_experts: int) -> None:
     The fused weights are copies made once, as a measurement only: the model keeps its nn.Linear layers."""
     torch.manual_seed(0)
     cfg = fp32_config(n_experts)
-    moe = nanollama4.Transformer(cfg).moe_layers()[0]
-    ffn = nanollama4.Transformer(dense_twin(cfg)).blocks[0].ffn
+    moe = nanollama4.build_model(cfg).moe_layers()[0]
+    ffn = nanollama4.build_model(dense_twin(cfg)).blocks[0].ffn
     x = torch.randn(768, cfg.d_model)
     sorted_E, order = torch.sort(moe.route(x).experts_TK.reshape(-1), stable=True)
     counts = count_per_expert(sorted_E, n_experts)

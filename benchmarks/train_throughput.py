@@ -69,14 +69,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    dense = tokens_per_s(nanollama4.Transformer(config(0)), ours_loss, args.steps)
+    dense = tokens_per_s(nanollama4.build_model(config(0)), ours_loss, args.steps)
     print(f"torch {torch.__version__}, {args.threads} threads, batch {BATCH} x {SEQ}, fp32, {args.steps} timed steps")
     print(f"our dense model with the same active parameters: {dense:,.0f} tokens/s")
     print(f"{'experts':>7} | {'ours tok/s':>10} | {'transformers tok/s':>18} | {'ours/transformers':>17} | "
           f"{'ours/dense':>10}")
     for n in [int(v) for v in args.experts.split(",")]:
         torch.manual_seed(0)
-        ours = nanollama4.Transformer(config(n))
+        ours = nanollama4.build_model(config(n))
         with tempfile.TemporaryDirectory() as tmp:
             nanollama4.export_hf(ours, tmp)
             ref = AutoModelForCausalLM.from_pretrained(tmp).train()

@@ -24,6 +24,7 @@ from nanollama4.checkpoint import (
 )
 from nanollama4.config import TrainConfig, preset
 from nanollama4.model import Transformer
+from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer, load_tokenizer
 from nanollama4.train import make_optimizer, train
 
@@ -43,7 +44,7 @@ def one_thread():
 def trained(cfg=None, steps: int = 2, seed: int = 0) -> tuple[Transformer, torch.optim.AdamW]:
     """A tiny model and its AdamW after a few steps on random tokens (so the optimizer has state)."""
     torch.manual_seed(seed)
-    model = Transformer(cfg or preset("tiny", vocab_size=32))
+    model = build_model(cfg or preset("tiny", vocab_size=32))
     opt = make_optimizer(model, TrainConfig())
     for _ in range(steps):
         ids = torch.randint(0, model.cfg.vocab_size, (2, 17))
@@ -152,7 +153,7 @@ def test_optimizer_state_round_trips(tmp_path):
 def test_optimizer_state_for_another_model_is_an_error(tmp_path):
     model, opt = trained()
     folder = save(tmp_path / "run", 1, model, opt)
-    other = make_optimizer(Transformer(preset("tiny", vocab_size=32, n_layers=2)), TrainConfig())
+    other = make_optimizer(build_model(preset("tiny", vocab_size=32, n_layers=2)), TrainConfig())
     with pytest.raises(CheckpointError) as info:
         load_optimizer_state(other, read_safetensors(folder / "optimizer.safetensors"),
                              read_json(folder / "optimizer.json"))

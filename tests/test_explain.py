@@ -26,7 +26,7 @@ TEXT = "Facebook was founded in 2004 by Mark Zuckerberg and his college roommate
 
 def _model(router: str, vocab: int) -> nanollama4.Transformer:
     torch.manual_seed(0)
-    model = nanollama4.Transformer(nanollama4.preset("tiny", vocab_size=vocab, moe_every=2, router=router))
+    model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=vocab, moe_every=2, router=router))
     randomize_(model, seed=3)  # varied routing (the default init routes almost uniformly)
     return model.eval()
 
@@ -159,7 +159,7 @@ def test_explain_on_a_run_and_on_a_reference_checkpoint_with_bpe(tmp_path, capsy
 
     bpe = BPETokenizer.train(corpus.read_text(), 300)
     torch.manual_seed(0)
-    model = nanollama4.Transformer(nanollama4.preset("tiny", vocab_size=bpe.vocab_size))
+    model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=bpe.vocab_size))
     hf = tmp_path / "hf"
     nanollama4.export_hf(model, hf)
     bpe.save(hf / "tokenizer.json")
@@ -178,7 +178,7 @@ def _demo_page(tmp_path: Path, n_tokens: int = 64) -> tuple[Path, nanollama4.exp
     text = (TEXT + " ") * 3
     tok = CharTokenizer.from_text(text)
     torch.manual_seed(0)
-    model = nanollama4.Transformer(nanollama4.preset("shakespeare-char", vocab_size=tok.vocab_size)).eval()
+    model = nanollama4.build_model(nanollama4.preset("shakespeare-char", vocab_size=tok.vocab_size)).eval()
     randomize_(model, seed=5)
     t = trace(model, tok, text[:n_tokens])
     page = tmp_path / "report.html"

@@ -21,6 +21,7 @@ from nanollama4.config import ModelConfig, TrainConfig, preset
 from nanollama4.generation import Sampling, filter_logits, generate, generate_ids, next_token, sample, stream
 from nanollama4.memory import kv_cache
 from nanollama4.model import Transformer
+from nanollama4.ops import build_model
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
 
 # Chunked RoPE layers (chunk 4), NoPE every 2nd layer with temperature tuning at a small floor, MoE top-2 of 4.
@@ -50,7 +51,7 @@ def two_threads():
 
 def random_model(seed: int = 0, scale: float = 1.0, **overrides) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(ModelConfig(**{**CHUNKED, **overrides})).eval()
+    model = build_model(ModelConfig(**{**CHUNKED, **overrides})).eval()
     randomize_(model, seed=seed + 1, gain=scale)
     return model
 
@@ -190,7 +191,7 @@ def test_padded_prefill_logits_equal_unpadded(chunked_model):
 # ---------------------------------------------------------------------------------------------- 5. seeds
 def test_sampling_is_seeded():
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**CHUNKED)).eval()  # default init: a broad next-token distribution
+    model = build_model(ModelConfig(**CHUNKED)).eval()  # default init: a broad next-token distribution
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     opts = dict(temperature=1.0, top_k=40, top_p=0.95)
     a = generate_ids(model, prompts, 50, seed=7, **opts)
@@ -410,7 +411,7 @@ def test_cli_generate_from_a_run(run_dir, capsys):
     streamed, err = capsys.readouterr()
     assert err == ""
     assert streamed == plain
-    from nanollama4.checkpoint import load_any
+    from nanollama4.cli import load_any
 
     model, tok = load_any(run_dir)
     assert plain == "the cat" + generate(model, tok, "the cat", max_new_tokens=20, temperature=0) + "\n"
@@ -459,7 +460,7 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
     from nanollama4.generation import generate_ids as _generate_ids
 
     torch.manual_seed(0)
-    model = nanollama4.Transformer(_preset("tiny", max_seq_len=16)).eval()
+    model = nanollama4.build_model(_preset("tiny", max_seq_len=16)).eval()
     randomize_(model, seed=21, gain=2.0)  # varied greedy output, not a short cycle
     prompt = [3, 1, 4, 1, 5]
     with pytest.raises(ValueError, match="max_seq_len"):

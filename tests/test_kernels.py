@@ -123,8 +123,8 @@ def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch,
     assert not kernels.available()  # decided once: no second warning, no second build
     with pytest.raises(RuntimeError, match="not available"):
         kernels.grouped_matmul(torch.randn(2, 4), torch.randn(1, 4, 16), torch.tensor([2]))
-    moe = MoE(ModelConfig(d_model=16, n_experts=4, experts_per_token=1, expert_dim=16, n_heads=2, n_kv_heads=1,
-                          head_dim=8))
+    moe = ops.install(MoE(ModelConfig(d_model=16, n_experts=4, experts_per_token=1, expert_dim=16, n_heads=2,
+                                      n_kv_heads=1, head_dim=8)))
     with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy:
         moe(torch.randn(1, 12, 16)).sum().backward()
     assert spy.called

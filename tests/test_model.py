@@ -17,8 +17,8 @@ from helpers import randomize_
 from nanollama4 import ops
 from nanollama4.attention import Attention, attention_mask
 from nanollama4.config import ModelConfig, preset
-from nanollama4.model import Transformer
 from nanollama4.moe import MoE, moe_reference
+from nanollama4.ops import build_model, install
 from nanollama4.ops import experts as experts_ops
 from nanollama4.ops.attention import scores_attention
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
@@ -143,7 +143,7 @@ def test_changing_a_token_never_changes_earlier_logits(overrides):
     cfg = preset("tiny", **overrides)
     tol = dict(atol=0.0, rtol=0.0) if cfg.n_experts == 0 else dict(atol=1e-6, rtol=1e-5)
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    model = build_model(cfg).eval()
     randomize_(model, seed=3)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=g)
@@ -266,7 +266,7 @@ MOE_SHAPES = {
 def _moe(shape: str, router: str, k: int, n: int, seed: int = 0) -> tuple[ModelConfig, MoE]:
     cfg = ModelConfig(**MOE_SHAPES[shape], n_experts=n, experts_per_token=k, router=router)
     torch.manual_seed(seed)
-    moe = MoE(cfg)
+    moe = install(MoE(cfg))
     # std 1.5/sqrt(fan_in): ~0.6 for the d_model 6 shape, outputs O(1..10) for both shapes
     randomize_(moe, seed=100 + seed, gain=1.5)
     return cfg, moe
@@ -379,7 +379,7 @@ def test_unchosen_experts_contribute_nothing(shape, router):
 def test_loss_is_cross_entropy_with_ignore_index():
     cfg = preset("tiny")
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    model = build_model(cfg).eval()
     randomize_(model, seed=8)
     g = torch.Generator().manual_seed(9)
     ids = torch.randint(0, cfg.vocab_size, (2, 10), generator=g)
@@ -409,7 +409,7 @@ def test_bf16_logits_close_to_float32(randomized):
     a token's top-k choice, a legitimate but discontinuous change, so random weights are tested dense)."""
     cfg = preset("tiny", n_experts=0) if randomized else preset("tiny")
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    model = build_model(cfg).eval()
     if randomized:
         randomize_(model, seed=11)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(12))
@@ -434,7 +434,7 @@ def test_bf16_model_keeps_rope_frequencies_exact():
     """Casting the model to bf16 must not round the RoPE frequencies: at position 8191 (one Llama 4 chunk)
     a bf16-rounded theta_i is off by up to ~1.5 rad, so the rotation is meaningless at long context."""
     cfg = preset("tiny")
-    model = Transformer(cfg).to(torch.bfloat16)
+    model = build_model(cfg).to(torch.bfloat16)
     want = 8191.0 * rope_frequencies(cfg).double()
     assert model.inv_freq(torch.device("cpu")).dtype == torch.float32
     got = 8191.0 * model.inv_freq(torch.device("cpu")).double()

@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 
 from helpers import randomize_
 from nanollama4.config import ModelConfig
-from nanollama4.model import Transformer
 from nanollama4.moe import MoE, assign_with_capacity, moe_reference
+from nanollama4.ops import build_model, install, kernels
 from nanollama4.ops import experts as products
-from nanollama4.ops import kernels
 from nanollama4.ops.experts import PRODUCTS
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
 
@@ -35,7 +34,7 @@ HYP = settings(deadline=None, derandomize=True, database=None)  # the same examp
 def make_moe(d: int = 8, n_experts: int = 4, k: int = 1, hidden: int = 4, seed: int = 0, **cfg: object) -> MoE:
     config = ModelConfig(d_model=d, n_experts=n_experts, experts_per_token=k, expert_dim=hidden,
                          n_heads=2, n_kv_heads=1, head_dim=4, **cfg)
-    moe = MoE(config)
+    moe = install(MoE(config))  # the fast experts: every dispatch can be chosen
     randomize_(moe, seed, gain=1.5)
     return moe
 
@@ -89,7 +88,7 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
                 mock.patch.object(products._KernelSwiGLU, "apply", wraps=products._KernelSwiGLU.apply) as kernel, \
-                mock.patch("nanollama4.moe.few_rows", wraps=products.few_rows) as few:
+                mock.patch("nanollama4.ops.experts.few_rows", wraps=products.few_rows) as few:
             y, gx, gp = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed)
         # each runs exactly when asked for (unless a handful of assignments took the one-by-one path);
         # "auto" takes our kernel for float32 on the CPU
@@ -475,7 +474,7 @@ def test_transformer_loss_adds_every_moe_aux_loss():
                       ffn_dim=16, n_experts=4, experts_per_token=2, expert_dim=8, moe_every=1,
                       aux_loss_coef=0.01, z_loss_coef=1e-3)
     torch.manual_seed(18)
-    model = Transformer(cfg)
+    model = build_model(cfg)
     randomize_(model, seed=19, gain=1.0)
     moes = model.moe_layers()
     assert len(moes) == 3
@@ -600,15 +599,15 @@ def test_cpu_decode_path_matches_reference_and_the_sorted_dispatch(router, share
     moe = make_moe(d=16, n_experts=8, k=k, hidden=8, router=router, shared_expert=shared).eval()
     moe.experts.dispatch = "loop"
     x = torch.randn(1, 2, 16, generator=torch.Generator().manual_seed(3))  # 2 tokens: 2k <= 8 assignments
-    with torch.no_grad(), mock.patch("nanollama4.moe.few_rows", wraps=products.few_rows) as spy:
+    with torch.no_grad(), mock.patch("nanollama4.ops.experts.few_rows", wraps=products.few_rows) as spy:
         fast = moe(x)
         counts = moe.stats["counts"].clone()
         assert spy.call_count == 1
     with torch.no_grad():
         want = moe_reference(moe, x)
     torch.testing.assert_close(fast, want, **TOL)
-    with mock.patch("nanollama4.moe.few_rows", side_effect=AssertionError("not this path")), \
-            mock.patch("nanollama4.moe.few_assignments", return_value=0):
+    with mock.patch("nanollama4.ops.experts.few_rows", side_effect=AssertionError("not this path")), \
+            mock.patch("nanollama4.ops.experts.few_assignments", return_value=0):
         with torch.no_grad():
             general = moe(x)  # no assignment counts as few: the sorted dispatch
         assert torch.equal(fast, general)

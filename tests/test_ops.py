@@ -13,8 +13,8 @@ from nanollama4.config import preset
 from nanollama4.errors import ConfigError
 from nanollama4.generation import iter_tokens
 from nanollama4.model import Transformer
-from nanollama4.ops import kernels
-from nanollama4.ops.experts import PRODUCTS, product_named
+from nanollama4.ops import build_model, kernels
+from nanollama4.ops.experts import PRODUCTS, chosen_product
 from nanollama4.ops.linear import FastLinear
 
 
@@ -22,7 +22,7 @@ from nanollama4.ops.linear import FastLinear
 def model() -> Transformer:
     """MoE and dense layers (moe_every 2), a shared expert; d_model 64 so that fp32 training takes our kernel."""
     torch.manual_seed(0)
-    return Transformer(preset("tiny", moe_every=2))
+    return build_model(preset("tiny", moe_every=2))
 
 
 def _hook_every_linear(model: nn.Module) -> tuple[Counter, dict[str, nn.Linear]]:
@@ -60,7 +60,7 @@ def test_hooks_on_every_linear_fire_in_training_eval_and_decoding(model):
 
 def test_generation_runs_the_lm_head_on_the_last_position_only(model):
     """A 1,000-token prompt with a 200k vocabulary would otherwise build (1, 1000, 200k) float32 logits."""
-    model = Transformer(preset("tiny", max_seq_len=256)).eval()
+    model = build_model(preset("tiny", max_seq_len=256)).eval()
     rows_seen = []
     model.lm_head.register_forward_hook(lambda mod, inputs, output: rows_seen.append(inputs[0].shape[1]))
     list(iter_tokens(model, [list(range(1, 60)) * 3], 5, temperature=0))
@@ -76,8 +76,8 @@ def test_an_unknown_dispatch_name_lists_the_valid_ones(model):
         moe.experts.dispatch = "fastest"  # refused when set, so decoding (which sorts nothing) cannot hide it
     assert str(info.value) == "unknown expert dispatch 'fastest'; valid: auto, loop, grouped, kernel, padded, bucketed"
     with pytest.raises(ConfigError, match="unknown expert dispatch 'fastest'"):
-        product_named("fastest", torch.zeros(3, 64), 64, 1)
-    assert product_named("auto", torch.zeros(3, 64), 64, 1) is PRODUCTS["kernel" if kernels.available() else "grouped"]
+        chosen_product("fastest", torch.zeros(3, 64), 64, 1)
+    assert chosen_product("auto", torch.zeros(3, 64), 64, 1) == ("kernel" if kernels.available() else "grouped")
 
 
 def test_auto_in_bf16_on_the_cpu_takes_the_kernel_where_it_can(monkeypatch):
@@ -128,3 +128,42 @@ def test_bucketed_product_gradients_in_float64(contiguous):
     assert torch.autograd.gradcheck(f, (x, gate_up, down))
     y = bucketed_product(x, gate_up, down, counts, experts)
     torch.testing.assert_close(y, PRODUCTS["loop"](x, gate_up, down, counts, experts))
+
+
+def test_a_plain_transformer_holds_only_the_papers_modules_and_the_installed_one_computes_the_same():
+    """`Transformer(cfg)` is plain (what print(model) shows is the math of model.py, attention.py and
+    moe.py); `build_model` / `ops.install` swap in the fast modules, on the same parameters, with the same
+    logits and gradients (fp32: our kernel and FastLinear sum in another order, hence the tolerance)."""
+    from nanollama4.attention import Attention, sdpa_attend
+    from nanollama4.model import Block, RMSNorm
+    from nanollama4.moe import Experts, Float32Linear, MoE, SwiGLU
+    from nanollama4.ops import install
+    from nanollama4.ops.experts import FastExperts
+
+    cfg = preset("tiny", moe_every=2)
+    torch.manual_seed(0)
+    plain = Transformer(cfg)
+    plain_types = {Transformer, nn.Embedding, nn.ModuleList, Block, RMSNorm, Attention, nn.Linear, Float32Linear,
+                   MoE, Experts, SwiGLU}
+    assert {type(m) for m in plain.modules()} <= plain_types
+    assert all(m.attend is sdpa_attend for m in plain.modules() if isinstance(m, Attention))
+    assert "Fast" not in repr(plain)
+
+    torch.manual_seed(0)
+    fast = build_model(cfg)
+    assert sum(isinstance(m, FastExperts) for m in fast.modules()) == 2
+    assert sum(isinstance(m, FastLinear) for m in fast.modules()) == 3 * 4
+    assert list(fast.state_dict()) == list(plain.state_dict())  # the same names: checkpoints load either way
+    for (name, p), q in zip(plain.state_dict().items(), fast.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name  # the same initial weights from the same seed
+    assert install(fast) is fast and sum(isinstance(m, FastExperts) for m in fast.modules()) == 2  # idempotent
+
+    ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
+    for model in (plain, fast):
+        model.loss(ids, ids).total.backward()
+    with torch.no_grad():
+        torch.testing.assert_close(fast.eval()(ids), plain.eval()(ids), atol=2e-5, rtol=1e-4)
+    for (name, p), q in zip(plain.named_parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=2e-6, rtol=1e-4, msg=name)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # bf16: the kernel's bf16 path or bmm
+        torch.testing.assert_close(fast(ids).float(), plain(ids).float(), atol=0.1, rtol=0.05)

@@ -1,10 +1,14 @@
-"""The package's shape: every module importable by its dotted name, one error base for people."""
+"""The package's shape: every module importable by its dotted name, one error base for people, and which
+module may import which (read from the source with ast, imports inside functions included), so that the
+model stays plain PyTorch and nothing imports in a circle."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import types
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +52,96 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
     monkeypatch.setattr("nanollama4.cli.format_params_table", broken)
     with pytest.raises(ValueError, match="a bug"):
         main(["params", "--preset", "tiny"])
+
+
+ROOT = Path(nanollama4.__file__).parent
+PACKAGE = "nanollama4"
+MODEL_FILES = ("model", "attention", "moe", "rope", "config")
+# what the model files may reach, directly or through each other: the model itself, its config and errors
+MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors")}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join([PACKAGE, *parts])] = path
+    return names
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `name` imports anywhere in its file, lazy and TYPE_CHECKING imports included.
+    `from .x import y` counts as importing x.y when that is a module, else x; importing a module also
+    runs its enclosing packages' __init__, which count too (not the root's, nor the importer's own)."""
+    is_package = path.name == "__init__.py"
+    here = name if is_package else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        for target in targets:
+            if not (target == PACKAGE or target.startswith(PACKAGE + ".")):
+                continue
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):  # the target and each enclosing package below the root
+                candidate = ".".join(parts[:i])
+                if candidate in known and not name.startswith(candidate + ".") and candidate != name:
+                    found.add(candidate)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    names = module_names()
+    return {name: imports_of(name, path, set(names)) for name, path in names.items()}
+
+
+def test_the_graph_is_read_from_every_module():
+    graph = import_graph()
+    assert f"{PACKAGE}.moe" in graph and f"{PACKAGE}.ops.experts" in graph and f"{PACKAGE}.distributed.experts" in graph
+    assert f"{PACKAGE}.moe" in graph[f"{PACKAGE}.ops.experts"]  # an import the test must see
+    assert f"{PACKAGE}.hf" in graph[f"{PACKAGE}.cli"]  # a lazy one, inside a function
+
+
+def test_no_module_imports_itself_in_a_circle():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_model_files_are_plain_pytorch():
+    """model, attention, moe, rope and config reach, through everything they import, only each other and
+    errors: no ops, distributed, train, explain, generation or CLI code."""
+    graph = import_graph()
+    for start in MODEL_FILES:
+        seen, todo = set(), [f"{PACKAGE}.{start}"]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+        assert seen <= MODEL_WORLD, f"{start}.py reaches {sorted(seen - MODEL_WORLD)}"

@@ -111,9 +111,10 @@ def test_expert_parallel_with_replicas_on_four_ranks(work, moe_reference):
 
 
 def test_expert_parallel_pads_its_own_groups_in_bf16(work):
-    """bf16 with 512 rows per expert takes the bucketed product, whose groups ShardedExperts pads itself,
-    per local expert, after the exchange. The products then group rows differently from one process's, so
-    bf16 rounding differs: the losses must agree to 1e-2, not to float32's 1e-5."""
+    """bf16 with 512 rows per expert takes the bucketed product, whose groups the experts module pads
+    itself, per local expert, on the rows it received from the exchange. The products then group rows
+    differently from one process's, so bf16 rounding differs: the losses must agree to 1e-2, not to
+    float32's 1e-5."""
     bf16 = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "bf16=true", "--set", "batch_size=16",
             "--set", "seq_len=64", "--max-steps", "5"]
     one = train(work, "one-process-bf16", [*bf16, "--set", "grad_accum=2"])

@@ -63,7 +63,7 @@ def test_transformers_to_ours(case, tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ours_to_transformers(case, tmp_path):
     cfg = nanollama4.hf.config_from_hf({**TINY, **CASES[case]})
-    ours = nanollama4.Transformer(cfg).eval()
+    ours = nanollama4.build_model(cfg).eval()
     randomize_(ours, seed=99)
     nanollama4.export_hf(ours, tmp_path)
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
@@ -126,4 +126,4 @@ def test_inconsistent_or_unsupported_checkpoints_fail_clearly(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt"):
         nanollama4.load_hf(tmp_path)
     with pytest.raises(CheckpointError, match="router"):
-        nanollama4.export_hf(nanollama4.Transformer(nanollama4.preset("tiny", router="softmax")), tmp_path / "x")
+        nanollama4.export_hf(nanollama4.build_model(nanollama4.preset("tiny", router="softmax")), tmp_path / "x")

@@ -21,6 +21,7 @@ from helpers import assert_cli_error, run_cli, snapshot, write_corpus
 from nanollama4.checkpoint import CheckpointError, load_run, load_train_state, resolve_checkpoint, save_checkpoint
 from nanollama4.config import TrainConfig, preset
 from nanollama4.model import Transformer
+from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer
 from nanollama4.train import make_optimizer
 
@@ -107,7 +108,8 @@ def test_a_diverging_run_never_saves_non_finite_weights(interval, corpus, tmp_pa
 def test_a_nan_gradient_with_a_finite_loss_is_not_applied_and_the_run_resumes(corpus, tmp_path, monkeypatch):
     """A NaN in one parameter's gradient (the loss stays finite) at step 4: nothing of it reaches the weights
     or a checkpoint, and the advised resume continues with the same losses as a run that never failed."""
-    from nanollama4.train import TrainingError, resume_config, train
+    from nanollama4.runs import resume_config
+    from nanollama4.train import TrainingError, train
 
     tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=2, warmup_steps=2, max_steps=6,
                      threads=1)
@@ -137,7 +139,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_not_applied_and_the_run_resumes(co
 
 
 def test_save_checkpoint_refuses_non_finite_tensors(tmp_path):
-    model = Transformer(preset("tiny"))
+    model = build_model(preset("tiny"))
     optimizer = make_optimizer(model, TrainConfig())
     with torch.no_grad():
         model.blocks[1].attn.q_proj.weight[0, 0] = float("inf")

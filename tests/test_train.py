@@ -24,7 +24,9 @@ from nanollama4.cli import EXIT_INTERRUPTED, main
 from nanollama4.config import TrainConfig, preset
 from nanollama4.evaluation import full_validation_loss
 from nanollama4.model import Loss, Transformer
-from nanollama4.train import TrainingError, lr_at, resume_config, train
+from nanollama4.ops import build_model
+from nanollama4.runs import resume_config
+from nanollama4.train import TrainingError, lr_at, train
 
 
 def cfg(**changes) -> TrainConfig:
@@ -382,7 +384,7 @@ def test_generate_with_unknown_characters_is_one_line_error(base_run, capsys):
 @pytest.mark.parametrize("n_tokens", [100, 97, 33])  # 99 predictions = 6*16 + 3; 96 = 6*16 (no partial); 32 = 2*16
 def test_full_validation_loss_matches_window_by_window(n_tokens):
     torch.manual_seed(0)
-    model = Transformer(preset("tiny", vocab_size=40))
+    model = build_model(preset("tiny", vocab_size=40))
     tokens = np.random.default_rng(n_tokens).integers(0, 40, size=n_tokens).astype(np.uint16)
     seq_len = 16
     got = full_validation_loss(model, tokens, seq_len, torch.device("cpu"), batch_size=4)

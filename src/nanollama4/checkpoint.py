@@ -11,64 +11,26 @@ with an atomic rename. A crash at any moment therefore leaves the previous check
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import shutil
-import socket
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import atomic_write
+from .files import read_json, read_safetensors
 from .model import Transformer
+from .ops import install
 from .tokenizer import Tokenizer, load_tokenizer
 
 LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
 TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its tensor) -> a tensor
-
-
-# ---------------------------------------------------------------------------------------------- run ownership
-@contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold RUN_DIR's lock file for the duration: one process trains in a run directory at a time.
-
-    An OS lock (flock) rather than a "busy" marker: the kernel drops it when the holder exits, however it
-    exits, so a crashed or killed run never leaves its directory locked. The file says who holds it.
-    """
-    path = run_dir / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise CheckpointError(f"cannot open the lock file {path} ({e.strerror}); the run directory must be "
-                              "writable") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-            raise CheckpointError(f"{run_dir} is in use by another training ({holder}); wait for it to finish, "
-                                  "or stop it, or train in another --out") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-                  .encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def holds_run(run_dir: Path) -> bool:
-    """Whether run_dir holds a run with a checkpoint (new training there would throw it away)."""
-    return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or any(run_dir.glob("step-*"))
 
 
 def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -77,29 +39,6 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return name
     return None
-
-
-# ---------------------------------------------------------------------------------------------- file helpers
-def write_json(path: Path, data: Any) -> None:
-    atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n"))
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -136,8 +75,9 @@ def read_model_config(ckpt: Path) -> ModelConfig:
         raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
 
 
-def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
-    """Our Transformer from a checkpoint folder (config.json + model.safetensors)."""
+def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True) -> Transformer:
+    """Our Transformer from a checkpoint folder (config.json + model.safetensors), with the fast modules
+    installed (`ops.install`) unless fast=False."""
     cfg = read_model_config(ckpt)
     tensors = read_safetensors(ckpt / "model.safetensors")
     bad = non_finite(tensors)
@@ -152,6 +92,8 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None) -> Transformer:
     except RuntimeError as e:
         detail = " ".join(str(e).split())[:300]
         raise CheckpointError(f"{ckpt / 'model.safetensors'} does not match config.json: {detail}") from None
+    if fast:
+        install(model)
     return model.to(dtype) if dtype is not None else model
 
 
@@ -165,7 +107,7 @@ def optimizer_tensors(opt: torch.optim.Optimizer, whole: TensorOf | None = None
     """Optimizer state as flat tensors plus JSON-able metadata (param groups and scalar state).
 
     `whole` turns a parameter's state tensor that lives spread over ranks into the whole tensor (see
-    `parallel`); every rank must call it, in the same order."""
+    `distributed`); every rank must call it, in the same order."""
     sd = opt.state_dict()
     params = _params_by_index(opt)
     tensors, scalars = {}, {}
@@ -210,7 +152,7 @@ def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: tor
     """Write RUN_DIR/step-N atomically and point `last` (and `best` if asked) at it. Returns the folder.
 
     `tensors` and `optimizer_state` replace `model_tensors(model)` and `optimizer_tensors(optimizer)`
-    where those live spread over ranks (`parallel` gathers them whole, so a checkpoint is the same
+    where those live spread over ranks (`distributed` gathers them whole, so a checkpoint is the same
     whatever the world size). Refuses (CheckpointError) weights or optimizer state that are not finite:
     a checkpoint is only ever something a run can continue from.
     """
@@ -295,25 +237,13 @@ def load_train_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------- loading runs
-def load_run(path: str | Path, prefer: str = "best") -> tuple[Transformer, Tokenizer, dict[str, Any]]:
-    """Model, tokenizer and train config of a run directory (its best checkpoint by default)."""
+def load_run(path: str | Path, prefer: str = "best", fast: bool = True
+             ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
+    """Model, tokenizer and train config of a run directory (its best checkpoint by default); the model as
+    `load_model` gives it."""
     ckpt = resolve_checkpoint(path, prefer=prefer)
     try:
         tc = read_json(ckpt / "train_config.json")
     except CheckpointError:
         tc = {}
-    return load_model(ckpt), load_tokenizer(ckpt / "tokenizer.json"), tc
-
-
-def load_any(path: str | Path) -> tuple[Transformer, Tokenizer]:
-    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory."""
-    from .hf import load_hf  # hf reads checkpoints with this module's helpers
-
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if cfg_file.exists() and "model_type" in read_json(cfg_file):
-        if not (path / "tokenizer.json").exists():
-            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
-        return load_hf(path), load_tokenizer(path / "tokenizer.json")
-    model, tokenizer, _ = load_run(path)
-    return model, tokenizer
+    return load_model(ckpt, fast=fast), load_tokenizer(ckpt / "tokenizer.json"), tc

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
+from .config import PRESETS, ModelConfig, TrainConfig, preset
 from .errors import ConfigError, Nanollama4Error
 from .memory import (
     COMPARE_LENGTHS,
@@ -36,6 +36,60 @@ EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint
 EXIT_CTRL_C = 130  # Ctrl-C with nothing saved: outside the training loop, or before a run's first checkpoint
 DEFAULT_PRESET = "shakespeare-char"
 _FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint already decided these
+
+
+# ---------------------------------------------------------------------------------------------- values
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '10m' or '1.5h': positive and finite ('nan' would never end a run)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    raw = text.strip().lower()
+    try:
+        seconds = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
+    return seconds
+
+
+def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
+    """Turn ["key=value", ...] into typed values for the dataclass `cls`, rejecting unknown keys.
+
+    The value is read as the field's declared type (int, float, bool, str or None for optional
+    fields), so `--set n_experts=eight` fails here with the field's name instead of deep in torch.
+    """
+    by_name = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} must look like key=value")
+        key, raw = pair.split("=", 1)
+        key = key.strip()
+        if key not in by_name:
+            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
+        out[key] = _parse_value(key, raw.strip(), str(by_name[key].type))
+    return out
+
+
+def _parse_value(key: str, raw: str, type_name: str) -> Any:
+    optional = "None" in type_name
+    if optional and raw.lower() in ("none", "null"):
+        return None
+    try:
+        if type_name.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if type_name.startswith("int"):
+            return int(raw)
+        if type_name.startswith("float"):
+            return float(raw)
+    except ValueError:
+        kind = type_name.split(" ")[0].split("|")[0]
+        raise ConfigError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
+    return raw
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,9 +179,32 @@ def cmd_kv_cache(args: argparse.Namespace) -> None:
     print(table)
 
 
+def shifted_scores(cfg: ModelConfig, pairs: tuple[tuple[int, int], ...] = ((5, 2), (40, 7), (300, 300)),
+                   shifts: tuple[int, ...] = (0, 1, 1000, 100000), seed: int = 0) -> list[tuple[int, int, list[float]]]:
+    """A check that RoPE scores depend only on relative position: one random query and key (head_dim of
+    cfg), rotated to positions (m + s, n + s) for each shift s; q·k is the same for every s, up to float32
+    rounding, because rotating both by s multiplies the score by e^(i s θ) and its conjugate.
+    Returns (m, n, [score for each shift]) per pair."""
+    import torch
+
+    from .rope import apply_rope, rope_angles, rope_frequencies
+
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 1, 1, 1, cfg.head_dim, generator=g)  # (B, T, H, Dh) each
+    inv_freq = rope_frequencies(cfg)
+    rows = []
+    for m, n in pairs:
+        scores = []
+        for s in shifts:
+            qm = apply_rope(q, rope_angles(inv_freq, torch.tensor([m + s])))
+            kn = apply_rope(k, rope_angles(inv_freq, torch.tensor([n + s])))
+            scores.append(float((qm * kn).sum()))
+        rows.append((m, n, scores))
+    return rows
+
+
 def cmd_rope_check(args: argparse.Namespace) -> None:
     """Show that a RoPE score depends on m - n only: the same query and key, both positions shifted."""
-    from .rope import shifted_scores
 
     cfg = _model_config(args)
     shifts = (0, 1, 1000, 100000)
@@ -147,8 +224,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
     """Print a preset's layout and parameter counts, then time one forward pass of a random batch."""
     import torch
 
-    from .model import Transformer
-    from .ops import kernels
+    from .ops import build_model, kernels
 
     cfg = _model_config(args)
     counts = param_counts(cfg)
@@ -164,7 +240,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
         print("(too large to build here; the counts above are arithmetic only)")
         return
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    model = build_model(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len))
     kernels.load()  # a first-time build of the CPU kernels (~20 s) is not part of the timed pass
     start = time.perf_counter()
@@ -214,7 +290,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             train_over.setdefault("max_time", None)
         if args.max_time is not None:
             train_over.setdefault("max_steps", None)
-        from .train import resume_config
+        from .runs import resume_config
 
         run_dir, model_cfg, tc = args.resume, None, resume_config(args.resume, **train_over)
     else:
@@ -223,7 +299,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         model_cfg = preset(name, **model_over)
     result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
-    from .parallel import World
+    from .distributed import World
 
     code = (EXIT_CTRL_C if not result.saved else EXIT_INTERRUPTED) if result.interrupted else 0
     if not World.from_env().main:  # under torchrun rank 0 reports and plots for all
@@ -265,10 +341,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(args.prompt + generate(model, tokenizer, args.prompt, **options))
 
 
+def load_any(path: str | Path):
+    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory
+    (told apart by the `model_type` key that only the reference's config.json has)."""
+    from .checkpoint import load_run
+    from .errors import CheckpointError
+    from .files import read_json
+    from .hf import load_hf
+    from .tokenizer import load_tokenizer
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if cfg_file.exists() and "model_type" in read_json(cfg_file):
+        if not (path / "tokenizer.json").exists():
+            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
+        return load_hf(path), load_tokenizer(path / "tokenizer.json")
+    model, tokenizer, _ = load_run(path)
+    return model, tokenizer
+
+
 def _model_for_prompt(args: argparse.Namespace):
     """The model and tokenizer at args.path, the tokenizer replacing unknown characters if asked."""
-    from .checkpoint import load_any
-
     model, tokenizer = load_any(args.path)
     return model, tokenizer if args.replace_unknown is None else _replacing(tokenizer, args.replace_unknown)
 

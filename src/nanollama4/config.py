@@ -201,7 +201,7 @@ class TrainConfig(_JsonConfig):
     threads: int = 0  # torch CPU threads; 0 = torch's default
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
-    # under torchrun (see parallel.py); batch_size and grad_accum are then per rank
+    # under torchrun (see distributed/); batch_size and grad_accum are then per rank
     parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
     expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
     dist_timeout: float = 600.0  # seconds a rank waits for its peers in one collective before giving up
@@ -255,20 +255,6 @@ class TrainConfig(_JsonConfig):
 _DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 
 
-
-def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '10m' or '1.5h': positive and finite ('nan' would never end a run)."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    raw = text.strip().lower()
-    try:
-        seconds = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
-    return seconds
-
-
 def _llama4_common() -> dict[str, Any]:
     # Shapes shared by the published Llama 4 text models (Scout and Maverick).
     return dict(vocab_size=202048, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8, head_dim=128,
@@ -309,44 +295,4 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict({**PRESETS[name], **overrides})
 
 
-def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
-    """Turn ["key=value", ...] into typed values for the dataclass `cls`, rejecting unknown keys.
-
-    The value is read as the field's declared type (int, float, bool, str or None for optional
-    fields), so `--set n_experts=eight` fails here with the field's name instead of deep in torch.
-    """
-    by_name = {f.name: f for f in fields(cls)}
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"override {pair!r} must look like key=value")
-        key, raw = pair.split("=", 1)
-        key = key.strip()
-        if key not in by_name:
-            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
-        out[key] = _parse_value(key, raw.strip(), str(by_name[key].type))
-    return out
-
-
-def _parse_value(key: str, raw: str, type_name: str) -> Any:
-    optional = "None" in type_name
-    if optional and raw.lower() in ("none", "null"):
-        return None
-    try:
-        if type_name.startswith("bool"):
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            return float(raw)
-    except ValueError:
-        kind = type_name.split(" ")[0].split("|")[0]
-        raise ConfigError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
-    return raw
-
-
-__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "parse_overrides", "parse_duration"]
+__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset"]

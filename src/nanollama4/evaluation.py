@@ -1,7 +1,10 @@
-"""Evaluation over every validation token (the fixed-batch loss of training is `Parallel.evaluate`)."""
+"""Validation losses: the fixed batches training checks every eval_interval steps (`evaluate`), and every
+validation token of a finished run (`full_validation_loss`)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -20,6 +23,27 @@ def autocast(device: torch.device, enabled: bool):
     """bf16 autocast on `device` when enabled (TrainConfig.bf16), else nothing: training and evaluation
     must compute in the same precision."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device, bf16: bool,
+             rank: int = 0, world_size: int = 1,
+             sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> float:
+    """Mean next-token loss over fixed batches, each rank taking every R-th one (the model is put back in
+    train mode). A rank with fewer batches than the others repeats one and ignores it: sharded models
+    need every rank in every forward pass. `sum_over_ranks` is the strategy's (distributed.strategy)."""
+    R, n = world_size, len(batches)
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(math.ceil(n / R)):
+        idx = i * R + rank
+        x, y = batches[idx if idx < n else 0]
+        with autocast(device, bf16):
+            loss = model.loss(x.to(device), y.to(device)).lm
+        if idx < n:
+            total += loss.detach().cpu().double()
+    model.train()
+    return float(sum_over_ranks(total)) / n
 
 
 @torch.no_grad()

@@ -1,12 +1,20 @@
-"""Writing a file so that a reader, or a crash, never sees half of it."""
+"""Files in and out: writing so that a reader, or a crash, never sees half of a file, and reading JSON and
+safetensors with one clear error for a missing or corrupt file."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .errors import CheckpointError
 
 
 def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
@@ -27,3 +35,23 @@ def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value in `path`; a missing or malformed file is a CheckpointError naming it."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors in a safetensors file (never a pickle); a missing or corrupt file is a CheckpointError."""
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None

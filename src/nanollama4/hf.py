@@ -15,10 +15,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CheckpointError, read_json, read_safetensors
 from .config import ModelConfig
-from .files import atomic_write
+from .errors import CheckpointError
+from .files import atomic_write, read_json, read_safetensors
 from .model import Transformer
+from .ops import install
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.
 _TO_HF = [
@@ -33,9 +34,8 @@ _TO_HF = [
 ]
 
 
-
-
 def to_hf_name(name: str) -> str:
+    """Our parameter name as the reference checkpoint spells it (`_TO_HF`, first match wins)."""
     for pattern, repl in _TO_HF:
         new, n = re.subn(pattern, repl, name)
         if n:
@@ -167,8 +167,11 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             if not name.startswith(("vision_model.", "multi_modal_projector."))}
 
 
-def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors)."""
+def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fast: bool = True) -> Transformer:
+    """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors).
+
+    The model is built plain on the meta device (no memory, no initialisation), given the checkpoint's
+    tensors, then gets the fast modules (`ops.install`) unless fast=False."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass the folder written by save_pretrained")
@@ -198,7 +201,7 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) ->
         raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight  # to_empty gives each module its own copy
-    return model
+    return install(model) if fast else model
 
 
 def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:

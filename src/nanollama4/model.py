@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
 from .attention import Attention, KVCache, LayerCache, rms_unit
 from .config import ModelConfig
-from .moe import MoE, SwiGLU
+from .moe import Experts, MoE, SwiGLU
 from .rope import Rope, rope_angles, rope_frequencies
 
 
@@ -79,7 +78,6 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
-        ops.install(self)  # the fast products, beside the plain math above (see ops/__init__.py)
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) matrices, residual-output projections shrunk by 1/sqrt(2 n_layers), unit gains.
@@ -88,13 +86,19 @@ class Transformer(nn.Module):
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
+        residual_outputs = set()  # the projections that write into the residual stream
+        for m in self.modules():
+            if isinstance(m, Attention):
+                residual_outputs.add(m.o_proj.weight)
+            elif isinstance(m, SwiGLU):
+                residual_outputs.add(m.down_proj.weight)
+            elif isinstance(m, Experts):
+                residual_outputs.add(m.down)
+        for p in self.parameters():  # in registration order, so that a seed gives the same weights
             if p.dim() == 1:
                 nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down")):
-                nn.init.normal_(p, std=out_std)
             else:
-                nn.init.normal_(p, std=std)
+                nn.init.normal_(p, std=out_std if p in residual_outputs else std)
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """RoPE frequencies in float32 on `device`. Not a buffer: `model.to(bfloat16)` must not round them."""

@@ -1,16 +1,18 @@
-"""Feed-forward layers: the SwiGLU MLP and the mixture of experts built from it, top to bottom.
+"""Feed-forward layers: the SwiGLU MLP and the mixture of experts built from it.
 
-An MoE layer sends each token to the top-k of N routed experts (plus an always-on shared expert).
-Only the chosen experts run: assignments are sorted by expert, each expert multiplies its contiguous
-group of rows, and results are added back per token, so compute grows with k, not N.
+Reading map. `MoE.forward` is the whole story, in order:
+  1. route      `MoE.route`: router logits -> (noise, choice bias) -> top-k, or `assign_with_capacity`
+                when an expert capacity applies (full experts overflow to each token's next-best one)
+  2. assign     `Routing.assignments`: the (token, expert, weight) triples that found room
+  3. experts    `Experts.forward`: sort the rows by expert -> one SwiGLU product per expert -> add back
+  4. shared     the always-on shared expert, on every token
+  5. losses     `MoE.auxiliary_loss` (Switch load balancing + router z-loss), and the counts that the
+                auxiliary-loss-free choice bias learns from (`MoE.update_bias`)
+`moe_reference` computes the same layer plainly (every expert on every token) for the tests.
 
-Training-time routing, all optional (config): noise on the softmax router's logits, an expert capacity
-with overflow to each token's next-best expert, the Switch load-balancing loss and router z-loss, and
-the auxiliary-loss-free alternative, a per-expert bias that steers only the top-k choice.
-
-How the grouped rows are multiplied (a per-expert loop, grouped_mm, our CPU kernel, a padded bmm, a
-bucketed loop) is chosen by name from the table in `ops.experts`; this file says what is multiplied, not
-how fast.
+Only the chosen experts run, so compute grows with k, not N. This file is the plain math: how fast the
+grouped rows are multiplied (our CPU kernel, grouped_mm, padding, a few-row decode path) is
+`ops.experts.FastExperts`, which `ops.install` swaps in for `Experts` from outside.
 
 Shape suffixes: T tokens (batch x sequence, flattened), D model width, H expert hidden width, E experts,
 K experts per token (top-k), A assignments (kept (token, expert) pairs, at most T x K). So x_TD is the
@@ -27,16 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .ops.experts import (
-    CASTS_WEIGHTS,
-    PRODUCTS,
-    ROW_MULTIPLE,
-    check_dispatch,
-    chosen_product,
-    few_assignments,
-    few_rows,
-    pad_groups,
-)
 
 
 class SwiGLU(nn.Module):
@@ -52,7 +44,161 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-# ---------------------------------------------------------------------------------------------- routing
+# ---------------------------------------------------------------------------------------------- the layer
+class MoE(nn.Module):
+    """Router + routed experts + shared expert, on flattened tokens.
+
+    `sigmoid` router (Llama 4): top-k of the router logits, sigmoid of each chosen logit, and that score
+    multiplies the expert's *input*. `softmax` router (the tutorial): the non-chosen logits are set to
+    -inf before a softmax, and the weights multiply the experts' *outputs*.
+
+    After each forward pass, `aux_loss` holds the weighted load-balancing + z-loss (a zero tensor when
+    both coefficients are 0 or in eval mode), and `counts`/`stats` describe the routing (tensors, no host
+    sync).
+    """
+
+    aux_loss: torch.Tensor  # this pass's auxiliary loss, which `Transformer.loss` adds to the LM loss
+    _assigned: tuple[torch.Tensor, int] | None  # the last pass's expert ids and slot count
+    _counts: torch.Tensor | None  # counted from _assigned when first needed
+    _training: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rerouted, dropped, logits (training)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.experts_per_token, cfg.router
+        self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
+        self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
+        self.overflow, self.softmax_over = cfg.capacity_overflow == "next", cfg.softmax_over
+        self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
+        self.router = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
+        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
+        # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
+        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
+        self._assigned = self._counts = self._training = None
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        x_TD = x.reshape(B * T, d)
+        r = self.route(x_TD)
+        token_A, expert_A, weight_A = r.assignments()
+        y_TD = self.experts(x_TD, token_A, expert_A, weight_A, self.kind == "sigmoid")
+        if self.shared_expert is not None:
+            y_TD = y_TD + self.shared_expert(x_TD)
+        self._remember(r, expert_A, B * T)
+        self.aux_loss = self.auxiliary_loss(r) if self.training else r.logits_TE.new_zeros(())
+        if self.training and self.bias_rate:
+            self.pending_counts += self.counts.float()
+        return y_TD.view(B, T, d)
+
+    # ------------------------------------------------------------------------------------------ 1. routing
+    def capacity(self, n_tokens: int) -> int | None:
+        """Slots per expert for this batch, or None when routing is dropless."""
+        applies = self.capacity_factor is not None and (self.training or self.capacity_in_eval)
+        if not applies:
+            return None
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+
+    def route(self, x_TD: torch.Tensor) -> Routing:
+        """Decide experts and weights for each token; router math in float32 whatever the model dtype."""
+        logits_TE = self.router(x_TD)
+        scores_TE = logits_TE
+        if self.training and self.noise_kind != "none":
+            std = F.softplus(self.noise(x_TD)) if self.noise is not None \
+                else self.noise_std
+            scores_TE = logits_TE + torch.randn_like(logits_TE) * std
+        choice_TE = scores_TE + self.router_bias
+        cap = self.capacity(x_TD.shape[0])
+        zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
+        if cap is None:  # (for the top-1, max is the quicker of the two: benchmarks/RESULTS.md)
+            experts_TK = choice_TE.max(dim=-1, keepdim=True).indices if self.top_k == 1 \
+                else choice_TE.topk(self.top_k, dim=-1).indices
+            valid_TK, rerouted = None, zero
+        else:
+            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap, self.overflow)
+        chosen_TK = scores_TE.gather(1, experts_TK)
+        if valid_TK is not None:
+            chosen_TK = chosen_TK.masked_fill(~valid_TK, float("-inf"))
+        if self.kind == "sigmoid":
+            weights_TK = torch.sigmoid(chosen_TK)  # sigmoid(-inf) = 0 for empty slots
+        elif self.softmax_over == "all":  # every expert's probability; the chosen ones' are kept as they are
+            weights_TK = torch.softmax(scores_TE, dim=-1).gather(1, experts_TK)
+            if valid_TK is not None:
+                weights_TK = weights_TK * valid_TK
+        else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
+            weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
+        dropped = zero if valid_TK is None else (~valid_TK).sum()
+        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped)
+
+    # ------------------------------------------------------------------------------------------ 5. losses
+    def auxiliary_loss(self, r: Routing) -> torch.Tensor:
+        """The Switch load-balancing loss and the router z-loss of routing `r`, with their coefficients.
+
+        Balancing: N * sum_e f_e * p_e, f_e the share of assignments expert e got (counted, so not
+        differentiable) and p_e its mean router probability (differentiable): smallest when both are
+        uniform. z-loss: the mean squared log-sum-exp of the logits, which keeps them from growing.
+        """
+        aux = r.logits_TE.new_zeros(())
+        if self.aux_coef:
+            frac_E = self.counts.float() / self._assigned[1]
+            aux = aux + self.aux_coef * self.n_experts * (frac_E * r.logits_TE.softmax(-1).mean(0)).sum()
+        if self.z_coef:
+            aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
+        return aux
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Nudge each expert's choice bias toward uniform load: up if under-loaded, down if over-loaded.
+
+        Uses the assignments counted since the last update (one optimizer step's worth), then resets them.
+        """
+        if not self.bias_rate or self.pending_counts.sum() == 0:
+            return
+        load_E = self.pending_counts
+        self.router_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
+        self.pending_counts.zero_()
+
+    # ------------------------------------------------------------------------------------------ statistics
+    def _remember(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
+        """Keep what `counts` and `stats` read. What the step itself does not use (counts without balancing,
+        the fractions, the entropy) is derived when they are read, so decoding does not pay for it."""
+        self._assigned = (expert_A, n_tokens * self.top_k)
+        self._counts = None
+        self._training = (r.rerouted, r.dropped, r.logits_TE.detach()) if self.training else None
+
+    @property
+    def counts(self) -> torch.Tensor | None:
+        """Assignments per expert in the last forward pass (E,), or None before the first; counted once per
+        pass, and the same tensor for every caller."""
+        if self._assigned is None:
+            return None
+        if self._counts is None:
+            self._counts = count_per_expert(self._assigned[0], self.n_experts)
+        return self._counts
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
+        expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
+        rerouted and dropped fractions and the router entropy; {} before the first pass."""
+        counts_E = self.counts
+        if counts_E is None:
+            return {}
+        slots = self._assigned[1]
+        extra: dict[str, torch.Tensor] = {}
+        if self._training is not None:
+            rerouted, dropped, logits_TE = self._training
+            probs_TE = logits_TE.softmax(-1)
+            extra = {"rerouted_frac": rerouted.float() / slots, "dropped_frac": dropped.float() / slots,
+                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()}
+        mean_load = slots / self.n_experts
+        return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
+                "min_load": counts_E.min().float() / mean_load}
+
+
+# ---------------------------------------------------------------------------------------------- 1-2. routing
 class Float32Linear(nn.Linear):
     """x @ W.T on float32 copies of x and W, whatever the model's dtype: the router's logits decide the
     top-k, and bf16 rounding of them would flip near-ties. (Under autocast the product itself follows
@@ -72,6 +218,16 @@ class Routing:
     valid_TK: torch.Tensor | None  # False where capacity left a slot empty; None = every slot valid
     rerouted: torch.Tensor  # assignments that went past the token's top-k because an expert was full
     dropped: torch.Tensor  # slots that found no expert with room
+
+    def assignments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token_A, expert_A, weight_A: one triple per slot that found room, in token order."""
+        T, k = self.experts_TK.shape
+        token_A = torch.arange(T * k, device=self.experts_TK.device).div_(k, rounding_mode="floor")  # 0,0,1,1,..
+        expert_A, weight_A = self.experts_TK.reshape(-1), self.weights_TK.reshape(-1)
+        if self.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
+            keep_A = self.valid_TK.reshape(-1).nonzero().squeeze(1)
+            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
+        return token_A, expert_A, weight_A
 
 
 def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int, overflow: bool = True
@@ -119,13 +275,16 @@ def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int, overflo
     return experts_TK, valid_TK, rerouted
 
 
-# ---------------------------------------------------------------------------------------------- experts
+# ---------------------------------------------------------------------------------------------- 3. experts
 class Experts(nn.Module):
     """N SwiGLU experts with fused weights, stored (in, out) as the reference checkpoints store them.
 
     gate_up (E, D, 2H) holds each expert's gate and up matrices side by side; down is (E, H, D).
-    `dispatch` names how grouped rows are multiplied ("auto", or one of `ops.experts.PRODUCTS`); all
-    compute the same function.
+    `forward` sorts the assignments' rows by expert, runs `products` (here one plain product pair per
+    expert) and adds each result back into its token's row. `ops.experts.FastExperts` replaces
+    `products` with faster ones and adds a few-row path for decoding; expert parallelism
+    (`distributed.experts`) moves the sorted rows to the rank holding their expert and back, around
+    this module.
     """
 
     def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
@@ -133,62 +292,69 @@ class Experts(nn.Module):
         self.n_experts, self.hidden = n_experts, hidden
         self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
         self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
-        self.dispatch = "auto"
-
-    @property
-    def dispatch(self) -> str:
-        """How grouped rows are multiplied: "auto" or a name in `ops.experts.PRODUCTS`."""
-        return self._dispatch
-
-    @dispatch.setter
-    def dispatch(self, name: str) -> None:
-        self._dispatch = check_dispatch(name)
 
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
         """Sum over assignments a of weight_a-scaled SwiGLU_{expert_a}(x[token_a]), per token. Returns (T, D).
 
         Assignments are (token, expert, weight) triples, any order; weights scale the expert's input
-        (Llama 4) or its output (tutorial). Sort by expert -> multiply each group -> add back per token;
-        a handful of assignments (decoding) skips the sort.
+        (Llama 4) or its output (tutorial).
         """
-        dev = x_TD.device.type
-        # under autocast the experts run in the autocast dtype like every nn.Linear does (autocast does not
-        # know products on raw parameters, so the cast is explicit)
-        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_TD.dtype
-        if self.takes_few_rows(expert_A):
-            return few_rows(x_TD, token_A, expert_A, weight_A, self.gate_up, self.down, scale_input, dtype)
-        expert_A, order_A = torch.sort(expert_A, stable=True)
-        token_A, weight_A = token_A[order_A], weight_A[order_A]
-        counts_E = count_per_expert(expert_A, self.n_experts)
-        name = chosen_product(self.dispatch, x_TD[:0].to(dtype), self.hidden, self.n_experts, expert_A.shape[0])
-        multiple = ROW_MULTIPLE.get(name, 1) if self.pads_groups else 1
-        if multiple > 1:  # rows of zero weight pad each group (ops.experts.pad_groups)
-            token_A, weight_A, counts_E, expert_A = pad_groups(token_A, weight_A, expert_A, counts_E, multiple)
-        weight_A1 = weight_A.unsqueeze(1).to(x_TD.dtype)
-        x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
-        if scale_input:
-            x_AD = x_AD * weight_A1
-        y_AD = self.multiply(x_AD.to(dtype), counts_E, expert_A, name)
-        if not scale_input:
-            y_AD = y_AD * weight_A1
-        return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+        rows = sort_by_expert(x_TD, token_A, expert_A, weight_A, self.n_experts, scale_input)
+        return combine(self.products(rows.x_AD, rows.counts_E), rows, x_TD, scale_input)
 
-    pads_groups = True  # whether forward pads each group for products that want it (ROW_MULTIPLE)
+    def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU_e(x_a) for rows sorted by expert, counts_E rows each. Returns (A, D)."""
+        return per_expert_products(x_AD, *self.weights(), counts_E)
 
-    def takes_few_rows(self, expert_A: torch.Tensor) -> bool:
-        """Whether so few assignments (decoding) are better multiplied one by one than sorted into groups."""
-        return expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling())
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up and down as tensors to multiply by. (Expert parallelism under FSDP2 holds this rank's
+        experts as DTensor shards, whose local part is what this rank multiplies.)"""
+        return _local(self.gate_up), _local(self.down)
 
-    def multiply(self, x_AD: torch.Tensor, counts_E: torch.Tensor, expert_A: torch.Tensor, product: str
-                 ) -> torch.Tensor:
-        """SwiGLU_{expert_a}(x_a) for rows sorted by expert, counts_E rows each, in x's dtype, by the product
-        named `product` (`ops.experts.PRODUCTS`). (Expert parallelism replaces this: rows travel to the rank
-        holding their expert and back.)"""
-        gate_up, down = self.gate_up, self.down
-        if product not in CASTS_WEIGHTS:
-            gate_up, down = gate_up.to(x_AD.dtype), down.to(x_AD.dtype)
-        return PRODUCTS[product](x_AD, gate_up, down, counts_E, expert_A)
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+@dataclass
+class ExpertRows:
+    """Assignments sorted by expert: each one's row of x (already scaled when the weight scales the input),
+    the rows per expert, and what `combine` needs to add results back."""
+
+    x_AD: torch.Tensor  # the rows, grouped by expert
+    counts_E: torch.Tensor  # rows per expert
+    token_A: torch.Tensor  # each row's token
+    weight_A1: torch.Tensor  # each row's weight, (A, 1) in x's dtype
+
+
+def sort_by_expert(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
+                   n_experts: int, scale_input: bool) -> ExpertRows:
+    """Gather the assignments' rows in expert order, so that each expert multiplies one contiguous block."""
+    expert_A, order_A = torch.sort(expert_A, stable=True)
+    token_A, weight_A1 = token_A[order_A], weight_A[order_A].unsqueeze(1).to(x_TD.dtype)
+    x_AD = x_TD.index_select(0, token_A)  # backward: index_add_ (x_TD[token_A] would use index_put_)
+    if scale_input:
+        x_AD = x_AD * weight_A1
+    return ExpertRows(x_AD, count_per_expert(expert_A, n_experts), token_A, weight_A1)
+
+
+def combine(y_AD: torch.Tensor, rows: ExpertRows, x_TD: torch.Tensor, scale_input: bool) -> torch.Tensor:
+    """Add each row's expert output (scaled when the weight scales the output) into its token's row: (T, D)."""
+    if not scale_input:
+        y_AD = y_AD * rows.weight_A1
+    return torch.zeros_like(x_TD).index_add_(0, rows.token_A, y_AD.to(x_TD.dtype))
+
+
+def per_expert_products(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
+                        counts_E: torch.Tensor) -> torch.Tensor:
+    """One expert at a time: SwiGLU_e on its block of counts_E[e] rows. split/unbind make one backward node
+    each; indexing gate_up[e] per expert would instead build a full-size zero gradient for every expert."""
+    outs = []
+    for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), gate_up_EDH.unbind(0), down_EHD.unbind(0), strict=True):
+        gate, up = (x_e @ w1).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w2)
+    return torch.cat(outs) if outs else x_AD.new_zeros(0, down_EHD.shape[-1])
 
 
 def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -197,156 +363,7 @@ def count_per_expert(expert_A: torch.Tensor, n_experts: int) -> torch.Tensor:
     return zeros_E.index_add_(0, expert_A, torch.ones_like(expert_A))
 
 
-# ---------------------------------------------------------------------------------------------- the layer
-class MoE(nn.Module):
-    """Router + routed experts + shared expert, on flattened tokens.
-
-    `sigmoid` router (Llama 4): top-k of the router logits, sigmoid of each chosen logit, and that score
-    multiplies the expert's *input*. `softmax` router (the tutorial): the non-chosen logits are set to
-    -inf before a softmax, and the weights multiply the experts' *outputs*.
-
-    After each forward pass, `stats` gives tensors (no host sync) about the routing and `aux_loss` the
-    weighted load-balancing + z-loss (a zero tensor when both coefficients are 0 or in eval mode).
-    """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.experts_per_token, cfg.router
-        self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
-        self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
-        self.overflow, self.softmax_over = cfg.capacity_overflow == "next", cfg.softmax_over
-        self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
-        self.router = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
-        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
-        # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
-        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
-        self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
-        self._assigned: tuple[torch.Tensor, int] | None = None  # the last pass's expert ids and slot count
-        self._counts: torch.Tensor | None = None  # counted from _assigned when first needed
-        self._training: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rerouted, dropped, logits
-        self.aux_loss = torch.zeros(())
-
-    def capacity(self, n_tokens: int) -> int | None:
-        """Slots per expert for this batch, or None when routing is dropless."""
-        applies = self.capacity_factor is not None and (self.training or self.capacity_in_eval)
-        if not applies:
-            return None
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
-
-    def route(self, x_TD: torch.Tensor) -> Routing:
-        """Decide experts and weights for each token; router math in float32 whatever the model dtype."""
-        logits_TE = self.router(x_TD)
-        scores_TE = logits_TE
-        if self.training and self.noise_kind != "none":
-            std = F.softplus(self.noise(x_TD)) if self.noise is not None \
-                else self.noise_std
-            scores_TE = logits_TE + torch.randn_like(logits_TE) * std
-        choice_TE = scores_TE + self.router_bias
-        cap = self.capacity(x_TD.shape[0])
-        zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
-        if cap is None:  # (for the top-1, max is the quicker of the two: benchmarks/RESULTS.md)
-            experts_TK = choice_TE.max(dim=-1, keepdim=True).indices if self.top_k == 1 \
-                else choice_TE.topk(self.top_k, dim=-1).indices
-            valid_TK, rerouted = None, zero
-        else:
-            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap, self.overflow)
-        chosen_TK = scores_TE.gather(1, experts_TK)
-        if valid_TK is not None:
-            chosen_TK = chosen_TK.masked_fill(~valid_TK, float("-inf"))
-        if self.kind == "sigmoid":
-            weights_TK = torch.sigmoid(chosen_TK)  # sigmoid(-inf) = 0 for empty slots
-        elif self.softmax_over == "all":  # every expert's probability; the chosen ones' are kept as they are
-            weights_TK = torch.softmax(scores_TE, dim=-1).gather(1, experts_TK)
-            if valid_TK is not None:
-                weights_TK = weights_TK * valid_TK
-        else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
-            weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
-        dropped = zero if valid_TK is None else (~valid_TK).sum()
-        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, d = x.shape
-        x_TD = x.reshape(B * T, d)
-        r = self.route(x_TD)
-        n, k = B * T, self.top_k
-        token_A = torch.arange(n * k, device=x.device).div_(k, rounding_mode="floor")  # 0,0,1,1,... for k = 2
-        expert_A, weight_A = r.experts_TK.reshape(-1), r.weights_TK.reshape(-1)
-        if r.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
-            keep_A = r.valid_TK.reshape(-1).nonzero().squeeze(1)
-            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
-        y_TD = self.experts(x_TD, token_A, expert_A, weight_A, scale_input=self.kind == "sigmoid")
-        if self.shared_expert is not None:
-            y_TD = y_TD + self.shared_expert(x_TD)
-        self._record(r, expert_A, n)
-        return y_TD.view(B, T, d)
-
-    # ------------------------------------------------------------------------------------------ statistics, losses
-    def _record(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
-        """Keep what `stats` reads, and compute the auxiliary losses (training only). What the step itself
-        does not use (counts without balancing, the fractions, the entropy) is derived when `stats` is read."""
-        self._assigned = (expert_A, n_tokens * self.top_k)
-        self._counts = None
-        self._training = None
-        if not self.training:
-            self.aux_loss = r.logits_TE.new_zeros(())
-            return
-        self._training = (r.rerouted, r.dropped, r.logits_TE.detach())
-        slots = n_tokens * self.top_k
-        aux = r.logits_TE.new_zeros(())
-        if self.aux_coef:
-            frac_E = self.counts.float() / slots  # f_e: share of assignments (not differentiable)
-            aux = aux + self.aux_coef * self.n_experts * (frac_E * r.logits_TE.softmax(-1).mean(0)).sum()
-        if self.z_coef:
-            aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
-        self.aux_loss = aux
-        if self.bias_rate:
-            self.pending_counts += self.counts.float()
-
-    @property
-    def counts(self) -> torch.Tensor | None:
-        """Assignments per expert in the last forward pass (E,), or None before the first; counted once per
-        pass, and the same tensor for every caller."""
-        if self._assigned is None:
-            return None
-        if self._counts is None:
-            self._counts = count_per_expert(self._assigned[0], self.n_experts)
-        return self._counts
-
-    @property
-    def stats(self) -> dict[str, torch.Tensor]:
-        """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
-        expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
-        rerouted and dropped fractions and the router entropy. Derived when read, so that decoding, which
-        never reads them, does not pay for them; {} before the first pass."""
-        counts_E = self.counts
-        if counts_E is None:
-            return {}
-        slots = self._assigned[1]
-        extra: dict[str, torch.Tensor] = {}
-        if self._training is not None:
-            rerouted, dropped, logits_TE = self._training
-            probs_TE = logits_TE.softmax(-1)
-            extra = {"rerouted_frac": rerouted.float() / slots, "dropped_frac": dropped.float() / slots,
-                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()}
-        mean_load = slots / self.n_experts
-        return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
-                "min_load": counts_E.min().float() / mean_load}
-
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """Nudge each expert's choice bias toward uniform load: up if under-loaded, down if over-loaded.
-
-        Uses the assignments counted since the last update (one optimizer step's worth), then resets them.
-        """
-        if not self.bias_rate or self.pending_counts.sum() == 0:
-            return
-        load_E = self.pending_counts
-        self.router_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
-        self.pending_counts.zero_()
-
-
+# ---------------------------------------------------------------------------------------------- reference
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The same MoE computed plainly: every expert on every token, weight 0 for the ones not chosen.
 

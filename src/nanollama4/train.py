@@ -3,13 +3,17 @@
 One function, `train`, does a whole run. Everything that makes a run resumable lives in the checkpoint:
 model and optimizer tensors, the step, the batch sampler's generator and the best validation loss, so a
 resumed run draws the same batches and computes the same losses as one that never stopped. (Router noise
-is seeded per step and micro-batch, so it needs no saved state.)
+is seeded per step and micro-batch, so it needs no saved state.) Who may train in a run directory, and how
+a resumed run is fitted to a new launch, is `runs`'s business.
 
-Under torchrun the same function trains on every rank (`parallel` spreads the model). A step's R x a
+Under torchrun the same function trains on every rank (`distributed` spreads the model). A step's R x a
 micro-batches are the ones one process with accumulation R x a would draw: every rank draws all of
 their windows from the same generator and keeps micro-batches r, r + R, r + 2R, ... for itself, so a
 run can change world size on resume and stay comparable. Rank 0 alone writes the run directory and
 shows progress (every rank reads the corpus and its token cache, which is written atomically).
+
+Read from the top: the optimizer, the schedule, one step, validation + saving, the loop; below it what the
+loop carries, and how a run is set up.
 """
 
 from __future__ import annotations
@@ -23,35 +27,31 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 from tqdm import tqdm
 
-from . import parallel
+from . import distributed
 from .checkpoint import (
-    LOCK_NAME,
-    CheckpointError,
-    holds_run,
     load_model,
     load_optimizer_state,
     load_train_state,
     model_tensors,
     optimizer_tensors,
-    read_json,
     read_model_config,
-    read_safetensors,
     resolve_checkpoint,
-    run_lock,
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .distributed import Parallel, World
 from .errors import DataError, TrainingError
-from .evaluation import autocast
-from .files import atomic_write
+from .evaluation import autocast, evaluate
+from .files import read_json, read_safetensors
 from .model import Transformer
-from .parallel import Parallel, World
+from .ops import build_model
+from .runs import check_budget_ahead, check_new_run_dir, fit_seq_len, fit_world, holds_run, owning, truncate_metrics
 from .runtime import pick_device
 from .tokenizer import (
     BPETokenizer,
@@ -65,31 +65,13 @@ from .tokenizer import (
 ALONE = World()  # a process not started by torchrun
 
 
-@dataclass
-class TrainResult:
-    run_dir: Path
-    step: int
-    val_loss: float | None  # on the fixed validation batches at the last evaluation
-    best_val_loss: float | None
-    tokens_per_s: float  # training throughput over the run (all ranks together)
-    interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
-    saved: bool = True  # whether run_dir holds a checkpoint to resume from
-
-
-LAUNCH_KEYS = ("parallel", "expert_parallel")  # how a launch spreads the run: chosen anew by each one
-
-
-def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
-    """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run).
-
-    The spread over ranks (`LAUNCH_KEYS`) is not kept: it is this launch's to choose (default DDP, no
-    expert parallelism), since checkpoints are the same whatever the spread."""
-    saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
-    saved = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
-    try:
-        return TrainConfig.from_dict({**saved, **overrides})
-    except TypeError as e:
-        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only: decaying norm gains toward 0 would fight the norm."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": tc.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    # fused: one pass over each tensor instead of a kernel per operation (7.1k -> 9.6k tokens/s at 64 experts here)
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
 def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
@@ -106,68 +88,63 @@ def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
     return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only: decaying norm gains toward 0 would fight the norm."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": tc.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    # fused: one pass over each tensor instead of a kernel per operation (7.1k -> 9.6k tokens/s at 64 experts here)
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
-
-
-def expert_counts(model: Transformer) -> torch.Tensor | None:
-    """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
-    counts = [c for c in (m.counts for m in model.moe_layers()) if c is not None]
-    return torch.stack(counts).float() if counts else None
-
-
-def expert_load(counts: torch.Tensor | None) -> list[list[float]]:
-    """Per MoE layer, each expert's fraction of the routed assignments in `counts` (from `expert_counts`)."""
-    if counts is None:
-        return []
-    return (counts / counts.sum(-1, keepdim=True)).tolist()
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[dict[str, bool]]:
-    """Turn SIGINT/SIGTERM into a flag the loop checks between steps, so a step is never cut in half."""
-    flag = {"stop": False}
-
-    def handler(signum, frame):  # noqa: ARG001
-        flag["stop"] = True
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield flag
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"batches": gen.get_state()}
-
-
-def noise_seed(seed: int, step: int, micro_batch: int) -> int:
-    """The router-noise seed of one micro-batch: a function of where it sits in the run alone, so that
-    neither a resume nor the number of ranks sharing the step changes the noise it draws."""
-    return ((seed * 1_000_003 + step) * 65_537 + micro_batch) & (2**63 - 1)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
+def train_step(run: Run, lr: float) -> StepResult:
+    """One optimizer step at learning rate lr: this rank's grad_accum of the step's R x grad_accum micro-batches
+    (all of them drawn, to keep the ranks' samplers alike), clipping, the update, the balancing bias. A
+    non-finite loss or gradient norm stops the run before anything of the step is applied."""
+    tc, model, world = run.tc, run.model, run.world
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    noisy = any(m.noise_kind != "none" for m in model.moe_layers())
+    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches (on the CPU: one read)
+    mine = 0
+    for m in range(tc.grad_accum * world.size):
+        starts = run.dataset.draw_starts("train", tc.batch_size, tc.seq_len, run.batches)
+        if m % world.size != world.rank:
             continue
-    if kept != lines:  # a resume that stops before its first step leaves the file as it was
-        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
+        mine += 1
+        x, y = run.dataset.batch_at("train", starts, tc.seq_len)
+        if noisy:
+            torch.manual_seed(noise_seed(tc.seed, run.step, m))
+        with run.parallel.accumulating(last=mine == tc.grad_accum):
+            with autocast(run.device, tc.bf16):
+                out = run.parallel.loss(x.to(run.device), y.to(run.device))
+            (out.total / tc.grad_accum).backward()
+        sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
+    counts = expert_counts(model)
+    lm, aux = (run.parallel.sum_over_ranks(sums) / (tc.grad_accum * world.size)).tolist()
+    if counts is not None:
+        counts = run.parallel.sum_over_ranks(counts.cpu())
+    if not math.isfinite(lm + aux):
+        raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
+    run.parallel.after_backward()
+    grad_norm = run.parallel.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+    if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
+        raise _diverged(f"the gradient norm became {grad_norm}", run.step + 1, run.dir)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    model.update_router_biases()
+    run.step += 1
+    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts)
+
+
+def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
+    """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
+    A non-finite validation loss stops the run instead."""
+    val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16, run.world.rank, run.world.size,
+                   run.parallel.sum_over_ranks)
+    if not math.isfinite(val):
+        raise _diverged(f"the validation loss became {val}", run.step, run.dir)
+    metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
+    is_best = run.best is None or val < run.best
+    run.val, run.best = val, val if is_best else run.best
+    tensors = model_tensors(run.model, whole=run.parallel.whole)  # whole on every rank: one file for any world size
+    optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
+    if run.world.main:
+        state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
+                 "world_size": run.world.size}
+        save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
+                        _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
 
 
 def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, data: str | None = None,
@@ -176,10 +153,10 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
 
     model_cfg's vocab_size is replaced by the tokenizer's, and tc.seq_len None by the model's max_seq_len.
     With resume, model_cfg is ignored (the checkpoint's model is used) and `tc` is used as given: build it
-    with `resume_config(run_dir, ...)` so that everything but what you mean to change (usually the budget)
+    with `runs.resume_config(run_dir, ...)` so that everything but what you mean to change (usually the budget)
     stays as the run had it; `data` then replaces the run's corpus path (the text must suit its tokenizer).
 
-    The process (under torchrun: rank 0) holds run_dir's lock throughout (`checkpoint.run_lock`): a second
+    The process (under torchrun: rank 0) holds run_dir's lock throughout (`runs.run_lock`): a second
     training there stops at once. A new run goes only into a new, empty, or never-checkpointed folder of
     ours. Under torchrun every rank calls this with the same arguments.
     """
@@ -189,105 +166,22 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         raise TrainingError("give a budget: --max-steps N or --max-time 10m")
     if resume:
         ckpt = resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
-        parallel.check(world, tc, read_model_config(ckpt))
+        distributed.check(world, tc, read_model_config(ckpt))
     else:
         if model_cfg is None:
             raise TrainingError("a new run needs a model config")
-        _check_new_run_dir(run_dir)
+        check_new_run_dir(run_dir)
         find_corpus_files(data)  # a missing corpus fails before the run directory is created
-        tc = _fit_seq_len(tc, model_cfg)
-        parallel.check(world, tc, model_cfg)
+        tc = fit_seq_len(tc, model_cfg)
+        distributed.check(world, tc, model_cfg)
     pick_device(tc.device)
     # every rank has made the checks above; rank 0 alone creates and locks the run directory
-    device = parallel.join(world, tc)
+    device = distributed.join(world, tc)
     try:
-        with parallel.peers_fail_as_errors(world), _owning(run_dir, resume, world):
+        with distributed.peers_fail_as_errors(world), owning(run_dir, resume, world):
             return _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device)
     finally:
-        parallel.leave()
-
-
-@contextmanager
-def _owning(run_dir: Path, resume: bool, world: World) -> Iterator[None]:
-    """On rank 0, create run_dir and hold its lock throughout; the other ranks wait until it has."""
-    if not world.main:
-        if world.distributed:
-            torch.distributed.barrier()
-        yield
-        return
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
-    with run_lock(run_dir):
-        if not resume and holds_run(run_dir):  # another process may have saved here since the check above
-            raise _already_a_run(run_dir)
-        if world.distributed:
-            torch.distributed.barrier()
-        yield
-
-
-def _check_new_run_dir(run_dir: Path) -> None:
-    """Refuse an --out that is a file, holds a run, or is a non-empty folder that is not one of our runs."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise TrainingError(f"--out {run_dir} is a file, not a folder; pass a new or empty folder")
-    if not run_dir.is_dir():
-        return
-    if holds_run(run_dir) and not (run_dir / LOCK_NAME).exists():
-        raise _already_a_run(run_dir)
-    entries = sorted(p.name for p in run_dir.iterdir())
-    if entries and not (run_dir / LOCK_NAME).exists():
-        raise TrainingError(f"{run_dir} is not empty ({len(entries)} entries, e.g. {entries[0]!r}) and is not a "
-                            "training run; pass a new or empty folder as --out")
-
-
-def _already_a_run(run_dir: Path) -> TrainingError:
-    return TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
-
-
-def _fit_seq_len(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
-    """tc with seq_len None read as the model's context, and one longer than that refused."""
-    if tc.seq_len is None:
-        tc = tc.replace(seq_len=cfg.max_seq_len)
-    if tc.seq_len > cfg.max_seq_len:
-        raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
-    return tc
-
-
-def _corpus_path(data: str | Path | None) -> str | None:
-    """How a run records its corpus: an absolute path (None = the default corpus), so that resume and eval
-    work from any working directory."""
-    return None if data is None else str(Path(data).expanduser().resolve())
-
-
-@dataclass
-class Run:
-    """What a run carries from step to step; a checkpoint saves all of it but the spread over ranks."""
-
-    dir: Path
-    tc: TrainConfig
-    model: Transformer
-    tokenizer: Tokenizer
-    optimizer: torch.optim.Optimizer
-    dataset: TokenDataset
-    val_batches: list[Batch]
-    batches: torch.Generator  # the batch sampler's own RNG (router noise draws from torch's global one)
-    device: torch.device
-    data: str | None  # the corpus's absolute path; None = the default corpus
-    world: World  # this process among torchrun's (rank 0 of 1 when alone)
-    parallel: Parallel  # how the model is spread over the ranks (not at all for one process)
-    step: int = 0
-    best: float | None = None  # best validation loss so far
-    val: float | None = None  # validation loss at the last evaluation
-    elapsed_before: float = 0.0  # seconds trained by earlier processes of this run
-
-
-@dataclass
-class StepResult:
-    lm: float  # mean next-token loss over the step's micro-batches
-    aux: float  # mean MoE auxiliary loss
-    grad_norm: float  # before clipping
-    counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
+        distributed.leave()
 
 
 def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
@@ -300,7 +194,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     tc = run.tc  # with seq_len filled in
     metrics_path = run_dir / "metrics.jsonl"
     if world.main and resume:
-        _truncate_metrics(metrics_path, run.step)
+        truncate_metrics(metrics_path, run.step)
     elif world.main:
         metrics_path.write_text("")
     if tc.compile:
@@ -348,6 +242,90 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
                        saved=holds_run(run_dir))
 
 
+# ---------------------------------------------------------------------------------------------- what the loop carries
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    val_loss: float | None  # on the fixed validation batches at the last evaluation
+    best_val_loss: float | None
+    tokens_per_s: float  # training throughput over the run (all ranks together)
+    interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
+    saved: bool = True  # whether run_dir holds a checkpoint to resume from
+
+
+@dataclass
+class Run:
+    """What a run carries from step to step; a checkpoint saves all of it but the spread over ranks."""
+
+    dir: Path
+    tc: TrainConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    optimizer: torch.optim.Optimizer
+    dataset: TokenDataset
+    val_batches: list[Batch]
+    batches: torch.Generator  # the batch sampler's own RNG (router noise draws from torch's global one)
+    device: torch.device
+    data: str | None  # the corpus's absolute path; None = the default corpus
+    world: World  # this process among torchrun's (rank 0 of 1 when alone)
+    parallel: Parallel  # how the model is spread over the ranks (not at all for one process)
+    step: int = 0
+    best: float | None = None  # best validation loss so far
+    val: float | None = None  # validation loss at the last evaluation
+    elapsed_before: float = 0.0  # seconds trained by earlier processes of this run
+
+
+@dataclass
+class StepResult:
+    lm: float  # mean next-token loss over the step's micro-batches
+    aux: float  # mean MoE auxiliary loss
+    grad_norm: float  # before clipping
+    counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
+
+
+# ---------------------------------------------------------------------------------------------- logging and checks
+def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed: float, tokens_per_s: float) -> None:
+    """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
+    line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
+            "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
+    load = expert_load(result.counts)
+    if load:
+        line["expert_load"] = [[round(v, 4) for v in row] for row in load]
+    metrics.write(json.dumps(line) + "\n")
+
+
+def expert_counts(model: Transformer) -> torch.Tensor | None:
+    """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
+    counts = [c for c in (m.counts for m in model.moe_layers()) if c is not None]
+    return torch.stack(counts).float() if counts else None
+
+
+def expert_load(counts: torch.Tensor | None) -> list[list[float]]:
+    """Per MoE layer, each expert's fraction of the routed assignments in `counts` (from `expert_counts`)."""
+    if counts is None:
+        return []
+    return (counts / counts.sum(-1, keepdim=True)).tolist()
+
+
+def noise_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The router-noise seed of one micro-batch: a function of where it sits in the run alone, so that
+    neither a resume nor the number of ranks sharing the step changes the noise it draws."""
+    return ((seed * 1_000_003 + step) * 65_537 + micro_batch) & (2**63 - 1)
+
+
+def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
+    """The error for a non-finite loss or gradient: nothing of that step was applied or saved."""
+    if holds_run(run_dir):
+        last = resolve_checkpoint(run_dir, prefer="last").name
+        advice = (f"{run_dir}/last ({last}) is intact; lower lr (--set lr=...) and continue with "
+                  f"--resume {run_dir}")
+    else:
+        advice = f"no checkpoint was saved in {run_dir} yet; lower lr (--set lr=...) and train again"
+    return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
+
+
+# ---------------------------------------------------------------------------------------------- setting a run up
 def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
               cache_dir: Path | None, world: World = ALONE, device: torch.device | None = None) -> Run:
     """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer."""
@@ -359,10 +337,10 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
         tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" \
             else BPETokenizer.train(text, tc.bpe_vocab_size)
     if world.distributed:  # every rank encodes with rank 0's tokenizer
-        sent = parallel.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
+        sent = distributed.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
         tokenizer = tokenizer_from_json(sent)
     torch.manual_seed(tc.seed)  # the same initial weights on every rank
-    model = Transformer(model_cfg.replace(vocab_size=tokenizer.vocab_size))
+    model = build_model(model_cfg.replace(vocab_size=tokenizer.vocab_size))  # with the fast modules (ops)
     return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device)
 
 
@@ -374,13 +352,13 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     state, rng = load_train_state(ckpt)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     model = load_model(ckpt)
-    _check_budget_ahead(tc, state, run_dir)
+    check_budget_ahead(tc, state, run_dir)
     if data is None:
         data = state.get("data")
         if data is not None and not Path(data).exists():
             raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
                             "the same text")
-    tc = _fit_world(_fit_seq_len(tc, model.cfg), read_json(ckpt / "train_config.json"),
+    tc = fit_world(fit_seq_len(tc, model.cfg), read_json(ckpt / "train_config.json"),
                     int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
@@ -389,27 +367,6 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
     run.elapsed_before = float(state.get("elapsed", 0.0))
     return run
-
-
-def _fit_world(tc: TrainConfig, saved: dict[str, Any], saved_world: int, world: World) -> TrainConfig:
-    """On a resume with another number of ranks, keep the step's micro-batches: R x grad_accum stays what it
-    was (unless grad_accum was changed on purpose), so the run goes on drawing the same windows."""
-    micro = saved_world * int(saved.get("grad_accum", tc.grad_accum))
-    if saved_world == world.size or tc.grad_accum != saved.get("grad_accum"):
-        return tc
-    if micro % world.size:
-        raise TrainingError(f"the run's steps have {micro} micro-batches ({saved_world} ranks x grad_accum "
-                            f"{micro // saved_world}), which {world.size} ranks cannot share evenly; launch a "
-                            f"divisor of {micro} ranks or pass --set grad_accum=N")
-    if world.main:
-        print(f"resuming on {world.size} rank(s) instead of {saved_world}: grad_accum {tc.grad_accum} -> "
-              f"{micro // world.size}, so each step still takes {micro} micro-batches", flush=True)
-    return tc.replace(grad_accum=micro // world.size)
-
-
-def _set_threads(tc: TrainConfig) -> None:
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
 
 
 def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
@@ -425,97 +382,39 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = device or pick_device(tc.device)
     model.to(device).train()
-    spread = parallel.spread(model, world, tc, device)  # before the optimizer: it may replace parameters
+    spread = distributed.spread(model, world, tc, device)  # before the optimizer: it may replace parameters
     return Run(dir=run_dir, tc=tc, model=model, tokenizer=tokenizer, optimizer=make_optimizer(model, tc),
                dataset=dataset, val_batches=val_batches, batches=torch.Generator().manual_seed(tc.seed),
                device=device, data=_corpus_path(data), world=world, parallel=spread)
 
 
-def train_step(run: Run, lr: float) -> StepResult:
-    """One optimizer step at learning rate lr: this rank's grad_accum of the step's R x grad_accum micro-batches
-    (all of them drawn, to keep the ranks' samplers alike), clipping, the update, the balancing bias. A
-    non-finite loss or gradient norm stops the run before anything of the step is applied."""
-    tc, model, world = run.tc, run.model, run.world
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    noisy = any(m.noise_kind != "none" for m in model.moe_layers())
-    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches (on the CPU: one read)
-    mine = 0
-    for m in range(tc.grad_accum * world.size):
-        starts = run.dataset.draw_starts("train", tc.batch_size, tc.seq_len, run.batches)
-        if m % world.size != world.rank:
-            continue
-        mine += 1
-        x, y = run.dataset.batch_at("train", starts, tc.seq_len)
-        if noisy:
-            torch.manual_seed(noise_seed(tc.seed, run.step, m))
-        with run.parallel.accumulating(last=mine == tc.grad_accum):
-            with autocast(run.device, tc.bf16):
-                out = run.parallel.loss(x.to(run.device), y.to(run.device))
-            (out.total / tc.grad_accum).backward()
-        sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
-    counts = expert_counts(model)
-    lm, aux = (run.parallel.sum_over_ranks(sums) / (tc.grad_accum * world.size)).tolist()
-    if counts is not None:
-        counts = run.parallel.sum_over_ranks(counts.cpu())
-    if not math.isfinite(lm + aux):
-        raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
-    run.parallel.after_backward()
-    grad_norm = run.parallel.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
-        raise _diverged(f"the gradient norm became {grad_norm}", run.step + 1, run.dir)
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    model.update_router_biases()
-    run.step += 1
-    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts)
+def _set_threads(tc: TrainConfig) -> None:
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
 
 
-def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed: float, tokens_per_s: float) -> None:
-    """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
-    line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
-            "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
-    load = expert_load(result.counts)
-    if load:
-        line["expert_load"] = [[round(v, 4) for v in row] for row in load]
-    metrics.write(json.dumps(line) + "\n")
+def _corpus_path(data: str | Path | None) -> str | None:
+    """How a run records its corpus: an absolute path (None = the default corpus), so that resume and eval
+    work from any working directory."""
+    return None if data is None else str(Path(data).expanduser().resolve())
 
 
-def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
-    """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
-    A non-finite validation loss stops the run instead."""
-    val = run.parallel.evaluate(run.val_batches, run.device, run.tc.bf16)
-    if not math.isfinite(val):
-        raise _diverged(f"the validation loss became {val}", run.step, run.dir)
-    metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
-    is_best = run.best is None or val < run.best
-    run.val, run.best = val, val if is_best else run.best
-    tensors = model_tensors(run.model, whole=run.parallel.whole)  # whole on every rank: one file for any world size
-    optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
-    if run.world.main:
-        state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
-                 "world_size": run.world.size}
-        save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
-                        _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
+# ---------------------------------------------------------------------------------------------- signals and RNG
+@contextmanager
+def stop_on_signals() -> Iterator[dict[str, bool]]:
+    """Turn SIGINT/SIGTERM into a flag the loop checks between steps, so a step is never cut in half."""
+    flag = {"stop": False}
+
+    def handler(signum, frame):  # noqa: ARG001
+        flag["stop"] = True
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
-def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
-    """The error for a non-finite loss or gradient: nothing of that step was applied or saved."""
-    if holds_run(run_dir):
-        last = resolve_checkpoint(run_dir, prefer="last").name
-        advice = (f"{run_dir}/last ({last}) is intact; lower lr (--set lr=...) and continue with "
-                  f"--resume {run_dir}")
-    else:
-        advice = f"no checkpoint was saved in {run_dir} yet; lower lr (--set lr=...) and train again"
-    return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
-
-
-def _check_budget_ahead(tc: TrainConfig, state: dict[str, Any], run_dir: Path) -> None:
-    """On resume, a budget the run has already used up would do nothing and report success: refuse it."""
-    step, elapsed = int(state.get("step", 0)), float(state.get("elapsed", 0.0))
-    if tc.max_steps is not None and step >= tc.max_steps:
-        raise TrainingError(f"{run_dir} is already at step {step} and --max-steps counts the whole run; "
-                            f"pass --max-steps above {step} (or --max-time)")
-    if tc.max_time is not None and elapsed >= tc.max_time:
-        raise TrainingError(f"{run_dir} has already trained for {elapsed:.0f} s and --max-time counts the whole "
-                            f"run; pass --max-time above {elapsed:.0f}s (or --max-steps)")
+def _rng_state(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"batches": gen.get_state()}

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..data import TokenDataset, default_cache_dir, find_corpus_files
 from ..errors import DataError
 from ..model import Transformer
+from ..ops import build_model
 from .common import (
     Setting,
     base_model,
@@ -66,7 +67,7 @@ def far_half_loss(model: Transformer, tokens: torch.Tensor, length: int, budget:
 
 def with_temperature(model: Transformer, on: bool) -> Transformer:
     """The same weights with the NoPE layers' temperature tuning on or off (it has no parameters)."""
-    other = Transformer(model.cfg.replace(attn_temperature_tuning=on))
+    other = build_model(model.cfg.replace(attn_temperature_tuning=on))
     other.load_state_dict(model.state_dict())
     return other.eval()
 

@@ -1,34 +1,52 @@
 """The fast ways to compute what the model files state plainly, installed from outside the model.
 
-  ops.kernels    our compiled CPU float32 grouped product (csrc/grouped.cpp) and its loader
-  ops.experts    the table of named grouped-row products for the MoE experts, and the few-row path
+  ops.kernels    our compiled CPU grouped products (csrc/grouped.cpp: float32, and bf16 on AVX512_BF16)
+  ops.experts    FastExperts: the routed experts with the product chosen per call, and the few-row path
   ops.linear     FastLinear: an nn.Linear that picks our kernel or a two-core row product per call
   ops.attention  the CPU bf16-autocast training attention (explicit scores)
 
-`install(model)` swaps FastLinear in for every SwiGLU projection (the dense FFN and the shared expert)
-and the CPU autocast attention into every Attention. Both stay modules/functions the model calls in
-its plain forward, so forward hooks on every nn.Linear see every call. `Transformer` calls it once,
-at construction; the routed experts choose their product by name (`Experts.dispatch`).
+`install(model)` swaps FastLinear in for every SwiGLU projection (the dense FFN and the shared
+expert), FastExperts for every `moe.Experts`, and the CPU autocast attention into every Attention. Each
+swapped module keeps the parameters (and their state-dict names) of the one it replaces and is called
+where the plain model calls it, so forward hooks still see every call. A plain `Transformer(cfg)` has
+none of this; the entry points (`build_model`, the checkpoint and reference loaders, training, the
+CLI) install it once, and `fast=False` opts out.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from ..attention import Attention, sdpa_attend
+from ..config import ModelConfig
+from ..model import Transformer
+from ..moe import Experts, SwiGLU
+from .attention import cpu_autocast_attend
+from .experts import FastExperts
+from .linear import FastLinear
+
 
 def install(module: nn.Module) -> nn.Module:
-    """Put the fast products into `module` (a Transformer, or any part of one) in place; returns it."""
-    from ..attention import Attention
-    from ..moe import SwiGLU
-    from .attention import cpu_autocast_attend
-    from .linear import FastLinear
-
-    for m in module.modules():
+    """Put the fast modules into `module` (a Transformer, or any part of one) in place; returns it.
+    Installing twice changes nothing."""
+    for m in list(module.modules()):
         if isinstance(m, SwiGLU):
             for name in ("gate_proj", "up_proj", "down_proj"):
                 linear = getattr(m, name)
-                if not isinstance(linear, FastLinear):
+                if type(linear) is nn.Linear:
                     setattr(m, name, FastLinear.taking_over(linear))
-        elif isinstance(m, Attention):
+        elif isinstance(m, Attention) and m.attend is sdpa_attend:
             m.attend = cpu_autocast_attend
+        for name, child in m.named_children():
+            if type(child) is Experts:
+                setattr(m, name, FastExperts.taking_over(child))
     return module
+
+
+def build_model(cfg: ModelConfig, fast: bool = True) -> Transformer:
+    """A freshly initialised Transformer for `cfg`, with the fast modules installed unless fast=False.
+
+    The two compute the same logits and gradients; the plain one is what the model files say, line by
+    line, and what a reader should print, hook or modify."""
+    model = Transformer(cfg)
+    return install(model) if fast else model

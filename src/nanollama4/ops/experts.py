@@ -13,7 +13,8 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
            multiples: `pad_groups`)
 
 `auto_product` names the fastest measured for an input (benchmarks/RESULTS.md). `few_rows` serves a
-handful of (token, expert) assignments, as in decoding, without sorting.
+handful of (token, expert) assignments, as in decoding, without sorting. `FastExperts`, the module
+`ops.install` puts in place of each `moe.Experts`, chooses among all of these per call.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..errors import ConfigError
+from ..moe import Experts, per_expert_products
 from . import kernels
 from .linear import row_matmul
 
@@ -34,13 +37,8 @@ Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 def loop_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                  expert_A: torch.Tensor) -> torch.Tensor:
-    """One expert at a time. split/unbind make one backward node each; indexing gate_up[e] per expert would
-    instead build a full-size zero gradient for every expert."""
-    outs = []
-    for x_e, w1, w2 in zip(x_AD.split(counts_E.tolist()), gate_up_EDH.unbind(0), down_EHD.unbind(0), strict=True):
-        gate, up = (x_e @ w1).chunk(2, dim=-1)
-        outs.append((F.silu(gate) * up) @ w2)
-    return torch.cat(outs) if outs else x_AD.new_zeros(0, down_EHD.shape[-1])
+    """The plain model's own product (`moe.per_expert_products`): one matmul pair per expert."""
+    return per_expert_products(x_AD, gate_up_EDH, down_EHD, counts_E)
 
 
 def _swiglu_of(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_AD: torch.Tensor,
@@ -280,12 +278,6 @@ def check_dispatch(name: str) -> str:
     return name
 
 
-def product_named(name: str, x_AD: torch.Tensor, hidden: int, n_experts: int) -> Product:
-    """The product called `name` ("auto": the fastest measured for x's rows over n_experts); an unknown name
-    is a ConfigError."""
-    return PRODUCTS[chosen_product(name, x_AD, hidden, n_experts)]
-
-
 def chosen_product(name: str, x: torch.Tensor, hidden: int, n_experts: int, rows: int | None = None) -> str:
     """The name of the product dispatch `name` takes for `rows` rows (default: x's) of x's device, dtype and
     width over n_experts ("auto" decides by those)."""
@@ -383,3 +375,68 @@ def few_rows(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, 
     if not scale_input:
         y_AD = y_AD * weight_A1
     return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- the module
+class FastExperts(Experts):
+    """`moe.Experts` (the same parameters, the same function) with the fast products chosen per call.
+
+    - A handful of assignments (decoding) skip the sort: `few_rows`.
+    - Otherwise rows are sorted as in `Experts.forward` and multiplied by the product `dispatch` names
+      ("auto": the fastest measured for their device, dtype and count, `auto_product`), padded per
+      expert for the products that want it (`ROW_MULTIPLE`).
+    - Under autocast the products run in the autocast dtype, as every nn.Linear does (autocast does not
+      know products on raw parameters, so the cast is explicit).
+    """
+
+    dispatch_name: str  # "auto" or a name in PRODUCTS
+
+    @classmethod
+    def taking_over(cls, experts: Experts) -> FastExperts:
+        """A FastExperts that shares `experts`' parameters (no copy)."""
+        fast = cls.__new__(cls)
+        nn.Module.__init__(fast)
+        fast.n_experts, fast.hidden = experts.n_experts, experts.hidden
+        fast.gate_up, fast.down = experts.gate_up, experts.down
+        fast.dispatch = "auto"
+        return fast
+
+    @property
+    def dispatch(self) -> str:
+        """How grouped rows are multiplied: "auto" or a name in `PRODUCTS` (anything else: a ConfigError)."""
+        return self.dispatch_name
+
+    @dispatch.setter
+    def dispatch(self, name: str) -> None:
+        self.dispatch_name = check_dispatch(name)
+
+    def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
+                scale_input: bool) -> torch.Tensor:
+        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
+            return few_rows(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
+        return super().forward(x_TD, token_A, expert_A, weight_A, scale_input)  # sort -> `products` -> add back
+
+    def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """SwiGLU_e(x_a) for rows sorted by expert, by the chosen product, in the compute dtype."""
+        x_AD = x_AD.to(compute_dtype(x_AD))
+        A, dev = x_AD.shape[0], x_AD.device
+        name = chosen_product(self.dispatch, x_AD, self.hidden, self.n_experts)
+        expert_A = torch.repeat_interleave(torch.arange(self.n_experts, device=dev), counts_E, output_size=A)
+        multiple = ROW_MULTIPLE.get(name, 1)
+        if multiple > 1:  # each group padded with rows of zeros, which add nothing (SwiGLU(0) = 0)
+            rows_P, keep_P, counts_E, expert_A = pad_groups(torch.arange(A, device=dev), torch.ones(A, device=dev),
+                                                            expert_A, counts_E, multiple)
+            x_AD = x_AD.index_select(0, rows_P) * keep_P.unsqueeze(1).to(x_AD.dtype)
+        gate_up, down = self.weights()
+        if name not in CASTS_WEIGHTS:
+            gate_up, down = gate_up.to(x_AD.dtype), down.to(x_AD.dtype)
+        y_AD = PRODUCTS[name](x_AD, gate_up, down, counts_E, expert_A)
+        if multiple == 1:
+            return y_AD
+        return y_AD.new_zeros(A, y_AD.shape[1]).index_add_(0, rows_P, y_AD)  # one row per real row again
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype products on x run in: the autocast dtype where autocast is on for x's device, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

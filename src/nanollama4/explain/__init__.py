@@ -1,0 +1,16 @@
+"""Explain mode: walk one prompt through the model and keep what each layer did.
+
+  explain.tracing   `trace(model, tokenizer, prompt)` -> `Trace`: one eval pass with observers attached
+                    from outside (shapes, attention probabilities, routing), removed again afterwards
+  explain.terminal  `show(trace)`: the trace as rich tables
+  explain.page      `html(trace)`: one self-contained offline page, its markup and script in page.html
+
+The views only read a `Trace`; tracing.py imports neither of them.
+"""
+
+from .page import PAGE_SCORES_LIMIT, escape_html, html
+from .terminal import routing_lines, show
+from .tracing import TOP_NEXT, LayerTrace, Trace, describe_attention, trace
+
+__all__ = ["trace", "Trace", "LayerTrace", "TOP_NEXT", "describe_attention", "show", "routing_lines", "html",
+           "escape_html", "PAGE_SCORES_LIMIT"]

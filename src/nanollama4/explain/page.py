@@ -1,0 +1,56 @@
+"""The offline page of a trace: one self-contained HTML file, its markup, style and script in page.html.
+
+page.html is the template, shipped as package data; `html` fills its two placeholders, the at-sign
+names TITLE (the title, HTML-escaped) and DATA (the trace as JSON, with "<", ">" and "&" escaped), in a
+single pass, so nothing a prompt contains is ever read as a placeholder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+
+from ..errors import GenerationError
+from .tracing import Trace, describe_attention
+
+PAGE_SCORES_LIMIT = 4_000_000  # attention probabilities a page inlines (layers x heads x T x T)
+
+
+def html(t: Trace, title: str = "nanollama4 explain") -> str:
+    """One self-contained HTML page of a trace: the data inlined as JSON, drawn by a few KB of plain
+    JavaScript into HTML and SVG; it loads nothing from anywhere (no CDN, no fonts, no images).
+    Masked attention cells are null (a visible probability of 0 is not the same as a masked one)."""
+    scores = sum(layer.attention.numel() for layer in t.layers)
+    if scores > PAGE_SCORES_LIMIT:
+        raise GenerationError(f"the page would inline {scores:,} attention probabilities (at most "
+                              f"{PAGE_SCORES_LIMIT:,}); use a shorter prompt")
+    data = {
+        "tokens": t.tokens, "ids": t.ids, "embedding": list(t.embedding_shape),
+        "next": [[tok, round(p, 4)] for tok, p in t.next_tokens],
+        "layers": [{
+            "index": layer.index, "kind": describe_attention(layer), "gqa": layer.gqa,
+            "q": list(layer.q_shape), "k": list(layer.k_shape), "v": list(layer.v_shape),
+            "experts": layer.experts, "n_experts": layer.n_experts,
+            "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
+            "rerouted": layer.rerouted, "dropped": layer.dropped,
+            "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
+            "attention": [[[None if p == 0 else round(p, 4) for p in row] for row in head]
+                          for head in layer.attention.tolist()],
+        } for layer in t.layers],
+    }
+    # inside <script>, no "<", ">" or "&" may appear raw: token text such as "</script>" or "<!--" would end
+    # or change the script element; JSON's \u escapes say the same characters safely
+    payload = (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+               .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+    fills = {"TITLE": escape_html(title), "DATA": payload}
+    return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], _template())  # one pass: a prompt is never re-read
+
+
+def escape_html(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def _template() -> str:
+    """page.html, read through importlib.resources so it is found in an installed wheel as in a checkout."""
+    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")

@@ -1,0 +1,177 @@
+"""Run directories: who may train in one, and how a resumed run is fitted to the launch that continues it.
+
+A run directory is the folder one training run lives in, from its first step to its last resume:
+    RUN_DIR/metrics.jsonl, plots/, step-*/ checkpoints, last and best symlinks, run.lock
+(see `checkpoint` for the checkpoints themselves). It is the run's whole record, so the rules here keep it
+from being spoiled:
+- one process trains in it at a time (`run_lock`): two would interleave their steps and checkpoints;
+- a new run goes only into a new, empty or never-checkpointed folder of ours (`check_new_run_dir`,
+  `owning`): training anywhere else would throw away a run's checkpoints or mix with someone's files;
+- on resume, metrics past the checkpoint's step are dropped (`truncate_metrics`), since those steps are
+  about to be redone, and metrics.jsonl then reads as one run that never stopped;
+- a resumed run keeps the config it was saved with (`resume_config`), except what this launch chooses
+  (the spread over ranks, the budget), and is fitted to it: its context (`fit_seq_len`), its number of
+  ranks (`fit_world`) and a budget it has not used up yet (`check_budget_ahead`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint import LOCK_NAME, resolve_checkpoint
+from .config import ModelConfig, TrainConfig
+from .errors import CheckpointError, TrainingError
+from .files import atomic_write, read_json
+
+if TYPE_CHECKING:  # only for annotations: distributed is the training loop's, not the run directory's
+    from .distributed import World
+
+LAUNCH_KEYS = ("parallel", "expert_parallel")  # how a launch spreads the run: chosen anew by each one
+
+
+# ---------------------------------------------------------------------------------------------- ownership
+@contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR's lock file for the duration: one process trains in a run directory at a time.
+
+    An OS lock (flock) rather than a "busy" marker: the kernel drops it when the holder exits, however it
+    exits, so a crashed or killed run never leaves its directory locked. The file says who holds it.
+    """
+    path = run_dir / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot open the lock file {path} ({e.strerror}); the run directory must be "
+                              "writable") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise CheckpointError(f"{run_dir} is in use by another training ({holder}); wait for it to finish, "
+                                  "or stop it, or train in another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir holds a run with a checkpoint (new training there would throw it away)."""
+    return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or any(run_dir.glob("step-*"))
+
+
+@contextmanager
+def owning(run_dir: Path, resume: bool, world: World) -> Iterator[None]:
+    """On rank 0, create run_dir and hold its lock throughout; the other ranks wait until it has."""
+    if not world.main:
+        if world.distributed:
+            torch.distributed.barrier()
+        yield
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
+    with run_lock(run_dir):
+        if not resume and holds_run(run_dir):  # another process may have saved here since the check above
+            raise _already_a_run(run_dir)
+        if world.distributed:
+            torch.distributed.barrier()
+        yield
+
+
+def check_new_run_dir(run_dir: Path) -> None:
+    """Refuse an --out that is a file, holds a run, or is a non-empty folder that is not one of our runs."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"--out {run_dir} is a file, not a folder; pass a new or empty folder")
+    if not run_dir.is_dir():
+        return
+    if holds_run(run_dir) and not (run_dir / LOCK_NAME).exists():
+        raise _already_a_run(run_dir)
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if entries and not (run_dir / LOCK_NAME).exists():
+        raise TrainingError(f"{run_dir} is not empty ({len(entries)} entries, e.g. {entries[0]!r}) and is not a "
+                            "training run; pass a new or empty folder as --out")
+
+
+def _already_a_run(run_dir: Path) -> TrainingError:
+    return TrainingError(f"{run_dir} already holds a run; continue it with --resume {run_dir} or pick another --out")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue
+    if kept != lines:  # a resume that stops before its first step leaves the file as it was
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
+
+
+# ---------------------------------------------------------------------------------------------- resume fitting
+def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
+    """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run).
+
+    The spread over ranks (`LAUNCH_KEYS`) is not kept: it is this launch's to choose (default DDP, no
+    expert parallelism), since checkpoints are the same whatever the spread."""
+    saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
+    saved = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
+    try:
+        return TrainConfig.from_dict({**saved, **overrides})
+    except TypeError as e:
+        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+
+
+def fit_seq_len(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
+    """tc with seq_len None read as the model's context, and one longer than that refused."""
+    if tc.seq_len is None:
+        tc = tc.replace(seq_len=cfg.max_seq_len)
+    if tc.seq_len > cfg.max_seq_len:
+        raise TrainingError(f"seq_len ({tc.seq_len}) exceeds the model's max_seq_len ({cfg.max_seq_len})")
+    return tc
+
+
+def fit_world(tc: TrainConfig, saved: dict[str, Any], saved_world: int, world: World) -> TrainConfig:
+    """On a resume with another number of ranks, keep the step's micro-batches: R x grad_accum stays what it
+    was (unless grad_accum was changed on purpose), so the run goes on drawing the same windows."""
+    micro = saved_world * int(saved.get("grad_accum", tc.grad_accum))
+    if saved_world == world.size or tc.grad_accum != saved.get("grad_accum"):
+        return tc
+    if micro % world.size:
+        raise TrainingError(f"the run's steps have {micro} micro-batches ({saved_world} ranks x grad_accum "
+                            f"{micro // saved_world}), which {world.size} ranks cannot share evenly; launch a "
+                            f"divisor of {micro} ranks or pass --set grad_accum=N")
+    if world.main:
+        print(f"resuming on {world.size} rank(s) instead of {saved_world}: grad_accum {tc.grad_accum} -> "
+              f"{micro // world.size}, so each step still takes {micro} micro-batches", flush=True)
+    return tc.replace(grad_accum=micro // world.size)
+
+
+def check_budget_ahead(tc: TrainConfig, state: dict[str, Any], run_dir: Path) -> None:
+    """On resume, a budget the run has already used up would do nothing and report success: refuse it."""
+    step, elapsed = int(state.get("step", 0)), float(state.get("elapsed", 0.0))
+    if tc.max_steps is not None and step >= tc.max_steps:
+        raise TrainingError(f"{run_dir} is already at step {step} and --max-steps counts the whole run; "
+                            f"pass --max-steps above {step} (or --max-time)")
+    if tc.max_time is not None and elapsed >= tc.max_time:
+        raise TrainingError(f"{run_dir} has already trained for {elapsed:.0f} s and --max-time counts the whole "
+                            f"run; pass --max-time above {elapsed:.0f}s (or --max-steps)")
