@@ -303,6 +303,9 @@ class Experts(nn.Module):
         rows = sort_by_expert(x_TD, token_A, expert_A, weight_A, self.n_experts, scale_input)
         return combine(self.products(rows.x_AD, rows.counts_E), rows, x_TD, scale_input)
 
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, d_model={self.gate_up.shape[-2]}, hidden={self.hidden}"
+
     def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU_e(x_a) for rows sorted by expert, counts_E rows each. Returns (A, D)."""
         return per_expert_products(x_AD, *self.weights(), counts_E)

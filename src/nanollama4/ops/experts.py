@@ -410,6 +410,9 @@ class FastExperts(Experts):
     def dispatch(self, name: str) -> None:
         self.dispatch_name = check_dispatch(name)
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dispatch={self.dispatch!r}"
+
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
         if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
