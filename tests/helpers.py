@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -88,3 +91,26 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
         rc = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+# The tiny preset as the CLI trains it in tests: short windows, one thread, quiet.
+TINY = ["--preset", "tiny", "--set", "seq_len=32", "--set", "batch_size=4", "--set", "eval_batches=2",
+        "--set", "threads=1", "--set", "warmup_steps=2", "--quiet"]
+
+
+def train_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`nanollama4 train` of the tiny preset (TINY) in this process, plus args."""
+    return run_cli(["train", *TINY, *args], capsys)
+
+
+def start_training(corpus: Path, run: Path, *extra: str) -> subprocess.Popen:
+    """A long tiny training in a subprocess, returned once its first checkpoint exists."""
+    cmd = [sys.executable, "-m", "nanollama4.cli", "train", *TINY, "--data", str(corpus), "--out", str(run),
+           "--max-steps", "100000", "--set", "eval_interval=5", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "last").exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint after 120 s"
+        time.sleep(0.05)
+    return proc

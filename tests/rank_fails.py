@@ -1,5 +1,5 @@
 """`nanollama4` under torchrun, except that rank 1 fails at step 3: it raises (RANK_FAILS=raise) or stops
-answering without exiting (RANK_FAILS=hang). tests/test_parallel.py launches it."""
+answering without exiting (RANK_FAILS=hang). tests/test_distributed.py launches it."""
 
 import os
 import signal

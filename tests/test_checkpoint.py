@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanollama4.checkpoint import (
     CheckpointError,
@@ -27,18 +28,14 @@ from nanollama4.model import Transformer
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer, load_tokenizer
 from nanollama4.train import make_optimizer, train
+from tests.helpers import assert_cli_error, run_cli, snapshot
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"
 FILES = {"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors", "optimizer.json",
          "train_config.json", "train_state.json"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trained(cfg=None, steps: int = 2, seed: int = 0) -> tuple[Transformer, torch.optim.AdamW]:
@@ -260,3 +257,48 @@ def test_no_pickle_or_torch_load_in_the_source():
     offenders = [f"{f.name}:{i}: {line.strip()}" for f in files
                  for i, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- non-finite or incomplete checkpoints
+def test_save_checkpoint_refuses_non_finite_tensors(tmp_path):
+    model = build_model(preset("tiny"))
+    optimizer = make_optimizer(model, TrainConfig())
+    with torch.no_grad():
+        model.blocks[1].attn.q_proj.weight[0, 0] = float("inf")
+    tok = CharTokenizer.from_text("abc")
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, 7, model, optimizer, tok.save, {}, {"data": None}, {"t": torch.zeros(1)})
+    assert str(info.value) == (f"step 7 not saved: blocks.1.attn.q_proj.weight holds non-finite values; the last "
+                               f"checkpoint in {tmp_path} is kept")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "resume"])
+def test_loading_non_finite_weights_is_one_line_naming_the_file(command, run_copy, capsys):
+    """A checkpoint written by an older version (or edited by hand) with NaN weights."""
+    target = resolve_checkpoint(run_copy, prefer="last")
+    tensors = load_file(target / "model.safetensors")
+    tensors["norm.weight"] = tensors["norm.weight"] * float("nan")
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    (run_copy / "best").unlink()  # both links at the poisoned folder
+    (run_copy / "best").symlink_to(target.name)
+    before = snapshot(run_copy, lock=True)
+    argv = {"generate": ["generate", str(run_copy), "--prompt", "the"], "eval": ["eval", str(run_copy)],
+            "resume": ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"]}[command]
+    rc, _, err = run_cli(argv, capsys)
+    line = assert_cli_error(rc, err, argv[0])
+    assert line.endswith(f"{target / 'model.safetensors'} holds non-finite values (in norm.weight); the run "
+                         "diverged before this was saved: use an earlier checkpoint"), line
+    assert snapshot(run_copy) == {k: v for k, v in before.items() if k != "run.lock"}
+
+
+def test_a_checkpoint_without_config_json_is_named(run_copy, capsys):
+    """It used to say "no last/ or best/" although last/ was there."""
+    target = resolve_checkpoint(run_copy, prefer="last")
+    (target / "config.json").unlink()
+    (run_copy / "best").unlink()
+    (run_copy / "best").symlink_to(target.name)
+    rc, _, err = run_cli(["generate", str(run_copy), "--prompt", "the"], capsys)
+    assert assert_cli_error(rc, err, "generate") == (
+        f"nanollama4 generate: error: {run_copy / 'best'} ({target.name}) has no config.json; the checkpoint is "
+        "incomplete: restore the file or use another checkpoint")

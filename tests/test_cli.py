@@ -1,10 +1,17 @@
-"""The command line, run in-process through nanollama4.cli.main."""
+"""The command line, run in-process through nanollama4.cli.main.
+
+Every option of every subcommand, given a bad value: one line on stderr, exit status 2, no traceback.
+The table must cover each option the parser has (test_every_option_has_a_bad_value_case), so a new
+option without a check here fails the suite.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from nanollama4.cli import main
+from nanollama4.cli import build_parser, main
+from tests.helpers import assert_cli_error, run_cli, train_cli
 
 
 def test_kv_cache_seed_example(capsys):
@@ -64,3 +71,167 @@ def test_unknown_preset_is_an_argparse_error(capsys):
         main(["params", "--preset", "nope"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- bad values
+# (subcommand, option): argument lists with a bad value for that option. Placeholders: RUN (a finished run),
+# CORPUS (a text file), MISSING (a path that does not exist), FILE (a plain file), EMPTY (an empty folder),
+# OUT (a fresh run directory, which must not be created).
+NEW = ["--data", "CORPUS", "--out", "OUT", "--max-steps", "2"]
+CASES: dict[tuple[str, str], list[list[str]]] = {
+    ("params", "--preset"): [["--preset", "nope"]],
+    ("params", "--set"): [["--set", "n_experts=eight"], ["--set", "n_expert=8"], ["--set", "d_model"]],
+    ("kv-cache", "--preset"): [["--preset", "llama5"]],
+    ("kv-cache", "--set"): [["--set", "n_kv_heads=3"]],
+    ("kv-cache", "--seq-len"): [["--seq-len", "0"], ["--seq-len", "many"]],
+    ("kv-cache", "--dtype"): [["--dtype", "float7"], ["--compare", "--dtype", "float7"]],
+    ("kv-cache", "--compare"): [["--compare=1"]],
+    ("params", "--compare"): [["--compare=yes"]],
+    ("rope-check", "--preset"): [["--preset", "big"]],
+    ("rope-check", "--set"): [["--set", "head_dim=7"]],
+    ("summary", "--preset"): [["--preset", ""]],
+    ("summary", "--set"): [["--preset", "tiny", "--set", "n_layers=0"], ["--set", "rope_theta=nan"]],
+    ("train", "--preset"): [["--preset", "huge", *NEW]],
+    ("train", "--set"): [[*NEW, "--set", "lr=-1"], [*NEW, "--set", "device=gpu"], [*NEW, "--set", "vocab_size=5"],
+                         [*NEW, "--set", "seq_len=100000"], [*NEW, "--set", "tokenizer=words"],
+                         [*NEW, "--set", "invalid_utf8=ignore"], [*NEW, "--set", "max_time=nan"]],
+    ("train", "--data"): [["--data", "MISSING", "--out", "OUT", "--max-steps", "2"],
+                          ["--data", "", "--out", "OUT", "--max-steps", "2"],
+                          ["--data", "EMPTY", "--out", "OUT", "--max-steps", "2"]],
+    ("train", "--out"): [["--data", "CORPUS", "--out", "FILE", "--max-steps", "2"],
+                         ["--data", "CORPUS", "--out", "FILE/run", "--max-steps", "2"]],
+    ("train", "--max-steps"): [["--data", "CORPUS", "--out", "OUT", "--max-steps", "0"],
+                               ["--data", "CORPUS", "--out", "OUT", "--max-steps", "1e3"]],
+    ("train", "--max-time"): [["--data", "CORPUS", "--out", "OUT", "--max-time", "nan"],
+                              ["--data", "CORPUS", "--out", "OUT", "--max-time=-5m"],
+                              ["--data", "CORPUS", "--out", "OUT", "--max-time", "10x"]],
+    ("train", "--resume"): [["--resume", "MISSING", "--max-steps", "9"], ["--resume", "EMPTY", "--max-steps", "9"],
+                            ["--resume", "RUN", "--max-steps", "1"]],
+    ("train", "--quiet"): [["--quiet=yes", *NEW]],
+    ("generate", "path"): [["MISSING"], ["EMPTY"], ["FILE"]],
+    ("generate", "--prompt"): [["RUN", "--prompt", ""], ["RUN", "--prompt", "THE"]],
+    ("generate", "--max-new-tokens"): [["RUN", "--max-new-tokens", "0"], ["RUN", "--max-new-tokens", "-5"]],
+    ("generate", "--temperature"): [["RUN", "--temperature", "inf"], ["RUN", "--temperature", "-1"]],
+    ("generate", "--top-k"): [["RUN", "--top-k", "-3"], ["RUN", "--top-k", "0"]],
+    ("generate", "--top-p"): [["RUN", "--top-p", "1.5"], ["RUN", "--top-p", "0"], ["RUN", "--top-p", "nan"]],
+    ("generate", "--seed"): [["RUN", "--seed", "1.5"]],
+    ("generate", "--replace-unknown"): [["RUN", "--replace-unknown", "ab"], ["RUN", "--prompt", "THE",
+                                                                            "--replace-unknown", "#"]],
+    ("generate", "--greedy"): [["RUN", "--greedy=1"]],
+    ("generate", "--stream"): [["RUN", "--stream=1"]],
+    ("generate", "--stop"): [["RUN", "--stop", ""]],
+    ("generate", "--no-slide"): [["RUN", "--no-slide", "--max-new-tokens", "1000"]],
+    ("generate", "--compile"): [["RUN", "--compile=1"]],
+    ("explain", "path"): [["MISSING", "--prompt", "the"], ["EMPTY", "--prompt", "the"]],
+    ("explain", "--prompt"): [["RUN", "--prompt", ""], ["RUN", "--prompt", "THE"], ["RUN", "--prompt", "the " * 40]],
+    ("explain", "--trace"): [["RUN", "--prompt", "the", "--trace=yes"]],
+    ("explain", "--html"): [["RUN", "--prompt", "the", "--html", "MISSING/page.html"],
+                            ["RUN", "--prompt", "the", "--html", "EMPTY"]],
+    ("explain", "--replace-unknown"): [["RUN", "--prompt", "THE", "--replace-unknown", "#"],
+                                       ["RUN", "--prompt", "the", "--replace-unknown", "ab"]],
+    ("eval", "run_dir"): [["MISSING"], ["FILE"]],
+    ("eval", "--checkpoint"): [["RUN", "--checkpoint", "worst"]],
+    ("plot", "run_dir"): [["MISSING"], ["EMPTY"]],
+    ("experiment", "name"): [["moe"], []],
+    ("experiment", "--out"): [["gqa", "--tiny", "--data", "CORPUS", "--out", "FILE"]],
+    ("experiment", "--steps"): [["gqa", "--steps", "0"], ["gqa", "--steps", "ten"]],
+    ("experiment", "--seeds"): [["gqa", "--seeds", "a,b"], ["gqa", "--seeds", "1,1"], ["gqa", "--seeds", "-1"],
+                                ["gqa", "--seeds", ""]],
+    ("experiment", "--data"): [["gqa", "--data", "MISSING"], ["gqa", "--data", "EMPTY"]],
+    ("experiment", "--tiny"): [["gqa", "--tiny=1"]],
+    ("experiment", "--quiet"): [["gqa", "--quiet=1"]],
+}
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory, corpus, tiny_run) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cli-errors")
+    (root / "file.txt").write_text("not a run")
+    (root / "empty").mkdir()
+    return {"RUN": str(tiny_run), "CORPUS": str(corpus), "MISSING": str(root / "missing"),
+            "FILE": str(root / "file.txt"), "EMPTY": str(root / "empty")}
+
+
+def _fill(arg: str, places: dict[str, str]) -> str:
+    for key, value in places.items():
+        if arg == key or arg.startswith(key + "/"):
+            return value + arg[len(key):]
+    return arg
+
+
+PARAMS = [pytest.param(cmd, argv, id=f"{cmd} {' '.join(argv)}") for (cmd, _), cases in CASES.items()
+          for argv in cases]
+
+
+@pytest.mark.parametrize(("command", "argv"), PARAMS)
+def test_bad_value_is_one_line_with_status_2(command, argv, places, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
+    places = {**places, "OUT": str(tmp_path / "out")}
+    rc, out, err = run_cli([command, *(_fill(a, places) for a in argv)], capsys)
+    line = assert_cli_error(rc, err, command)
+    assert out == "", out
+    assert len(line) > len(f"nanollama4 {command}: error: ") + 10, line
+    assert not (tmp_path / "out").exists()  # nothing is created for a run that was refused
+
+
+def test_every_option_has_a_bad_value_case():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, type(parser._subparsers._group_actions[0])))
+    options = {(name, (a.option_strings or [a.dest])[0]) for name, p in sub.choices.items() for a in p._actions
+               if a.dest != "help"}
+    assert options == set(CASES), sorted(options ^ set(CASES))
+
+
+# ------------------------------------------------------------------------------------------- values at the boundary
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "RUN", "--top-p", "0"],
+     "argument --top-p: '0' must be in (0, 1]: the probability mass to sample from"),
+    (["generate", "RUN", "--top-p", "-0.5"],
+     "argument --top-p: '-0.5' must be in (0, 1]: the probability mass to sample from"),
+    (["generate", "RUN", "--top-p", "2"],
+     "argument --top-p: '2' must be in (0, 1]: the probability mass to sample from"),
+    (["generate", "RUN", "--temperature", "nan"], "argument --temperature: 'nan' is not a finite number"),
+    (["generate", "RUN", "--temperature", "-1"], "argument --temperature: '-1' must be 0 (greedy) or more"),
+    (["generate", "RUN", "--max-new-tokens", "-5"], "argument --max-new-tokens: '-5' must be at least 1"),
+    (["generate", "RUN", "--top-k", "0"], "argument --top-k: '0' must be at least 1"),
+    (["train", "--max-time", "nan", "--out", "X"],
+     "argument --max-time: duration 'nan' must be a positive time such as 300, 300s, 10m or 1.5h"),
+])
+def test_sampling_and_budget_values_are_checked_at_the_boundary(argv, message, tiny_run, tmp_path, capsys):
+    argv = [str(tiny_run) if a == "RUN" else str(tmp_path / "x") if a == "X" else a for a in argv]
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and err.strip() == f"nanollama4 {argv[0]}: error: {message} (see nanollama4 {argv[0]} --help)"
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("device=gpu", "device ('gpu') must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), 'mps' or 'xpu'"),
+    ("vocab_size=5", "vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
+                     "--set bpe_vocab_size=N)"),
+])
+def test_train_settings_are_checked_before_anything_is_written(setting, message, corpus, tmp_path, capsys):
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "r"), "--max-steps", "2",
+                           "--set", setting)
+    assert assert_cli_error(rc, err, "train") == f"nanollama4 train: error: {message}"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+def test_cuda_on_a_cpu_only_torch_is_one_line(corpus, tmp_path, capsys):
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "r"), "--max-steps", "2",
+                           "--set", "device=cuda")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: device 'cuda' is not available: this torch ({torch.__version__}) sees no CUDA "
+        "GPU; use --set device=cpu (or auto)")
+
+
+def test_generate_can_replace_unknown_characters(tiny_run, capsys):
+    rc, _, err = run_cli(["generate", str(tiny_run), "--prompt", "The CAT", "--max-new-tokens", "3"], capsys)
+    line = assert_cli_error(rc, err, "generate")
+    assert line.endswith("substitute a character that is in it (--replace-unknown '?' on the command line, "
+                         "replace='?' in Python)"), line
+    rc, _, err = run_cli(["generate", str(tiny_run), "--prompt", "The CAT", "--replace-unknown", "?"], capsys)
+    assert assert_cli_error(rc, err, "generate").endswith(
+        "replacement '?' is not in the vocabulary; pick a character that is (e.g. ' ' or '?')")
+    rc, out, err = run_cli(["generate", str(tiny_run), "--prompt", "The CAT", "--replace-unknown", " ",
+                            "--max-new-tokens", "3"], capsys)
+    assert rc == 0 and out.startswith("The CAT") and len(out) == len("The CAT") + 3 + 1, (out, err)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from nanollama4 import data
+from nanollama4.checkpoint import load_run
 from nanollama4.data import DataError, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from nanollama4.tokenizer import CharTokenizer
+from tests.helpers import assert_cli_error, run_cli, train_cli
 
 TEXT = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(40))  # ~2.2 KB
 
@@ -289,3 +291,20 @@ def test_iter_windows_covers_every_target_once(ds, seq_len):
     assert torch.equal(ys, tokens[1:])  # each of the n-1 predictable tokens, once, in order
     assert torch.equal(xs, tokens[:-1])
     assert all(x.shape[1] == seq_len for x, _ in windows[:-1])  # only the last may be shorter
+
+
+# -------------------------------------------------------------------------------------------------------- encodings
+def test_a_latin1_corpus_is_an_error_unless_replacing_is_asked_for(tmp_path, capsys):
+    """é in a Latin-1 file used to become U+FFFD without a word."""
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(("the caf\u00e9 " * 400).encode("latin-1"))
+    rc, _, err = train_cli(capsys, "--data", str(latin), "--out", str(tmp_path / "r"), "--max-steps", "2")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {latin} is not UTF-8 text (byte 0xe9 at offset 7); convert it to UTF-8, or pass "
+        "--set invalid_utf8=replace to read such bytes as U+FFFD")
+    rc, _, err = train_cli(capsys, "--data", str(latin), "--out", str(tmp_path / "r"), "--max-steps", "2",
+                           "--set", "invalid_utf8=replace")
+    assert rc == 0, err
+    assert "\ufffd" in load_run(tmp_path / "r")[1].chars
+    rc, out, err = run_cli(["eval", str(tmp_path / "r")], capsys)  # eval reads it the same way
+    assert rc == 0, err

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_corpus
 from nanollama4.experiments import EXPERIMENTS
 from nanollama4.experiments.common import loss_at, verdict
 from nanollama4.experiments.router_tricks import starved
+from tests.helpers import write_corpus
 
 SCRIPTS = Path(__file__).parent.parent / "benchmarks" / "experiments"
 

@@ -15,11 +15,11 @@ import torch
 from rich.console import Console
 
 import nanollama4
-from helpers import randomize_, run_cli, write_corpus
 from nanollama4.explain import html, routing_lines, show, trace
 from nanollama4.moe import MoE
 from nanollama4.ops.attention import cpu_autocast_attend
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+from tests.helpers import randomize_, run_cli, write_corpus
 
 TEXT = "Facebook was founded in 2004 by Mark Zuckerberg and his college roommates."
 

@@ -17,13 +17,15 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import randomize_
+from nanollama4 import ops
 from nanollama4.config import ModelConfig
 from nanollama4.moe import MoE, assign_with_capacity, moe_reference
 from nanollama4.ops import build_model, install, kernels
+from nanollama4.ops import experts as experts_ops
 from nanollama4.ops import experts as products
 from nanollama4.ops.experts import PRODUCTS
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
+from tests.helpers import randomize_
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 HYP = settings(deadline=None, derandomize=True, database=None)  # the same examples on every run
@@ -624,7 +626,6 @@ def test_cpu_decode_path_matches_reference_and_the_sorted_dispatch(router, share
 def test_row_matmul_split_in_halves_equals_the_plain_product():
     """Decoding splits one-row products with big weights into two halves (one bmm, both threads): the same
     numbers as the plain product, for the experts' (in, out) and nn.Linear's (out, in) layouts and SwiGLU."""
-    from nanollama4 import ops
     from nanollama4.moe import SwiGLU
     from nanollama4.ops.linear import SPLIT_BYTES, row_matmul
     from nanollama4.ops.linear import split_pays as _split_pays
@@ -646,3 +647,122 @@ def test_row_matmul_split_in_halves_equals_the_plain_product():
         torch.testing.assert_close(fast, ffn(x).detach(), atol=1e-5, rtol=1e-6)  # with grad: the plain path
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+
+MOE_SHAPES = {
+    "grouped": dict(d_model=64, expert_dim=32, n_heads=4, n_kv_heads=2, head_dim=16),
+    "fallback": dict(d_model=6, expert_dim=5, n_heads=2, n_kv_heads=1, head_dim=4),
+}
+
+
+def _moe(shape: str, router: str, k: int, n: int, seed: int = 0) -> tuple[ModelConfig, MoE]:
+    cfg = ModelConfig(**MOE_SHAPES[shape], n_experts=n, experts_per_token=k, router=router)
+    torch.manual_seed(seed)
+    moe = install(MoE(cfg))
+    # std 1.5/sqrt(fan_in): ~0.6 for the d_model 6 shape, outputs O(1..10) for both shapes
+    randomize_(moe, seed=100 + seed, gain=1.5)
+    return cfg, moe
+
+
+@pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("n", [4, 8])
+def test_moe_sparse_equals_dense_reference(shape, router, k, n):
+    cfg, moe = _moe(shape, router, k, n)
+    # the premise: grouped_mm accepts the first shape's strides, not the second's; each shape runs every
+    # product it allows, and the spies below check that the one named is the one that ran
+    aligned = shape == "grouped"
+    assert _grouped_mm_ok(torch.empty(1, cfg.d_model), cfg.expert_dim) == aligned
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 13, cfg.d_model, generator=g)
+    w = torch.randn(2, 13, cfg.d_model, generator=g)  # random cotangent: every output element matters
+
+    def run(fn):
+        moe.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = fn(moe, xi)
+        (y * w).sum().backward()
+        return y.detach(), xi.grad, {name: p.grad.clone() for name, p in moe.named_parameters()}
+
+    y_ref, gx_ref, gp_ref = run(moe_reference)
+    assert y_ref.abs().max() > 1.0
+    for mode in ["kernel", "loop", "padded", "bucketed"] + (["grouped"] if aligned else []):
+        moe.experts.dispatch = mode
+        with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as grouped, \
+                mock.patch.object(experts_ops._KernelSwiGLU, "apply", wraps=experts_ops._KernelSwiGLU.apply) as kernel:
+            y, gx, gp = run(lambda m, xi: m(xi))
+        assert (grouped.called, kernel.called) == (mode == "grouped", mode == "kernel"), mode
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5, msg=mode)
+        torch.testing.assert_close(gx, gx_ref, atol=1e-5, rtol=1e-5, msg=mode)
+        assert gp.keys() == gp_ref.keys() and {"router.weight", "experts.gate_up", "experts.down"} <= gp.keys()
+        for name in gp:
+            torch.testing.assert_close(gp[name], gp_ref[name], atol=1e-5, rtol=1e-5, msg=f"{mode}: {name}")
+    # the router learns through the expert weights, except softmax top-1, whose single weight is always 1
+    assert (gp["router.weight"].abs().max() > 0) == (router == "sigmoid" or k > 1)
+
+
+def moe_by_hand(moe: MoE, x: torch.Tensor, router: str, k: int) -> torch.Tensor:
+    """Token by token: top-k of the router logits, each chosen expert's SwiGLU, weighted, summed, + shared."""
+    T, d = x.shape
+    hidden = moe.experts.gate_up.shape[-1] // 2
+    silu = lambda z: z * torch.sigmoid(z)  # noqa: E731
+    out = torch.zeros(T, d)
+    for t in range(T):
+        logits = [float(torch.dot(x[t], moe.router.weight[e])) for e in range(moe.n_experts)]
+        chosen = sorted(range(moe.n_experts), key=lambda e: -logits[e])[:k]
+        if router == "softmax":
+            z = sum(math.exp(logits[e]) for e in chosen)
+            weights = [math.exp(logits[e]) / z for e in chosen]
+        else:
+            weights = [1 / (1 + math.exp(-logits[e])) for e in chosen]
+        for e, wgt in zip(chosen, weights, strict=True):
+            inp = x[t] * wgt if router == "sigmoid" else x[t]
+            gate = inp @ moe.experts.gate_up[e][:, :hidden]
+            up = inp @ moe.experts.gate_up[e][:, hidden:]
+            y = (silu(gate) * up) @ moe.experts.down[e]
+            out[t] += y if router == "sigmoid" else wgt * y
+        se = moe.shared_expert
+        out[t] += (silu(se.gate_proj.weight @ x[t]) * (se.up_proj.weight @ x[t])) @ se.down_proj.weight.T
+    return out
+
+
+@pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_moe_matches_per_token_loop(shape, router, k):
+    cfg, moe = _moe(shape, router, k, 8, seed=2)
+    x = torch.randn(1, 9, cfg.d_model, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = moe(x)[0]
+        want = moe_by_hand(moe, x[0], router, k)
+    assert want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("router", ["sigmoid", "softmax"])
+def test_unchosen_experts_contribute_nothing(shape, router):
+    cfg, moe = _moe(shape, router, 1, 8, seed=4)
+    x = torch.randn(1, 3, cfg.d_model, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        chosen = set((x[0] @ moe.router.weight.T).argmax(-1).tolist())  # k = 1: the argmax of the logits
+        unchosen = sorted(set(range(8)) - chosen)
+        assert len(unchosen) >= 5
+        base = moe(x)
+        for fill in ("zero", "random"):
+            m = copy.deepcopy(moe)
+            for e in unchosen:
+                if fill == "zero":
+                    m.experts.gate_up[e].zero_()
+                    m.experts.down[e].zero_()
+                else:
+                    m.experts.gate_up[e].normal_(std=10.0)
+                    m.experts.down[e].normal_(std=10.0)
+            torch.testing.assert_close(m(x), base, atol=0, rtol=0)
+        # whereas changing a chosen expert does change the output
+        m = copy.deepcopy(moe)
+        m.experts.down[min(chosen)].zero_()
+        assert (m(x) - base).abs().max() > 1e-3

@@ -7,15 +7,21 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from nanollama4 import ops
+from nanollama4.attention import Attention, attention_mask
 from nanollama4.config import preset
 from nanollama4.errors import ConfigError
 from nanollama4.generation import iter_tokens
 from nanollama4.model import Transformer
-from nanollama4.ops import build_model, kernels
+from nanollama4.moe import MoE
+from nanollama4.ops import build_model, install, kernels
+from nanollama4.ops.attention import scores_attention
 from nanollama4.ops.experts import PRODUCTS, chosen_product
 from nanollama4.ops.linear import FastLinear
+from nanollama4.rope import rope_angles, rope_frequencies
 
 
 @pytest.fixture
@@ -136,8 +142,7 @@ def test_a_plain_transformer_holds_only_the_papers_modules_and_the_installed_one
     logits and gradients (fp32: our kernel and FastLinear sum in another order, hence the tolerance)."""
     from nanollama4.attention import Attention, sdpa_attend
     from nanollama4.model import Block, RMSNorm
-    from nanollama4.moe import Experts, Float32Linear, MoE, SwiGLU
-    from nanollama4.ops import install
+    from nanollama4.moe import Experts, Float32Linear, SwiGLU
     from nanollama4.ops.experts import FastExperts
 
     cfg = preset("tiny", moe_every=2)
@@ -167,3 +172,73 @@ def test_a_plain_transformer_holds_only_the_papers_modules_and_the_installed_one
         torch.testing.assert_close(q.grad, p.grad, atol=2e-6, rtol=1e-4, msg=name)
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # bf16: the kernel's bf16 path or bmm
         torch.testing.assert_close(fast(ids).float(), plain(ids).float(), atol=0.1, rtol=0.05)
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+def test_autocast_training_attention_uses_explicit_scores():
+    """Under CPU bf16 autocast with gradients, attention takes `scores_attention` (bf16 products, no SDPA);
+    without gradients it takes bf16 SDPA. The outputs agree to bf16 rounding, and gradients reach the
+    projections in their float32 dtype. The NoPE layer's temperature keeps q in bf16 (it used to turn
+    it back to float32 and leave the bf16 path)."""
+    for layer, overrides in ((0, dict(nope_interval=0)), (0, dict(nope_interval=1))):
+        cfg = preset("tiny", n_experts=0, attention_chunk_size=None, **overrides)
+        torch.manual_seed(0)
+        attn = ops.install(Attention(cfg, layer=layer))
+        x, pos = torch.randn(2, 9, cfg.d_model), torch.arange(9)
+        rope = rope_angles(rope_frequencies(cfg), pos)
+        with mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as sdpa, \
+                mock.patch("nanollama4.ops.attention.scores_attention", wraps=scores_attention) as scores:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = attn(x, pos, rope)
+                with torch.no_grad():
+                    want = attn(x, pos, rope)
+        assert [call.args[0].dtype for call in scores.call_args_list] == [torch.bfloat16], overrides
+        assert [call.args[0].dtype for call in sdpa.call_args_list] == [torch.bfloat16], overrides
+        assert out.dtype == want.dtype == torch.bfloat16
+        assert (out.float() - want.float()).abs().max() <= 0.02 * want.abs().max()
+        out.float().sum().backward()
+        assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.dtype == torch.float32
+
+
+def test_autocast_training_attention_falls_back_to_float32_flash_when_scores_are_too_big():
+    """Past SCORES_LIMIT score elements the explicit score matrix would cost too much memory: attention then
+    runs float32 SDPA instead, with the same result to bf16 rounding."""
+    cfg = preset("tiny", n_experts=0, nope_interval=0, attention_chunk_size=None)
+    torch.manual_seed(0)
+    attn = ops.install(Attention(cfg, layer=0))
+    x, pos = torch.randn(2, 9, cfg.d_model), torch.arange(9)
+    rope = rope_angles(rope_frequencies(cfg), pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = attn(x, pos, rope)
+        with mock.patch("nanollama4.ops.attention.SCORES_LIMIT", 2 * cfg.n_heads * 9 * 9 - 1), \
+                mock.patch.object(F, "scaled_dot_product_attention", wraps=F.scaled_dot_product_attention) as sdpa:
+            out = attn(x, pos, rope)
+    assert [call.args[0].dtype for call in sdpa.call_args_list] == [torch.float32]
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - want.float()).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 1), (3, 3)])
+def test_scores_attention_matches_sdpa(heads, kv_heads, chunk):
+    """float32, GQA, causal or chunked masks, per-row masks with left padding: the same outputs and input
+    gradients as torch's SDPA with the same mask (1e-5)."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    B, T, Dh = 2, 7, 8
+    q = torch.randn(B, T, heads, Dh, generator=g, requires_grad=True)
+    k = torch.randn(B, T, kv_heads, Dh, generator=g, requires_grad=True)
+    v = torch.randn(B, T, kv_heads, Dh, generator=g, requires_grad=True)
+    w = torch.randn(B, T, heads, Dh, generator=g)
+    shared = torch.arange(T)
+    rows = torch.stack([shared, shared - 2])  # second row left-padded by two slots (negative positions)
+    for pos in (shared, rows):
+        mask = attention_mask(pos, pos, chunk)
+        ours = scores_attention(q, k, v, mask)
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        got = torch.autograd.grad((ours * w).sum(), (q, k, v))
+        want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

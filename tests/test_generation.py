@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import nanollama4
-from helpers import randomize_
 from nanollama4.attention import KVCache
 from nanollama4.cli import main
 from nanollama4.config import ModelConfig, TrainConfig, preset
@@ -23,13 +22,14 @@ from nanollama4.memory import kv_cache
 from nanollama4.model import Transformer
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+from tests.helpers import randomize_
 
 # Chunked RoPE layers (chunk 4), NoPE every 2nd layer with temperature tuning at a small floor, MoE top-2 of 4.
 CHUNKED = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64,
                attention_chunk_size=4, nope_interval=2, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
                ffn_dim=48, n_experts=4, experts_per_token=2, expert_dim=24, moe_every=1)
 
-# The reference tiny config (as in test_reference_parity.py), long enough for a 7-token prompt + 64 new tokens.
+# The reference tiny config (as in test_hf.py), long enough for a 7-token prompt + 64 new tokens.
 TINY_HF = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                head_dim=16, num_local_experts=8, intermediate_size=48, intermediate_size_mlp=96,
                max_position_embeddings=128, pad_token_id=None, attention_chunk_size=4, attn_temperature_tuning=True,

@@ -11,8 +11,8 @@ import torch
 import transformers
 
 import nanollama4
-from helpers import randomize_
 from nanollama4.hf import CheckpointError
+from tests.helpers import randomize_
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
             head_dim=16, num_local_experts=8, intermediate_size=48, intermediate_size_mlp=96,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import write_corpus
+from tests.helpers import write_corpus
 
 TOL = 1e-5
 BIN = Path(sys.executable).parent

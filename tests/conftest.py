@@ -1,0 +1,68 @@
+"""Fixtures shared by the test files (plain helper functions are in tests/helpers.py).
+
+Every test gets its own token cache (NANOLLAMA4_CACHE), so the suite never writes to the user's
+~/.cache; `corpus` and `tiny_run` are made once per session and must be copied before they are changed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanollama4.config import TrainConfig, preset
+from nanollama4.train import train
+from tests.helpers import write_corpus
+
+
+@pytest.fixture(autouse=True)
+def token_cache(tmp_path_factory, monkeypatch) -> Path:
+    """Tokenized corpora go to one folder of this session's temporary directory, not to ~/.cache."""
+    path = tmp_path_factory.getbasetemp() / "token-cache"
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a whole test file (request it with pytestmark = pytest.mark.usefixtures(...)):
+    fast for the tiny model, immune to other processes on the machine, and the same in the CLI subprocesses
+    (--set threads=1), so that their losses can be compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A few hundred lines of English-like text (helpers.write_corpus); a test that moves it puts it back."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, corpus) -> Path:
+    """A finished 4-step run of the tiny preset on `corpus`: one checkpoint, step-0000004, both `last` and
+    `best`. Read it in place; copy it (`run_copy`) to change it."""
+    run = tmp_path_factory.mktemp("tiny-run") / "run"
+    threads = torch.get_num_threads()
+    try:
+        tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2, lr=3e-3,
+                         min_lr=3e-4, max_steps=4, threads=1)
+        train(preset("tiny"), tc, run, data=str(corpus), progress=False,
+              cache_dir=tmp_path_factory.getbasetemp() / "token-cache")
+    finally:
+        torch.set_num_threads(threads)
+    assert os.readlink(run / "last") == os.readlink(run / "best") == "step-0000004"
+    return run
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path) -> Path:
+    """A private copy of `tiny_run`, links kept as links."""
+    copy = tmp_path / "run"
+    shutil.copytree(tiny_run, copy, symlinks=True)
+    return copy

@@ -1,0 +1,160 @@
+"""Run directories (nanollama4.runs): one owner at a time, what --out may be, and what --resume may change
+and where it finds its data again. Each test checks the exact one-line message, the exit status, and that
+nothing else in the folder changed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from nanollama4.checkpoint import load_run, load_train_state, resolve_checkpoint
+from nanollama4.config import preset
+from tests.helpers import TINY, assert_cli_error, run_cli, snapshot, start_training, train_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py, as are corpus, tiny_run and run_copy
+
+
+def test_a_second_training_on_the_same_folder_stops_at_once_naming_the_holder(corpus, tmp_path, capsys):
+    """Two trainings on one --out used to both run and exit 0, their metrics interleaved."""
+    run = tmp_path / "busy"
+    proc = start_training(corpus, run)
+    try:
+        holder = (run / "run.lock").read_text().strip()
+        assert holder.startswith(f"pid {proc.pid} on {socket.gethostname()}, since "), holder
+        for argv in (["train", "--resume", str(run), "--max-time", "3", "--quiet"],  # short, should it run
+                     ["train", *TINY, "--data", str(corpus), "--out", str(run), "--max-steps", "3"]):
+            start = time.monotonic()
+            rc, _, err = run_cli(argv, capsys)
+            assert assert_cli_error(rc, err, "train") == (
+                f"nanollama4 train: error: {run} is in use by another training ({holder}); wait for it to "
+                "finish, or stop it, or train in another --out")
+            assert time.monotonic() - start < 5  # at once: before reading any data
+            assert (run / "run.lock").read_text().strip() == holder  # the refused process wrote nothing
+    finally:
+        proc.kill()  # a crash: the kernel releases the lock with the process
+        proc.communicate()
+    state, _ = load_train_state(resolve_checkpoint(run))
+    rc, _, err = run_cli(["train", "--resume", str(run), "--max-steps", str(state["step"] + 1), "--quiet"], capsys)
+    assert rc == 0, err
+    assert (run / "run.lock").read_text().startswith(f"pid {os.getpid()} ")
+
+
+def test_out_into_a_folder_that_is_not_a_run_is_refused(corpus, tmp_path, capsys):
+    """It used to overwrite the folder's metrics.jsonl and plots/loss.png."""
+    folder = tmp_path / "mine"
+    (folder / "plots").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"my": "numbers"}\n')
+    (folder / "plots" / "loss.png").write_bytes(b"my picture")
+    before = snapshot(folder, lock=True)
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {folder} is not empty (2 entries, e.g. 'metrics.jsonl') and is not a training "
+        "run; pass a new or empty folder as --out")
+    assert snapshot(folder, lock=True) == before
+
+
+def test_out_that_is_a_file_is_one_line(corpus, tmp_path, capsys):
+    """It used to give a Python traceback after loading the data."""
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(target), "--max-steps", "2")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: --out {target} is a file, not a folder; pass a new or empty folder")
+    assert target.read_text() == "keep me"
+
+
+def test_an_empty_folder_is_a_fine_out(corpus, tmp_path, capsys):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
+    assert rc == 0, err
+    assert (folder / "last").exists()
+
+
+def test_a_run_with_a_relative_data_path_resumes_and_evaluates_from_anywhere(corpus, tmp_path, capsys,
+                                                                             monkeypatch):
+    """--data data/small.txt used to be stored as typed, so resume and eval failed from another folder."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    (here / "data").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(corpus, here / "data" / "small.txt")
+    monkeypatch.chdir(here)
+    rc, _, err = train_cli(capsys, "--data", "data/small.txt", "--out", "runs/r", "--max-steps", "2")
+    assert rc == 0, err
+    state, _ = load_train_state(resolve_checkpoint(here / "runs" / "r"))
+    assert state["data"] == str(here / "data" / "small.txt")
+    monkeypatch.chdir(elsewhere)
+    rc, _, err = run_cli(["train", "--resume", "../here/runs/r", "--max-steps", "3", "--quiet"], capsys)
+    assert rc == 0, err
+    rc, out, err = run_cli(["eval", "../here/runs/r"], capsys)
+    assert rc == 0 and "full validation loss" in out, err
+
+
+def test_resume_takes_data_at_a_new_path_and_checks_it_against_the_tokenizer(run_copy, corpus, tmp_path, capsys):
+    moved = tmp_path / "moved.txt"
+    shutil.move(corpus, moved)
+    try:
+        before = snapshot(run_copy)
+        rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+        assert assert_cli_error(rc, err, "train") == (
+            f"nanollama4 train: error: {run_copy} was trained on {corpus}, which no longer exists; pass --data PATH "
+            "with the same text")
+        assert snapshot(run_copy) == before
+
+        foreign = tmp_path / "foreign.txt"
+        foreign.write_text(moved.read_text() + "Zebra!\n")
+        rc, _, err = run_cli(["train", "--resume", str(run_copy), "--data", str(foreign), "--max-steps", "6",
+                              "--quiet"], capsys)
+        line = assert_cli_error(rc, err, "train")
+        assert line == (f"nanollama4 train: error: the run's tokenizer cannot encode the corpus {foreign}: it has "
+                        "2 characters not in the vocabulary: '!', 'Z'; resume on the text the run was trained on")
+        assert snapshot(run_copy) == before
+
+        rc, _, err = run_cli(["train", "--resume", str(run_copy), "--data", str(moved), "--max-steps", "6", "--quiet"],
+                             capsys)
+        assert rc == 0, err
+        state, _ = load_train_state(resolve_checkpoint(run_copy))
+        assert state["step"] == 6 and state["data"] == str(moved)
+    finally:
+        shutil.move(moved, corpus)
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    (["--out", "elsewhere"], "--out"),
+    (["--preset", "tiny"], "--preset"),
+    (["--set", "n_layers=2"], "--set n_layers"),
+    (["--set", "seed=3"], "--set seed"),
+    (["--set", "tokenizer=bpe"], "--set tokenizer"),
+])
+def test_resume_refuses_options_it_cannot_honour(extra, refused, run_copy, capsys):
+    """--data and --out given with --resume used to be silently ignored."""
+    before = snapshot(run_copy, lock=True)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet", *extra], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {refused} cannot change on --resume: the run keeps its directory, model, "
+        "tokenizer and seed (start a new run with --out for that)")
+    assert snapshot(run_copy, lock=True) == before
+
+
+def test_resume_with_a_budget_already_spent_is_refused(run_copy, capsys):
+    """--max-steps 2 on a run at step 4 used to do nothing and report success."""
+    before = snapshot(run_copy, lock=True)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "2", "--quiet"], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {run_copy} is already at step 4 and --max-steps counts the whole run; pass "
+        "--max-steps above 4 (or --max-time)")
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--quiet"], capsys)  # the saved budget: also spent
+    assert assert_cli_error(rc, err, "train").endswith("pass --max-steps above 4 (or --max-time)")
+    assert snapshot(run_copy) == {k: v for k, v in before.items() if k != "run.lock"}
+
+
+def test_resume_with_seq_len_none_follows_the_model(run_copy, capsys):
+    """None means "the model's context" on resume too (it reached `None > int` inside train)."""
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "5", "--set", "seq_len=None", "--quiet"],
+                         capsys)
+    assert rc == 0, err
+    assert load_run(run_copy, prefer="last")[2]["seq_len"] == preset("tiny").max_seq_len
