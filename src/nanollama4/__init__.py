@@ -3,19 +3,35 @@
 `Transformer(cfg)` is the plain model, as model.py, attention.py and moe.py state it; `build_model(cfg)`
 is the same model with the fast modules installed (`ops.install`), as training, the loaders and the CLI
 build it.
+
+The names below are imported on first use (PEP 562), so that `import nanollama4` -- and the `nanollama4`
+command, before it has parsed its arguments -- does not wait seconds for torch: a Ctrl-C in that time is
+then the command's to answer, not a traceback from inside an import.
 """
 
-from .attention import KVCache
-from .config import PRESETS, ModelConfig, TrainConfig, preset
-from .errors import Nanollama4Error
-from .generation import Sampling, generate, stream
-from .hf import export_hf, load_hf
-from .memory import kv_cache, param_counts
-from .model import Loss, Transformer
-from .ops import build_model
-from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from __future__ import annotations
 
-__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "Transformer", "build_model", "Loss", "KVCache",
-           "load_hf", "export_hf", "param_counts", "kv_cache", "generate", "stream", "Sampling", "Nanollama4Error",
-           "CharTokenizer", "BPETokenizer", "load_tokenizer"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "config", "TrainConfig": "config", "PRESETS": "config", "preset": "config",
+    "Transformer": "model", "Loss": "model", "build_model": "ops", "KVCache": "attention",
+    "load_hf": "hf", "export_hf": "hf", "param_counts": "memory", "kv_cache": "memory",
+    "generate": "generation", "stream": "generation", "Sampling": "generation", "Nanollama4Error": "errors",
+    "CharTokenizer": "tokenizer", "BPETokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -11,7 +11,9 @@ with an atomic rename. A crash at any moment therefore leaves the previous check
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -20,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import read_json, read_safetensors
+from .files import read_json, read_safetensors, safetensors_shapes
 from .model import Transformer
 from .ops import install
 from .tokenizer import Tokenizer, load_tokenizer
@@ -75,10 +78,34 @@ def read_model_config(ckpt: Path) -> ModelConfig:
         raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
 
 
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` holds, with its shape, from a model built on the meta device
+    (no memory, no initialisation)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()
+            if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+
+
+def check_shapes(file: Path, found: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]],
+                 against: str = "config.json") -> None:
+    """Refuse a weights file whose tensor names or shapes (read from its header) differ from what the
+    config builds: checked before any tensor is read, so a crafted file cannot make us allocate."""
+    missing, unexpected = sorted(set(wanted) - set(found)), sorted(set(found) - set(wanted))
+    wrong = [f"{n} {found[n]} (expected {wanted[n]})" for n in sorted(set(found) & set(wanted))
+             if found[n] != wanted[n]]
+    if missing or unexpected or wrong:
+        parts = [f"{label} {names[:3]}{' ...' if len(names) > 3 else ''}" for label, names in
+                 (("missing", missing), ("unexpected", unexpected), ("wrong shapes:", wrong)) if names]
+        raise CheckpointError(f"{file} does not match {against}: {'; '.join(parts)}")
+
+
 def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True) -> Transformer:
     """Our Transformer from a checkpoint folder (config.json + model.safetensors), with the fast modules
-    installed (`ops.install`) unless fast=False."""
+    installed (`ops.install`) unless fast=False. The file's shapes are checked against the config before
+    anything is allocated."""
     cfg = read_model_config(ckpt)
+    check_shapes(ckpt / "model.safetensors", safetensors_shapes(ckpt / "model.safetensors"), expected_shapes(cfg))
     tensors = read_safetensors(ckpt / "model.safetensors")
     bad = non_finite(tensors)
     if bad is not None:
@@ -124,23 +151,30 @@ def optimizer_tensors(opt: torch.optim.Optimizer, whole: TensorOf | None = None
 
 def load_optimizer_state(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                          part: TensorOf | None = None) -> None:
-    """The inverse of `optimizer_tensors`; `part` cuts a whole state tensor down to this rank's part."""
+    """The inverse of `optimizer_tensors`; `part` cuts a whole state tensor down to this rank's part.
+    State that is not finite, or does not fit the model, is a CheckpointError."""
+    bad = non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"the optimizer state holds non-finite values (in {bad}); the run diverged before "
+                              "this was saved: use an earlier checkpoint")
     state: dict[int, dict[str, Any]] = {}
     params = _params_by_index(opt)
-    for name, value in tensors.items():
-        _, idx, key = name.split(".", 2)
-        if part is not None and value.dim() > 0:
-            if int(idx) >= len(params):
-                raise CheckpointError(f"optimizer state names parameter {idx}, but the model has {len(params)}")
-            value = part(params[int(idx)], value)
-        state.setdefault(int(idx), {})[key] = value
-    for name, value in meta.get("scalars", {}).items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = value
     try:
+        for name, value in tensors.items():
+            _, idx, key = name.split(".", 2)
+            if not 0 <= int(idx) < len(params):
+                raise CheckpointError(f"optimizer state names parameter {idx}, but the model has {len(params)}")
+            if part is not None and value.dim() > 0:
+                value = part(params[int(idx)], value)
+            state.setdefault(int(idx), {})[key] = value
+        for name, value in meta.get("scalars", {}).items():
+            idx, key = name.split(".", 1)
+            state.setdefault(int(idx), {})[key] = value
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"optimizer state does not match the model: {e}") from None
+    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"optimizer state does not match the model: {str(e)[:200]}") from None
 
 
 # ---------------------------------------------------------------------------------------------- whole checkpoints
@@ -156,7 +190,6 @@ def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: tor
     whatever the world size). Refuses (CheckpointError) weights or optimizer state that are not finite:
     a checkpoint is only ever something a run can continue from.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"step-{step:07d}"
     tensors = model_tensors(model) if tensors is None else tensors
     opt_tensors, opt_meta = optimizer_tensors(optimizer) if optimizer_state is None else optimizer_state
@@ -164,30 +197,47 @@ def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: tor
     if bad is not None:
         raise CheckpointError(f"step {step} not saved: {bad} holds non-finite values; the last checkpoint in "
                               f"{run_dir} is kept")
-    if not final.exists():
-        tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
-        tmp.chmod(0o755)
-        try:
-            save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
-            tokenizer_save(tmp / "tokenizer.json")
-            save_file(opt_tensors, tmp / "optimizer.safetensors")
-            (tmp / "optimizer.json").write_text(json.dumps(opt_meta) + "\n")
-            (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
-            state = {**train_state, "step": step, "rng": {k: _b64(v) for k, v in rng.items()}}
-            (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-    _point(run_dir / "last", final.name)
-    if best:
-        _point(run_dir / "best", final.name)
+    try:
+        _write_checkpoint(run_dir, final, step, model, tokenizer_save, tensors, opt_tensors, opt_meta,
+                          train_config, train_state, rng)
+        _point(run_dir / "last", final.name)
+        if best:
+            _point(run_dir / "best", final.name)
+    except (OSError, SafetensorError) as e:
+        cause = "no space left on the device" if getattr(e, "errno", None) == errno.ENOSPC else \
+            (getattr(e, "strerror", None) or str(e))
+        raise CheckpointError(f"step {step} not saved: cannot write it in {run_dir} ({cause}); the last checkpoint "
+                              f"there is kept: make room and continue with --resume {run_dir}") from None
     _prune(run_dir)
     return final
+
+
+def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer, tokenizer_save: Callable[[Path], Any],
+                      tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any],
+                      train_config: dict[str, Any], train_state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
+    """Every file of a checkpoint into a temporary folder, fsynced, renamed to `final` (removed on failure)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        return
+    tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
+    tmp.chmod(0o755)
+    try:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+        tokenizer_save(tmp / "tokenizer.json")
+        save_file(opt_tensors, tmp / "optimizer.safetensors")
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta) + "\n")
+        (tmp / "train_config.json").write_text(json.dumps(train_config, indent=2) + "\n")
+        state = {**train_state, "step": step, "rng": {k: _b64(v) for k, v in rng.items()}}
+        (tmp / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.rename(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _point(link: Path, target: str) -> None:
@@ -226,14 +276,35 @@ def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "last") -> Pa
 
 
 def load_train_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """train_state.json, with its RNG states decoded back to tensors."""
-    state = read_json(ckpt / "train_state.json")
+    """train_state.json, with its RNG states decoded back to tensors; every field the loop reads is checked
+    here, so a corrupt file is one error naming it rather than a failure later in the loop."""
+    path = ckpt / "train_state.json"
+    state = read_json(path)
+    number = (int, float)
+    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "elapsed": lambda v: isinstance(v, number) and math.isfinite(v) and v >= 0,
+              "best_val_loss": lambda v: v is None or isinstance(v, number),
+              "val_loss": lambda v: v is None or isinstance(v, number),
+              "world_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**20,
+              "data": lambda v: v is None or isinstance(v, str)}
+    for key, ok in checks.items():
+        if (key == "step" or key in state) and not ok(state.get(key)):
+            raise CheckpointError(f"{path}: {key} ({str(state.get(key))[:40]!r}) is not valid; the file is corrupt")
     try:
         rng = {k: _unb64(v) for k, v in state.pop("rng").items()}
-        int(state["step"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{ckpt / 'train_state.json'} is incomplete or corrupt ({e})") from None
+        torch.Generator().set_state(rng["batches"])  # the bytes must be a generator's state
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: the batch sampler's state (rng) is missing or corrupt ({type(e).__name__})"
+                              ) from None
     return state, rng
+
+
+def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, where: Path) -> None:
+    """A tokenizer with ids the model has no embedding row for would fail on the first prompt that uses one
+    (an IndexError deep in torch): refuse the pair when it is loaded."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{cfg.vocab_size}; the tokenizer.json belongs to another model")
 
 
 # ---------------------------------------------------------------------------------------------- loading runs
@@ -246,4 +317,6 @@ def load_run(path: str | Path, prefer: str = "best", fast: bool = True
         tc = read_json(ckpt / "train_config.json")
     except CheckpointError:
         tc = {}
-    return load_model(ckpt, fast=fast), load_tokenizer(ckpt / "tokenizer.json"), tc
+    model, tokenizer = load_model(ckpt, fast=fast), load_tokenizer(ckpt / "tokenizer.json")
+    check_vocab(tokenizer, model.cfg, ckpt)
+    return model, tokenizer, tc

@@ -11,14 +11,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, ModelConfig, TrainConfig, preset
+from .config import PRESETS, SEED_LIMIT, ModelConfig, TrainConfig, preset
 from .errors import ConfigError, Nanollama4Error
 from .memory import (
     COMPARE_LENGTHS,
@@ -35,6 +37,7 @@ EXIT_ERROR = 2  # an error meant for people, printed as one line
 EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint: resume it
 EXIT_CTRL_C = 130  # Ctrl-C with nothing saved: outside the training loop, or before a run's first checkpoint
 DEFAULT_PRESET = "shakespeare-char"
+MAX_NEW_TOKENS = 100_000  # a bound on one generate call (a character model writes ~100 KB of text)
 _FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint already decided these
 
 
@@ -130,6 +133,8 @@ def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) 
 
 
 _positive_int = _checked(_whole, lambda v: v >= 1, "must be at least 1")
+_seed = _checked(_whole, lambda v: 0 <= v < SEED_LIMIT, f"must be a seed from 0 to 2^63 - 1 ({SEED_LIMIT - 1})")
+_new_tokens = _checked(_whole, lambda v: 1 <= v <= MAX_NEW_TOKENS, f"must be from 1 to {MAX_NEW_TOKENS:,}")
 _temperature = _checked(_finite, lambda v: v >= 0, "must be 0 (greedy) or more")
 _top_p = _checked(_finite, lambda v: 0 < v <= 1, "must be in (0, 1]: the probability mass to sample from")
 _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
@@ -344,7 +349,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def load_any(path: str | Path):
     """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory
     (told apart by the `model_type` key that only the reference's config.json has)."""
-    from .checkpoint import load_run
+    from .checkpoint import check_vocab, load_run
     from .errors import CheckpointError
     from .files import read_json
     from .hf import load_hf
@@ -355,7 +360,9 @@ def load_any(path: str | Path):
     if cfg_file.exists() and "model_type" in read_json(cfg_file):
         if not (path / "tokenizer.json").exists():
             raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
-        return load_hf(path), load_tokenizer(path / "tokenizer.json")
+        model, tokenizer = load_hf(path), load_tokenizer(path / "tokenizer.json")
+        check_vocab(tokenizer, model.cfg, path)
+        return model, tokenizer
     model, tokenizer, _ = load_run(path)
     return model, tokenizer
 
@@ -380,6 +387,12 @@ def cmd_explain(args: argparse.Namespace) -> None:
     out = Path(args.html) if args.html else None
     if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
         raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
+    if out is not None and os.path.lexists(out) and not args.force:
+        from .explain.page import is_our_page
+
+        if not is_our_page(out):
+            raise ConfigError(f"--html {out} exists and is not a page nanollama4 explain wrote; pick a new file name "
+                              "(or pass --force to replace it)")
     model, tokenizer = _model_for_prompt(args)
     t = trace(model, tokenizer, args.prompt)
     show(t, modules=args.trace)
@@ -388,17 +401,14 @@ def cmd_explain(args: argparse.Namespace) -> None:
         from .files import atomic_write
 
         page = html(t, f"nanollama4 explain: {args.prompt!r}")
-        try:
-            atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"--html {out}: cannot write it ({e.strerror})") from None
+        atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
         print(f"page: {out}")
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluation import full_validation_loss_of_run
 
-    loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint)
+    loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
     print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "
           f"(non-overlapping windows of {seq_len})")
 
@@ -459,11 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=300)
+    p.add_argument("--max-new-tokens", type=_new_tokens, default=300)
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy; higher = more random")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=_top_p, default=None, help="sample among the most likely tokens holding this mass")
-    p.add_argument("--seed", type=_whole, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")
@@ -480,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="text to explain")
     p.add_argument("--trace", action="store_true", help="also list every module's input and output shapes")
     p.add_argument("--html", type=_text, metavar="FILE", help="also write the trace as one self-contained page")
+    p.add_argument("--force", action="store_true",
+                   help="let --html replace an existing file that is not a page explain wrote")
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.set_defaults(func=cmd_explain)
@@ -487,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_text)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    p.add_argument("--data", type=_text, help="the run's corpus, if it has moved since training (the same text)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
@@ -514,8 +527,8 @@ def _seeds(text: str) -> tuple[int, ...]:
         seeds = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
-        raise argparse.ArgumentTypeError(f"{text!r}: seeds must be distinct and non-negative")
+    if len(set(seeds)) != len(seeds) or any(not 0 <= s < SEED_LIMIT for s in seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: seeds must be distinct, from 0 to 2^63 - 1")
     return seeds
 
 
@@ -541,12 +554,16 @@ def cmd_experiment(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("train", "generate", "eval"):
-        from .runtime import tune_allocator
-
-        tune_allocator()
     under_torchrun = os.environ.get("WORLD_SIZE", "1") != "1"
+    # SIGTERM before the training loop takes over the signals (loading torch, a checkpoint or the data) ends
+    # the command like Ctrl-C: status 130 and a line saying so, not a silent 143
+    in_charge = not under_torchrun and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_charge else None
     try:
+        if args.command in ("train", "generate", "eval"):
+            from .runtime import tune_allocator
+
+            tune_allocator()
         return args.func(args) or 0
     except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
         where = f" (rank {os.environ.get('RANK', '?')})" if under_torchrun else ""
@@ -555,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             _leave_now(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print(f"nanollama4 {args.command}: interrupted", file=sys.stderr)
+        print(f"nanollama4 {args.command}: interrupted; nothing more was saved", file=sys.stderr)
         if under_torchrun:
             _leave_now(EXIT_CTRL_C)
         return EXIT_CTRL_C
@@ -566,6 +583,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             _leave_now(1)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001
+    raise KeyboardInterrupt
 
 
 def _leave_now(code: int) -> None:

@@ -36,6 +36,15 @@ class _JsonConfig:
         return cls(**data)
 
 
+# The largest value each size may take (the others: 2^27). Real Llama 4 shapes fit well inside (Maverick:
+# width 5,120, 48 layers, 128 experts, vocabulary 202,048; Scout's context 10M); the limits exist so that a
+# crafted config.json is refused before it can ask for terabytes.
+SEED_LIMIT = 2**63  # seeds are 0 .. 2^63 - 1: what torch's generators take, with room for derived seeds
+SIZE_LIMITS = {"vocab_size": 2**22, "d_model": 2**16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
+               "head_dim": 2048, "ffn_dim": 2**20, "expert_dim": 2**20, "n_experts": 4096, "experts_per_token": 4096,
+               "moe_every": 1024}
+
+
 @dataclass
 class ModelConfig(_JsonConfig):
     """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
@@ -94,6 +103,13 @@ class ModelConfig(_JsonConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} ({value!r}) must be a positive integer")
+            if value > SIZE_LIMITS.get(name, 2**27):
+                raise ConfigError(f"{name} ({value:,}) is beyond what nanollama4 builds (at most "
+                                  f"{SIZE_LIMITS.get(name, 2**27):,}); the config is wrong or not ours")
+        for name in ("use_qk_norm", "attn_temperature_tuning", "shared_expert", "capacity_in_eval",
+                     "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} ({getattr(self, name)!r}) must be true or false")
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -110,12 +126,21 @@ class ModelConfig(_JsonConfig):
                 not isinstance(self.attention_chunk_size, int) or self.attention_chunk_size <= 0):
             raise ConfigError(f"attention_chunk_size ({self.attention_chunk_size!r}) must be a positive integer "
                              "or None (no chunking)")
+        for name in ("rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ConfigError(f"{name} ({value!r}) must be a finite number")
         if self.rope_scaling is not None:
             if self.rope_scaling <= 0:
                 raise ConfigError(f"rope_scaling ({self.rope_scaling}) must be a positive factor or None")
             if not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
                 raise ConfigError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and "
                                  f"<= rope_high_freq_factor ({self.rope_high_freq_factor})")
+        for name in ("nope_interval", "attention_chunk_size", "n_experts", "experts_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (isinstance(value, int) and value > SIZE_LIMITS.get(name, 2**27)):
+                raise ConfigError(f"{name} ({value!r}) must be an integer of at most {SIZE_LIMITS.get(name, 2**27):,}")
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise ConfigError(f"n_experts ({self.n_experts!r}) must be 0 (dense model) or a positive integer")
         if self.n_experts:
@@ -217,6 +242,8 @@ class TrainConfig(_JsonConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"seed ({self.seed!r}) must be an integer from 0 to 2^63 - 1")
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

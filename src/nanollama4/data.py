@@ -112,19 +112,28 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[B
 
 # ---------------------------------------------------------------------------------------------- the cache
 def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
-    """The cached header if it matches `expected` and the binary file has exactly n_tokens entries; else None
-    (a missing, foreign or stale entry is simply rebuilt)."""
+    """The cached header if it matches `expected` and the binary file is exactly the tokens it describes (their
+    count and their sha256); else None: a missing, foreign, stale or damaged entry is simply rebuilt."""
     try:
         header = json.loads(header_path.read_text(encoding="utf-8"))
-        if any(header.get(k) != v for k, v in expected.items()):
+        if not isinstance(header, dict) or any(header.get(k) != v for k, v in expected.items()):
             return None
         n_tokens = header["n_tokens"]
         ok = isinstance(n_tokens, int) and n_tokens > 0
-        if ok and bin_path.stat().st_size == n_tokens * np.dtype(header["dtype"]).itemsize:
+        if ok and bin_path.stat().st_size == n_tokens * np.dtype(header["dtype"]).itemsize \
+                and header.get("tokens_sha256") == _sha256_of(bin_path):
             return header
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     return None
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 class TokenDataset:
@@ -176,9 +185,11 @@ class TokenDataset:
             if ids.min() < 0 or ids.max() > np.iinfo(dtype).max:
                 raise DataError(f"token ids outside [0, {np.iinfo(dtype).max}] for dtype {dtype.name}; "
                                 "the tokenizer's vocab_size does not match its ids")
-            header = {**expected, "n_tokens": int(ids.size), "source": [f.name for f in files]}
+            data = ids.astype(dtype).tobytes()
+            header = {**expected, "n_tokens": int(ids.size), "tokens_sha256": hashlib.sha256(data).hexdigest(),
+                      "source": [f.name for f in files]}
             # the binary first, then the header: a header on disk always describes a complete binary
-            atomic_write(bin_path, lambda p: Path(p).write_bytes(ids.astype(dtype).tobytes()))
+            atomic_write(bin_path, lambda p: Path(p).write_bytes(data))
             atomic_write(header_path, lambda p: Path(p).write_text(json.dumps(header, indent=1), encoding="utf-8"))
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(header["n_tokens"],))
         ds = cls(tokens, val_fraction=val_fraction, header=header)

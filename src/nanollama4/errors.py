@@ -38,3 +38,8 @@ class TrainingError(Nanollama4Error, RuntimeError):
 
 class MissingRunFile(Nanollama4Error, FileNotFoundError):
     """A file a run directory should hold (metrics.jsonl) is not there."""
+
+
+class WriteError(Nanollama4Error, OSError):
+    """A file could not be written (a full disk, a read-only folder, a symlink where a file of ours goes);
+    whatever was there before is kept."""

@@ -14,9 +14,10 @@ import torch
 from .checkpoint import load_run, load_train_state, resolve_checkpoint
 from .config import TrainConfig
 from .data import TokenDataset, default_cache_dir, find_corpus_files, windows
-from .errors import TrainingError
+from .errors import CheckpointError, DataError, TrainingError
 from .model import Transformer
 from .runtime import pick_device
+from .tokenizer import UnknownCharacters
 
 
 def autocast(device: torch.device, enabled: bool):
@@ -65,13 +66,27 @@ def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, d
     return total / n_pred
 
 
-def full_validation_loss_of_run(path: str | Path, prefer: str = "best") -> tuple[float, int, int]:
-    """(loss, validation tokens, window) for a run: every validation token, in windows of its training length."""
+def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None
+                                ) -> tuple[float, int, int]:
+    """(loss, validation tokens, window) for a run: every validation token, in windows of its training length.
+    `data` gives the run's corpus at a new place (the same text); by default the path the run recorded."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
-    tc = TrainConfig.from_dict(tc_dict)
+    try:
+        tc = TrainConfig.from_dict(tc_dict)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: train_config.json is invalid ({e})") from None
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    dataset = TokenDataset.build(find_corpus_files(state.get("data")), tokenizer, default_cache_dir(),
-                                 invalid_utf8=tc.invalid_utf8)
+    if data is None:
+        data = state.get("data")
+        if data is not None and not Path(data).exists():
+            raise DataError(f"{path} was trained on {data}, which no longer exists; pass --data PATH with the "
+                            "same text")
+    try:
+        dataset = TokenDataset.build(find_corpus_files(data), tokenizer, default_cache_dir(),
+                                     invalid_utf8=tc.invalid_utf8)
+    except UnknownCharacters as e:
+        raise DataError(f"the run's tokenizer cannot encode the corpus {data}: it has {e.listing}; pass the "
+                        "text the run was trained on") from None
     try:
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can

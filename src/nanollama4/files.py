@@ -1,57 +1,154 @@
-"""Files in and out: writing so that a reader, or a crash, never sees half of a file, and reading JSON and
-safetensors with one clear error for a missing or corrupt file."""
+"""Files in and out, for files we did not make as much as for our own.
+
+Writing: a reader, or a crash, never sees half of a file (`atomic_write`); a file of ours is never opened
+through a symlink someone planted in its place (`open_owned`); a failed write (a full disk, a read-only
+folder) is one `WriteError` naming the file and the cause, not a traceback.
+
+Reading: anything we load may have been crafted. `regular_file` refuses what is not a plain file (a FIFO
+would block forever, /dev/zero never ends); `read_json` is the one JSON reader, bounded in size and
+nesting and checked for the type of its top-level value; `safetensors_shapes` reads a safetensors header
+alone, so that shapes can be checked against a config before a byte of tensor memory is allocated.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .errors import CheckpointError
+from .errors import CheckpointError, WriteError
+
+JSON_LIMIT = 256 * 2**20  # bytes; a BPE tokenizer.json of a 200k vocabulary is ~10 MB
+HEADER_LIMIT = 100 * 2**20  # a safetensors header; the format's own readers refuse larger ones too
 
 
-def atomic_write(target: Path, write: Callable[[str], Any]) -> None:
+# ---------------------------------------------------------------------------------------------- writing
+def write_failed(path: str | os.PathLike[str], e: OSError, hint: str = "") -> WriteError:
+    """The one-line error for a write that failed, naming the file and the cause (and what to do)."""
+    cause = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        cause = "no space left on the device"
+    return WriteError(f"cannot write {path} ({cause}){'; ' + hint if hint else ''}")
+
+
+def atomic_write(target: Path, write: Callable[[str], Any], hint: str = "") -> None:
     """Call write(tmp_path) on a temporary file beside `target`, fsync it, then rename it over `target`.
 
     Readers see the old file or the whole new one, never a truncated one, even if this process is killed
-    half way; the temporary file is removed if writing fails.
+    half way; the temporary file is removed if writing fails, which is a WriteError (hint: what to do).
+    A symlink at `target` is replaced, never written through.
     """
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    # mkstemp makes the file private (0600); give it the mode the file had, or the usual 0644
-    os.chmod(tmp, target.stat().st_mode & 0o777 if target.exists() else 0o644)
+    target = Path(target)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.close(fd)
+        # mkstemp makes the file private (0600); give it the mode the file had, or the usual 0644
+        old = os.lstat(target) if os.path.lexists(target) else None
+        os.chmod(tmp, stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else 0o644)
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        raise write_failed(target, e, hint) from None
+    except SafetensorError as e:  # safetensors reports a failed write (ENOSPC included) as its own error
+        raise WriteError(f"cannot write {target} ({e}){'; ' + hint if hint else ''}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def read_json(path: Path) -> Any:
-    """The JSON value in `path`; a missing or malformed file is a CheckpointError naming it."""
+def open_owned(path: Path, mode: str = "a") -> IO[str]:
+    """Open a file of ours for writing ('w' truncates, 'a' appends) without following a symlink there.
+
+    A link planted where a run keeps its metrics or its lock would otherwise make us truncate or append
+    to whatever it points at."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if mode == "a" else os.O_TRUNC)
     try:
-        return json.loads(Path(path).read_text())
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise WriteError(f"{path} is a symlink; nanollama4 writes only files it made: remove the link") from None
+        raise write_failed(path, e) from None
+    return os.fdopen(fd, mode, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def regular_file(path: Path, inside: Path | None = None) -> Path:
+    """`path` if it is a regular file (after links) and, when `inside` is given, lies within that folder
+    once every link is resolved; otherwise a CheckpointError saying which rule it breaks."""
+    path = Path(path)
+    if inside is not None:
+        root = os.path.realpath(inside)
+        real = os.path.realpath(path)
+        if os.path.commonpath([root, real]) != root:
+            raise CheckpointError(f"{path} lies outside {inside}; a checkpoint may only name files in its own folder")
+    try:
+        st = os.stat(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is not a regular file; a checkpoint holds only plain files")
+    return path
+
+
+def read_json(path: Path, kind: type = dict, limit: int = JSON_LIMIT) -> Any:
+    """The JSON value in `path`, which must be a `kind` (dict, list; None for any); a missing, oversized,
+    too deeply nested, malformed or mistyped file is one CheckpointError naming it."""
+    path = regular_file(path)
+    size = path.stat().st_size
+    if size > limit:
+        raise CheckpointError(f"{path} is {size:,} bytes, more than the {limit:,} a JSON file of ours may be")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} nests its JSON too deeply to be one of our files; it is corrupt") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
+    if kind is not None and not isinstance(value, kind):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} expected")
+    return value
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, from the file's header alone (8 bytes of length, then JSON); nothing else is
+    read, so a crafted file cannot make us allocate before its shapes are checked."""
+    path = regular_file(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(HEADER_LIMIT, size - 8):
+                raise ValueError("no valid header length")
+            header = json.loads(f.read(n).decode("utf-8"))
+        shapes = {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        if any(d < 0 for s in shapes.values() for d in s):
+            raise ValueError("a negative dimension")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError, struct.error) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
+    return shapes
+
+
+def read_safetensors(path: Path, inside: Path | None = None) -> dict[str, torch.Tensor]:
     """The tensors in a safetensors file (never a pickle); a missing or corrupt file is a CheckpointError."""
+    path = regular_file(path, inside)
     try:
         return load_file(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None

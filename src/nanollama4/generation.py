@@ -49,6 +49,9 @@ class Sampling:
             raise GenerationError(f"top_k ({self.top_k!r}) must be a positive integer or None")
         if self.top_p is not None and not 0 < self.top_p <= 1:  # NaN fails this too
             raise GenerationError(f"top_p ({self.top_p!r}) must be in (0, 1] or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise GenerationError(f"seed ({self.seed!r}) must be an integer from 0 to 2^63 - 1, or None")
 
 
 def _sampling(sampling: Sampling | None, changes: dict[str, Any]) -> Sampling:

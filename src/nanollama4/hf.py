@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .checkpoint import check_shapes
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import atomic_write, read_json, read_safetensors
+from .files import atomic_write, read_json, read_safetensors, regular_file, safetensors_shapes
 from .model import Transformer
 from .ops import install
 
@@ -48,6 +49,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Translate a reference config.json (text or multimodal) into a ModelConfig, or explain why not."""
     if hf.get("model_type") == "llama4" or "text_config" in hf:
         hf = hf.get("text_config") or {}
+        if not isinstance(hf, dict):
+            raise CheckpointError("config.json: text_config must be a JSON object (the text model's config)")
     if hf.get("model_type", "llama4_text") != "llama4_text":
         raise CheckpointError(f"config.json has model_type {hf.get('model_type')!r}; expected 'llama4_text'")
     if hf.get("attention_bias"):
@@ -75,7 +78,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the required key {e.args[0]!r}") from None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError, AttributeError) as e:
         raise CheckpointError(f"config.json describes an invalid model: {e}") from None
     _check_layout(hf, cfg)
     return cfg
@@ -153,42 +156,69 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- weights
 
 
-def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a single-file or sharded checkpoint, with the multimodal `language_model.` prefix removed."""
+def hf_shards(path: Path) -> list[Path]:
+    """The safetensors files of a single-file or sharded checkpoint. A shard named by the index must be a
+    regular file inside the checkpoint folder: a crafted index may name ../elsewhere, /etc/... or a FIFO."""
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            tensors.update(read_safetensors(path / shard))
-    else:
-        tensors = read_safetensors(path / "model.safetensors")
-    return {name.removeprefix("language_model."): t for name, t in tensors.items()
-            if not name.startswith(("vision_model.", "multi_modal_projector."))}
+    if not index.exists():
+        return [regular_file(path / "model.safetensors", inside=path)]
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map each tensor name to a shard file name")
+    shards = []
+    for name in sorted(set(weight_map.values())):
+        if Path(name).is_absolute() or Path(name).name != name:
+            raise CheckpointError(f"{index} names the shard {name!r}; a shard is a file name in the checkpoint "
+                                  "folder itself")
+        shards.append(regular_file(path / name, inside=path))
+    return shards
+
+
+def _weight_name(name: str) -> str | None:
+    """A stored tensor's name without the multimodal `language_model.` prefix; None for vision tensors."""
+    if name.startswith(("vision_model.", "multi_modal_projector.")):
+        return None
+    return name.removeprefix("language_model.")
+
+
+def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All text-model tensors of a single-file or sharded checkpoint (see `hf_shards`)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in hf_shards(path):
+        tensors.update(read_safetensors(shard))
+    return {new: t for name, t in tensors.items() if (new := _weight_name(name)) is not None}
 
 
 def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fast: bool = True) -> Transformer:
     """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors).
 
-    The model is built plain on the meta device (no memory, no initialisation), given the checkpoint's
-    tensors, then gets the fast modules (`ops.install`) unless fast=False."""
+    The shards' headers are checked against config.json first; then the model is built plain on the meta
+    device (no memory, no initialisation), given the checkpoint's tensors, and gets the fast modules
+    (`ops.install`) unless fast=False."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass the folder written by save_pretrained")
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} has no config.json; pass the folder written by save_pretrained")
     cfg = config_from_hf(read_json(path / "config.json"))
-    weights = read_hf_weights(path)
     with torch.device("meta"):
         model = Transformer(cfg)
+    shapes = {to_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()
+              if not name.endswith("router_bias")}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight", None)
+    found = {}
+    for shard in hf_shards(path):
+        for name, shape in safetensors_shapes(shard).items():
+            if (new := _weight_name(name)) is not None:
+                found[new] = shape
+    if cfg.tie_embeddings:
+        found.pop("lm_head.weight", None)
+    check_shapes(path, found, shapes, against=f"{path / 'config.json'}")
+    weights = read_hf_weights(path)
     wanted = {to_hf_name(name): name for name in model.state_dict() if not name.endswith("router_bias")}
     if cfg.tie_embeddings:
         wanted.pop("lm_head.weight", None)
-    missing = sorted(set(wanted) - set(weights))
-    unexpected = sorted(set(weights) - set(wanted) - {"lm_head.weight"})
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: weights do not match config.json (missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}{' ...' if len(missing) + len(unexpected) > 8 else ''})")
     state = {ours: weights[theirs].to(dtype) for theirs, ours in wanted.items()}
     model = model.to_empty(device="cpu").to(dtype)
     for moe in model.moe_layers():

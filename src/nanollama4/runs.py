@@ -16,9 +16,11 @@ from being spoiled:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -49,8 +51,10 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     """
     path = run_dir / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path} is a symlink; a run's lock file is its own: remove the link") from None
         raise CheckpointError(f"cannot open the lock file {path} ({e.strerror}); the run directory must be "
                               "writable") from None
     try:
@@ -68,6 +72,33 @@ def run_lock(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` is one of our run directories: it has a lock file or a `last` link to a step folder."""
+    last = path / "last"
+    return (path / LOCK_NAME).is_file() or (last.is_symlink() and os.readlink(last).startswith("step-"))
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The run directory that `path` lies inside (path itself not counted), if there is one."""
+    for parent in Path(os.path.abspath(path)).parents:
+        if is_run_dir(parent):
+            return parent
+    return None
+
+
+def check_resume_dir(run_dir: Path) -> None:
+    """Only a run directory is resumed: a checkpoint folder inside a run (RUN/step-N, RUN/last) would
+    become a second run nested in the first, its steps deleted by the first run's pruning."""
+    run_dir = Path(run_dir)
+    run = enclosing_run(run_dir)
+    if run is not None:
+        raise TrainingError(f"{run_dir} is a checkpoint inside the run {run}, not a run; resume the run itself: "
+                            f"--resume {run} (it continues from {run}/last)")
+    if (run_dir / "config.json").exists() and not is_run_dir(run_dir):
+        raise TrainingError(f"{run_dir} is a checkpoint folder, not a run directory; pass the run directory "
+                            "that holds it to --resume")
+
+
 def holds_run(run_dir: Path) -> bool:
     """Whether run_dir holds a run with a checkpoint (new training there would throw it away)."""
     return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or any(run_dir.glob("step-*"))
@@ -81,22 +112,31 @@ def owning(run_dir: Path, resume: bool, world: World) -> Iterator[None]:
             torch.distributed.barrier()
         yield
         return
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
-    with run_lock(run_dir):
-        if not resume and holds_run(run_dir):  # another process may have saved here since the check above
-            raise _already_a_run(run_dir)
-        if world.distributed:
-            torch.distributed.barrier()
-        yield
+    try:
+        with run_lock(run_dir):
+            if not resume and holds_run(run_dir):  # another process may have saved here since the check above
+                raise _already_a_run(run_dir)
+            if world.distributed:
+                torch.distributed.barrier()
+            yield
+    finally:
+        if created and not holds_run(run_dir):  # refused or stopped before its first checkpoint: leave nothing
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def check_new_run_dir(run_dir: Path) -> None:
     """Refuse an --out that is a file, holds a run, or is a non-empty folder that is not one of our runs."""
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"--out {run_dir} is a file, not a folder; pass a new or empty folder")
+    run = enclosing_run(run_dir)
+    if run is not None:
+        raise TrainingError(f"--out {run_dir} lies inside the run {run}; a run never goes inside another: "
+                            "pick an --out outside it")
     if not run_dir.is_dir():
         return
     if holds_run(run_dir) and not (run_dir / LOCK_NAME).exists():
@@ -112,19 +152,24 @@ def _already_a_run(run_dir: Path) -> TrainingError:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone."""
+    """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone (and
+    lines that are not a step's record, such as a line cut short by a crash, go too)."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
     if kept != lines:  # a resume that stops before its first step leaves the file as it was
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
+
+
+def _step_of(line: str) -> int | None:
+    """The step of one metrics.jsonl record, or None for a line that is not one."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 # ---------------------------------------------------------------------------------------------- resume fitting
@@ -133,6 +178,7 @@ def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
 
     The spread over ranks (`LAUNCH_KEYS`) is not kept: it is this launch's to choose (default DDP, no
     expert parallelism), since checkpoints are the same whatever the spread."""
+    check_resume_dir(Path(run_dir))
     saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
     saved = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
     try:

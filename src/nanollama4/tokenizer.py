@@ -16,7 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .errors import TokenizerError
+from .errors import CheckpointError, TokenizerError
+from .files import JSON_LIMIT, regular_file
 
 
 class UnknownCharacters(TokenizerError):
@@ -211,9 +212,16 @@ def _chunks(text: str, lines_per_chunk: int = 1000) -> Iterator[str]:
 
 # ---------------------------------------------------------------------------------------------- loading
 def _read_text(path: Path) -> str:
-    if not path.is_file():
+    if not path.exists():
         raise TokenizerError(f"tokenizer file {path} does not exist; pass the path of a saved tokenizer "
                              "(tokenizer.json) or train one first")
+    try:
+        regular_file(path)
+    except CheckpointError as e:
+        raise TokenizerError(str(e)) from None
+    if path.stat().st_size > JSON_LIMIT:
+        raise TokenizerError(f"tokenizer file {path} is {path.stat().st_size:,} bytes, more than the "
+                             f"{JSON_LIMIT:,} a tokenizer.json of ours may be")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -244,6 +252,9 @@ def tokenizer_from_json(content: str, path: str | Path = "(tokenizer JSON)") -> 
     except json.JSONDecodeError as e:
         raise TokenizerError(f"tokenizer file {path} is not valid JSON ({e.msg} at line {e.lineno}); "
                              "pass a tokenizer.json saved by nanollama4 or the tokenizers library") from e
+    except RecursionError:
+        raise TokenizerError(f"tokenizer file {path} nests its JSON too deeply to be a tokenizer; it is "
+                             "corrupt") from None
     if not isinstance(state, dict):
         raise TokenizerError(f"tokenizer file {path} holds JSON but not an object; pass a saved tokenizer.json")
     if state.get("kind") == CHAR_KIND:

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from . import distributed
 from .checkpoint import (
+    check_vocab,
     load_model,
     load_optimizer_state,
     load_train_state,
@@ -46,12 +47,21 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .distributed import Parallel, World
-from .errors import DataError, TrainingError
+from .errors import CheckpointError, DataError, TrainingError, WriteError
 from .evaluation import autocast, evaluate
-from .files import read_json, read_safetensors
+from .files import open_owned, read_json, read_safetensors, write_failed
 from .model import Transformer
 from .ops import build_model
-from .runs import check_budget_ahead, check_new_run_dir, fit_seq_len, fit_world, holds_run, owning, truncate_metrics
+from .runs import (
+    check_budget_ahead,
+    check_new_run_dir,
+    check_resume_dir,
+    fit_seq_len,
+    fit_world,
+    holds_run,
+    owning,
+    truncate_metrics,
+)
 from .runtime import pick_device
 from .tokenizer import (
     BPETokenizer,
@@ -134,7 +144,7 @@ def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
     val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16, run.world.rank, run.world.size,
                    run.parallel.sum_over_ranks)
     if not math.isfinite(val):
-        raise _diverged(f"the validation loss became {val}", run.step, run.dir)
+        raise _diverged(f"the validation loss became {val} after step {run.step}", run.step, run.dir, applied=True)
     metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
     is_best = run.best is None or val < run.best
     run.val, run.best = val, val if is_best else run.best
@@ -165,6 +175,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     if tc.max_steps is None and tc.max_time is None:
         raise TrainingError("give a budget: --max-steps N or --max-time 10m")
     if resume:
+        check_resume_dir(run_dir)
         ckpt = resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
         distributed.check(world, tc, read_model_config(ckpt))
     else:
@@ -196,7 +207,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     if world.main and resume:
         truncate_metrics(metrics_path, run.step)
     elif world.main:
-        metrics_path.write_text("")
+        open_owned(metrics_path, "w").close()
     if tc.compile:
         run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     sequences = tc.batch_size * tc.grad_accum * world.size
@@ -212,30 +223,40 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
 
-    with stop_on_signals() as flag, open(metrics_path if world.main else os.devnull, "a") as metrics:
-        while True:
-            # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
-            # would wait on each other's collectives forever
-            now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
-            if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
-                break
-            lr = lr_at(tc, run.step, now)
-            t_step = time.perf_counter()
-            result = train_step(run, lr)
-            trained_tokens += tokens_per_step
-            dt = time.perf_counter() - t_step
-            log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
-            if run.step % tc.eval_interval == 0:
+    try:
+        with stop_on_signals() as flag, (open_owned(metrics_path) if world.main else open(os.devnull, "a")) as metrics:
+            while True:
+                # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
+                # would wait on each other's collectives forever
+                now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
+                if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
+                    break
+                lr = lr_at(tc, run.step, now)
+                t_step = time.perf_counter()
+                result = train_step(run, lr)
+                trained_tokens += tokens_per_step
+                dt = time.perf_counter() - t_step
+                log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
+                if run.step % tc.eval_interval == 0:
+                    validate_and_save(run, metrics, elapsed())
+                    saved_step = run.step
+                metrics.flush()
+                bar.update(1)
+                left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
+                bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
+                                tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
+            if run.step != saved_step:  # the budget ran out or a signal came: save the step reached
                 validate_and_save(run, metrics, elapsed())
-                saved_step = run.step
-            metrics.flush()
-            bar.update(1)
-            left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
-            bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
-                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
-        if run.step != saved_step:  # the budget ran out or a signal came: save the step reached
-            validate_and_save(run, metrics, elapsed())
+    except WriteError:
+        raise
+    except OSError as e:  # metrics.jsonl could not be written (a full disk): the checkpoints are intact
+        raise write_failed(metrics_path, e, f"the last checkpoint in {run_dir} is kept: make room and continue "
+                           f"with --resume {run_dir}") from None
     bar.close()
+    if not stopped and not holds_run(run_dir):
+        budget = f" (--max-time {tc.max_time:g}s)" if tc.max_time else ""
+        raise TrainingError(f"the budget ran out before the first step ended{budget}; nothing was trained or "
+                            "saved: give a budget of at least one step")
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
                        tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=bool(stopped),
@@ -314,14 +335,17 @@ def noise_seed(seed: int, step: int, micro_batch: int) -> int:
     return ((seed * 1_000_003 + step) * 65_537 + micro_batch) & (2**63 - 1)
 
 
-def _diverged(what: str, step: int, run_dir: Path) -> TrainingError:
-    """The error for a non-finite loss or gradient: nothing of that step was applied or saved."""
+def _diverged(what: str, step: int, run_dir: Path, applied: bool = False) -> TrainingError:
+    """The error for a non-finite loss or gradient: nothing of that step was applied, or (`applied`, found
+    by validation after the step) its weights were not saved."""
     if holds_run(run_dir):
         last = resolve_checkpoint(run_dir, prefer="last").name
         advice = (f"{run_dir}/last ({last}) is intact; lower lr (--set lr=...) and continue with "
                   f"--resume {run_dir}")
     else:
         advice = f"no checkpoint was saved in {run_dir} yet; lower lr (--set lr=...) and train again"
+    if applied:
+        return TrainingError(f"{what}; the step's weights were not saved, {advice}")
     return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
 
 
@@ -352,6 +376,7 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     state, rng = load_train_state(ckpt)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     model = load_model(ckpt)
+    check_vocab(tokenizer, model.cfg, ckpt)
     check_budget_ahead(tc, state, run_dir)
     if data is None:
         data = state.get("data")
@@ -361,8 +386,11 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     tc = fit_world(fit_seq_len(tc, model.cfg), read_json(ckpt / "train_config.json"),
                     int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
-    load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
-                         read_json(ckpt / "optimizer.json"), part=run.parallel.part)
+    try:
+        load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
+                             read_json(ckpt / "optimizer.json"), part=run.parallel.part)
+    except CheckpointError as e:
+        raise CheckpointError(f"{ckpt / 'optimizer.safetensors'}: {e}") from None
     run.batches.set_state(rng["batches"])
     run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
     run.elapsed_before = float(state.get("elapsed", 0.0))

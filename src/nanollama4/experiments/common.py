@@ -173,6 +173,11 @@ def largest_spread(results: Sequence[ArmResult]) -> tuple[float, list[str]]:
     return max((spread(results, n) for n in repeated), default=math.nan), repeated
 
 
+def format_spread(tie: float) -> str:
+    """The tie threshold as a table states it: a number, or why there is none (one seed: not measured)."""
+    return "not measured (one seed, so no difference is called)" if math.isnan(tie) else f"{tie:.4f}"
+
+
 def versus(diffs: Sequence[float]) -> str:
     """Per-seed differences as text ('-' for none)."""
     return ", ".join(f"{d:+.4f}" for d in diffs) if diffs else "-"

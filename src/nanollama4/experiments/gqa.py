@@ -23,6 +23,7 @@ from .common import (
     Setting,
     base_model,
     figure,
+    format_spread,
     largest_spread,
     load_results,
     markdown_table,
@@ -93,8 +94,8 @@ def report(out: Path) -> list[Path]:
     table = markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
                             "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed",
                             "minus multi-head, per seed", "reading"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {tie:.4f}; a mean difference up to it "
-              f"is a tie; cache and decoding measured on seed {first}'s models")
+    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {format_spread(tie)}; a mean "
+              f"difference up to it is a tie; cache and decoding measured on seed {first}'s models")
     fig, (left, right) = figure(2)
     left.bar([str(h) for h in KV_HEADS], [doc["measured"][str(h)]["live_bytes"] / 1024 for h in KV_HEADS])
     left.set(xlabel="KV heads", ylabel=f"KV cache of one {context}-token sequence (KiB, fp32)", title=TITLE)

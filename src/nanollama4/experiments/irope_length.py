@@ -25,6 +25,7 @@ from .common import (
     Setting,
     base_model,
     figure,
+    format_spread,
     largest_spread,
     load_results,
     markdown_table,
@@ -117,7 +118,7 @@ def report(out: Path) -> list[Path]:
     table += (f"\n\nloss over the far half of each window (nats/char), mean over seeds "
               f"{', '.join(map(str, doc['setting']['seeds']))}; characters scored per length: "
               f"{', '.join(f'{n:,}' if isinstance(n, int) else n for n in scored)}; seed-to-seed spread of the "
-              f"full validation loss at the training length: {tie:.4f}")
+              f"full validation loss at the training length: {format_spread(tie)}")
     fig, (ax,) = figure()
     for name, per in curves.items():
         ax.plot(lengths, [mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)

@@ -15,6 +15,7 @@ from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
+    format_spread,
     largest_spread,
     load_results,
     loss_at,
@@ -70,7 +71,7 @@ def report(out: Path) -> list[Path]:
                            rows)
     table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))} (arms with one seed: {first}; an arm within "
               f"the spread of {BASE} on it was repeated); seed-to-seed spread (largest of {', '.join(repeated)}): "
-              f"{tie:.4f}; a mean difference up to it is a tie. Speed "
+              f"{format_spread(tie)}; a mean difference up to it is a tie. Speed "
               "and time count training steps only (no evaluations, no checkpoints). The last column is the "
               "fixed-batch validation loss when the quickest arm had finished its steps (interpolated between "
               "evaluations).")

@@ -18,6 +18,7 @@ from .common import (
     Setting,
     base_model,
     figure,
+    format_spread,
     largest_spread,
     load_results,
     markdown_table,
@@ -87,8 +88,8 @@ def report(out: Path) -> list[Path]:
                      "baseline" if name == base else verdict(mean(diffs), tie)])
     table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end (x fair)",
                             "full val loss per seed", "minus no tricks, per seed", "reading"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {tie:.4f}; a mean difference up to it "
-              f"is a tie; load columns from seed {first_seed}")
+    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {format_spread(tie)}; a mean "
+              f"difference up to it is a tie; load columns from seed {first_seed}")
     names = [name for name, _ in arms()]
     plots = []
     for part, chunk in enumerate((names[:5], names[5:]), start=1):

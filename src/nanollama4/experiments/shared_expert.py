@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from .common import (
     Setting,
     base_model,
+    format_spread,
     largest_spread,
     load_results,
     markdown_table,
@@ -58,5 +59,6 @@ def report(out: Path) -> list[Path]:
                      "baseline" if name == names[0] else verdict(mean(diffs), tie)])
     table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean (same seeds)",
                             "minus shared on, per seed", "reading"], rows)
-    table += f"\n\nseed-to-seed spread (largest of the two arms): {tie:.4f}; a mean difference up to it is a tie"
+    table += (f"\n\nseed-to-seed spread (largest of the two arms): {format_spread(tie)}; a mean difference up "
+              "to it is a tie")
     return [write_table(out, table), plot_curves(results, out / "shared_expert.png", TITLE)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from importlib import resources
+from pathlib import Path
 
 from ..errors import GenerationError
 from .tracing import Trace, describe_attention
@@ -54,3 +55,15 @@ def escape_html(text: str) -> str:
 def _template() -> str:
     """page.html, read through importlib.resources so it is found in an installed wheel as in a checkout."""
     return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+
+
+MARK = b'<meta name="generator" content="nanollama4 explain">'  # in the first line of every page we write
+
+
+def is_our_page(path: Path) -> bool:
+    """Whether `path` is a regular file that starts like a page `html` made (so replacing it loses nothing
+    of anyone else's)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return MARK in f.read(512)
