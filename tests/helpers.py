@@ -114,3 +114,20 @@ def start_training(corpus: Path, run: Path, *extra: str) -> subprocess.Popen:
         assert time.monotonic() < deadline, "no checkpoint after 120 s"
         time.sleep(0.05)
     return proc
+
+
+MEMORY_LIMIT = 4 * 2**30  # address space of a CLI subprocess that reads a crafted file (torch itself needs ~1.5 GiB)
+
+
+def run_cli_limited(argv: list[str], timeout: float = 120, memory: int = MEMORY_LIMIT) -> tuple[int, str, str]:
+    """`nanollama4 ARGV` in a subprocess under an address-space limit and a time limit: a crafted file that
+    makes us allocate past `memory` fails there (MemoryError, a traceback), one that hangs raises
+    subprocess.TimeoutExpired. Returns (exit status, stdout, stderr)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    proc = subprocess.run([sys.executable, "-m", "nanollama4.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc.returncode, proc.stdout, proc.stderr

@@ -3,9 +3,11 @@ round trips, clear errors, and no pickle anywhere."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from nanollama4.checkpoint import (
     CheckpointError,
     load_model,
     load_optimizer_state,
+    load_run,
     load_train_state,
     model_tensors,
     read_json,
@@ -28,7 +31,7 @@ from nanollama4.model import Transformer
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer, load_tokenizer
 from nanollama4.train import make_optimizer, train
-from tests.helpers import assert_cli_error, run_cli, snapshot
+from tests.helpers import assert_cli_error, run_cli, run_cli_limited, snapshot, train_cli
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"
 FILES = {"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors", "optimizer.json",
@@ -302,3 +305,113 @@ def test_a_checkpoint_without_config_json_is_named(run_copy, capsys):
     assert assert_cli_error(rc, err, "generate") == (
         f"nanollama4 generate: error: {run_copy / 'best'} ({target.name}) has no config.json; the checkpoint is "
         "incomplete: restore the file or use another checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- crafted checkpoints
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(d_model=10**9), "d_model (1,000,000,000) is beyond what nanollama4 builds (at most 65,536)"),
+    (dict(n_layers=10**8), "n_layers (100,000,000) is beyond what nanollama4 builds (at most 1,024)"),
+    (dict(d_model=4096, n_layers=32, vocab_size=200_000), "model.safetensors does not match config.json: missing"),
+    (dict(vocab_size=10**6), "wrong shapes: ['embed.weight (29, 64) (expected (1000000, 64))'"),
+])
+def test_a_crafted_config_is_refused_before_anything_is_allocated(changes, message, run_copy):
+    """`d_model` 1e9 used to try to allocate 336 GB, `n_layers` 1e8 to grow past 5 GB and run on. Under a 4 GiB
+    address-space limit and a minute, each is now one line (torch alone takes ~1.5 GiB of it)."""
+    _edit_json(run_copy / "step-0000004" / "config.json", **changes)
+    before = snapshot(run_copy)
+    rc, out, err = run_cli_limited(["generate", str(run_copy), "--prompt", "the"], timeout=60)
+    line = assert_cli_error(rc, err, "generate")
+    assert message in line, line
+    assert snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    (dict(step="x"), "train_state.json: step ('x') is not valid; the file is corrupt"),
+    (dict(elapsed=[1]), "train_state.json: elapsed ('[1]') is not valid; the file is corrupt"),
+    (dict(rng={"batches": "AAAA"}), "train_state.json: the batch sampler's state (rng) is missing or corrupt"),
+    (dict(rng=[1, 2]), "train_state.json: the batch sampler's state (rng) is missing or corrupt"),
+])
+def test_a_corrupt_train_state_is_one_line_on_resume(changes, message, run_copy, capsys):
+    _edit_json(run_copy / "step-0000004" / "train_state.json", **changes)
+    before = snapshot(run_copy)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], capsys)
+    assert message in assert_cli_error(rc, err, "train")
+    assert snapshot(run_copy) == before
+
+
+def test_non_finite_optimizer_state_is_refused_on_resume(run_copy, capsys):
+    """The README said so; the run used to train on, then blame the learning rate."""
+    path = run_copy / "step-0000004" / "optimizer.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * float("nan")
+    save_file(tensors, path)
+    before = snapshot(run_copy)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {path}: the optimizer state holds non-finite values (in {name}); the run diverged "
+        "before this was saved: use an earlier checkpoint")
+    assert snapshot(run_copy) == before
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_when_loaded(run_copy, capsys):
+    """It used to load, then fail with an IndexError on the first prompt that used a token the model lacks."""
+    ckpt = run_copy / "step-0000004"
+    vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+    CharTokenizer.from_text("".join(chr(0x400 + i) for i in range(vocab + 5))).save(ckpt / "tokenizer.json")
+    for argv in (["generate", str(run_copy), "--prompt", chr(0x400)], ["eval", str(run_copy)]):
+        rc, _, err = run_cli(argv, capsys)
+        assert assert_cli_error(rc, err, argv[0]).endswith(
+            f"{ckpt}: the tokenizer has {vocab + 5} tokens but the model only {vocab}; the tokenizer.json belongs to "
+            "another model")
+
+
+# ---------------------------------------------------------------------------------------------- a full disk
+def _fill_disk_run(corpus: Path, run: Path, capsys) -> None:
+    """Train into `run` until a save fails for want of space; check what a user is left with."""
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(run), "--max-steps", "40",
+                           "--set", "eval_interval=2")
+    line = assert_cli_error(rc, err, "train")
+    assert "not saved: cannot write it in" in line and "(no space left on the device); the last checkpoint there " \
+        f"is kept: make room and continue with --resume {run}" in line, line
+    last = resolve_checkpoint(run)
+    assert last.name == "step-0000002"
+    load_run(run, prefer="last")  # whole and loadable
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp")]  # no half-written folder
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint_injected(corpus, tmp_path, capsys, monkeypatch):
+    """The second save meets ENOSPC (injected into the safetensors writer: see the tmpfs test for a real one)."""
+    import nanollama4.checkpoint as checkpoint
+
+    real, calls = checkpoint.save_file, {"n": 0}
+
+    def save_file_until_full(tensors, path, **kw):
+        calls["n"] += 1
+        if calls["n"] > 2:  # model and optimizer of the first checkpoint fit, nothing after
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(tensors, path, **kw)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file_until_full)
+    _fill_disk_run(corpus, tmp_path / "run", capsys)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root); the injected "
+                                              "ENOSPC test above ran instead")
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint_on_a_real_tmpfs(corpus, tmp_path, capsys):
+    """A 6 MiB tmpfs holds one checkpoint of the tiny model (3.6 MB) but not two."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs ({done.stderr.decode().strip()}); the injected ENOSPC test ran instead")
+    try:
+        _fill_disk_run(corpus, mount / "run", capsys)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

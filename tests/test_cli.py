@@ -7,11 +7,20 @@ option without a check here fails the suite.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from nanollama4.cli import build_parser, main
-from tests.helpers import assert_cli_error, run_cli, train_cli
+from tests.helpers import MEMORY_LIMIT, assert_cli_error, run_cli, train_cli
 
 
 def test_kv_cache_seed_example(capsys):
@@ -244,3 +253,119 @@ def test_generate_can_replace_unknown_characters(tiny_run, capsys):
     rc, out, err = run_cli(["generate", str(tiny_run), "--prompt", "The CAT", "--replace-unknown", " ",
                             "--max-new-tokens", "3"], capsys)
     assert rc == 0 and out.startswith("The CAT") and len(out) == len("The CAT") + 3 + 1, (out, err)
+
+
+# ---------------------------------------------------------------------------------------------- signals before training
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_command_starts_is_status_130_and_one_line(sig, tiny_run):
+    """SIGINT while torch was being imported used to be a traceback, SIGTERM while loading a silent 143. The
+    signal comes 0.3 s in, while the command loads torch and the run (that takes seconds here)."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanollama4.cli", "eval", str(tiny_run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert err.strip() == "nanollama4 eval: interrupted; nothing more was saved", err
+    assert "Traceback" not in err + out
+
+
+def test_eval_takes_the_corpus_at_a_new_place(run_copy, corpus, tmp_path, capsys):
+    moved = tmp_path / "moved.txt"
+    shutil.move(corpus, moved)
+    try:
+        rc, _, err = run_cli(["eval", str(run_copy)], capsys)
+        assert assert_cli_error(rc, err, "eval") == (
+            f"nanollama4 eval: error: {run_copy} was trained on {corpus}, which no longer exists; pass --data PATH "
+            "with the same text")
+        rc, out, err = run_cli(["eval", str(run_copy), "--data", str(moved)], capsys)
+        assert rc == 0 and out.startswith("full validation loss: "), err
+    finally:
+        shutil.move(moved, corpus)
+
+
+# ---------------------------------------------------------------------------------------------- crafted run files
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8)
+FUZZ_FILES = ["config.json", "tokenizer.json", "train_state.json", "metrics.jsonl", "hf/config.json",
+              "hf/model.safetensors.index.json"]
+
+
+def fuzz_crafted_run_files(run: str, corpus: str, examples: int) -> None:
+    """Hypothesis writes random JSON values into one file of a copy of a real run (in place of the whole file,
+    or of one of its fields), then loads the copy through the CLI as a user would: every command must end
+    with status 0 or 2, never a traceback. Run by test_crafted_run_files_never_crash in a subprocess under a
+    memory and a time limit."""
+    import json
+    import tempfile
+
+    from hypothesis import HealthCheck, given, settings
+
+    from nanollama4.checkpoint import load_run
+    from nanollama4.cli import main
+    from nanollama4.hf import export_hf
+
+    source = Path(run)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = Path(tmp) / "hf-source"
+        model, _, _ = load_run(source, fast=False)
+        export_hf(model, hf)
+        shutil.copy(source / "last" / "tokenizer.json", hf / "tokenizer.json")
+        names = [n for n in json.loads((hf / "config.json").read_text())]
+        weights = json.loads(subprocess.run([sys.executable, "-c", "import json,sys; from safetensors import "
+                                             "safe_open; print(json.dumps(list(safe_open(sys.argv[1], 'pt').keys())))",
+                                             str(hf / "model.safetensors")], capture_output=True, text=True).stdout)
+        (hf / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {w: "model.safetensors" for w in weights}}))
+        assert names
+
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(target=st.sampled_from(FUZZ_FILES), value=JSON_VALUES, whole=st.booleans(), pick=st.integers(0, 99))
+        def one(target: str, value, whole: bool, pick: int) -> None:
+            work = Path(tempfile.mkdtemp(dir=tmp))
+            shutil.copytree(source, work / "run", symlinks=True)
+            shutil.copytree(hf, work / "hf")
+            base = work / "run" / "last" if target in ("config.json", "tokenizer.json", "train_state.json") \
+                else work / "run" if target == "metrics.jsonl" else work
+            path = base / target
+            if target == "metrics.jsonl":
+                with open(path, "a") as f:
+                    f.write(json.dumps(value) + "\n")
+            else:
+                data = json.loads(path.read_text())
+                if whole or not isinstance(data, dict) or not data:
+                    data = value
+                else:
+                    data[sorted(data)[pick % len(data)]] = value
+                path.write_text(json.dumps(data))
+            commands = {"hf/config.json": [["generate", str(work / "hf"), "--prompt", "the", "--max-new-tokens", "2"]],
+                        "metrics.jsonl": [["plot", str(work / "run")],
+                                          ["train", "--resume", str(work / "run"), "--max-steps", "5", "--quiet"]],
+                        "train_state.json": [["eval", str(work / "run")],
+                                             ["train", "--resume", str(work / "run"), "--max-steps", "5", "--quiet"]]}
+            commands["hf/model.safetensors.index.json"] = commands["hf/config.json"]
+            default = [["generate", str(work / "run"), "--prompt", "the", "--max-new-tokens", "2"]]
+            for argv in commands.get(target, default):
+                rc = main(argv)
+                assert rc in (0, 2), (target, argv, rc)
+            shutil.rmtree(work)
+
+        one()
+
+
+def test_crafted_run_files_never_crash(tiny_run, corpus):
+    """The property test above, 30 examples, in a subprocess with 4 GiB of address space and 10 minutes."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    code = (f"from tests.test_cli import fuzz_crafted_run_files; "
+            f"fuzz_crafted_run_files({str(tiny_run)!r}, {str(corpus)!r}, 30)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit, cwd=Path(__file__).parents[1],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]

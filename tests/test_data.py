@@ -192,6 +192,19 @@ def test_stale_or_truncated_cache_is_rebuilt(corpus, tmp_path):
     header_path.write_text("{", encoding="utf-8")
     TokenDataset.build(corpus, tok, cache)
     assert tok.calls == 4
+    # the right size but other bytes (ids past the vocabulary: an IndexError in the embedding, before the
+    # header carried the tokens' sha256)
+    ds = TokenDataset.build(corpus, tok, cache)
+    assert ds.from_cache and tok.calls == 4
+    del ds
+    bin_path.write_bytes(b"\xff" * bin_path.stat().st_size)
+    ds = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 5 and not ds.from_cache
+    np.testing.assert_array_equal(ds.tokens, expected)
+    # a header that is JSON but not an object
+    header_path.write_text("[1, 2]", encoding="utf-8")
+    TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 6
 
 
 def test_interrupted_write_leaves_no_valid_looking_cache(corpus, tmp_path, monkeypatch):

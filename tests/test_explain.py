@@ -222,3 +222,31 @@ def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]
     colourful = (pixels.max(-1) - pixels.min(-1) > 0.3).mean()  # the grid's expert colours, the heatmap
     assert pixels.std() > 0.05 and colourful > 0.02, (pixels.std(), colourful)
+
+
+def test_html_replaces_only_its_own_pages_unless_forced(tiny_run, tmp_path, capsys):
+    """`explain --html FILE` used to overwrite any file, the run's own model.safetensors included."""
+    from tests.helpers import assert_cli_error
+
+    foreign = tmp_path / "notes.html"
+    foreign.write_text("<p>my notes</p>")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "link.html"
+    link.symlink_to(victim)
+    model_file = tiny_run / "last" / "model.safetensors"
+    before = model_file.read_bytes()
+    for target in (foreign, link, model_file):
+        rc, _, err = run_cli(["explain", str(tiny_run), "--prompt", "the", "--html", str(target)], capsys)
+        assert assert_cli_error(rc, err, "explain") == (
+            f"nanollama4 explain: error: --html {target} exists and is not a page nanollama4 explain wrote; pick a "
+            "new file name (or pass --force to replace it)")
+    assert foreign.read_text() == "<p>my notes</p>" and victim.read_text() == "keep me"
+    assert model_file.read_bytes() == before
+    page = tmp_path / "page.html"
+    for _ in range(2):  # a page it wrote is replaced without asking
+        rc, out, err = run_cli(["explain", str(tiny_run), "--prompt", "the", "--html", str(page)], capsys)
+        assert rc == 0 and f"page: {page}" in out, err
+    rc, out, err = run_cli(["explain", str(tiny_run), "--prompt", "the", "--html", str(link), "--force"], capsys)
+    assert rc == 0, err
+    assert not link.is_symlink() and victim.read_text() == "keep me"  # the link is replaced, not written through

@@ -127,3 +127,64 @@ def test_inconsistent_or_unsupported_checkpoints_fail_clearly(tmp_path):
         nanollama4.load_hf(tmp_path)
     with pytest.raises(CheckpointError, match="router"):
         nanollama4.export_hf(nanollama4.build_model(nanollama4.preset("tiny", router="softmax")), tmp_path / "x")
+
+
+# ---------------------------------------------------------------------------------------------- crafted folders
+@pytest.fixture
+def sharded(tmp_path):
+    """A sharded reference checkpoint, and the JSON of its index."""
+    import json
+
+    ref = reference_model()
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="200KB")
+    index = tmp_path / "ckpt" / "model.safetensors.index.json"
+    return tmp_path / "ckpt", index, json.loads(index.read_text())
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere/x.safetensors", "/etc/passwd", "sub/x.safetensors", "link"])
+def test_an_index_may_only_name_files_in_its_own_folder(shard, sharded, tmp_path):
+    import json
+
+    folder, index, data = sharded
+    (tmp_path / "elsewhere").mkdir()
+    first = sorted(set(data["weight_map"].values()))[0]
+    (tmp_path / "elsewhere" / "x.safetensors").write_bytes((folder / first).read_bytes())
+    (folder / "link").symlink_to(tmp_path / "elsewhere" / "x.safetensors")
+    name = next(iter(data["weight_map"]))
+    index.write_text(json.dumps({**data, "weight_map": {**data["weight_map"], name: shard}}))
+    with pytest.raises(CheckpointError, match="a shard is a file name in the checkpoint folder|lies outside"):
+        nanollama4.load_hf(folder)
+
+
+def test_a_fifo_shard_is_refused_instead_of_hanging(sharded):
+    import os
+
+    folder, _, data = sharded
+    first = sorted(set(data["weight_map"].values()))[0]
+    (folder / first).unlink()
+    os.mkfifo(folder / first)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        nanollama4.load_hf(folder)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ("weight_map_list", "weight_map must map each tensor name to a shard file name"),
+    ("index_list", "holds a JSON list, not the dict expected"),
+    ("text_config_5", "text_config must be a JSON object"),
+    ("layers_huge", "num_hidden_layers|n_layers"),
+])
+def test_malformed_reference_json_is_one_error(edit, message, sharded):
+    import json
+
+    folder, index, data = sharded
+    config = json.loads((folder / "config.json").read_text())
+    if edit == "weight_map_list":
+        index.write_text(json.dumps({**data, "weight_map": list(data["weight_map"])}))
+    elif edit == "index_list":
+        index.write_text("[1, 2]")
+    elif edit == "text_config_5":
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": 5}))
+    else:
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**8}))
+    with pytest.raises(CheckpointError, match=message):
+        nanollama4.load_hf(folder)

@@ -158,3 +158,87 @@ def test_resume_with_seq_len_none_follows_the_model(run_copy, capsys):
                          capsys)
     assert rc == 0, err
     assert load_run(run_copy, prefer="last")[2]["seq_len"] == preset("tiny").max_seq_len
+
+
+# ---------------------------------------------------------------------------------------------- no run inside a run
+@pytest.mark.parametrize("inside", ["step-0000004", "last", "best"])
+def test_resume_of_a_checkpoint_inside_a_run_is_refused(inside, run_copy, capsys):
+    """`train --resume RUN/step-N` used to train a second run nested in the checkpoint folder, beside the first
+    run's own training, whose pruning then deleted it with its steps."""
+    before = snapshot(run_copy, lock=True)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy / inside), "--max-steps", "60", "--quiet"], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {run_copy / inside} is a checkpoint inside the run {run_copy}, not a run; resume "
+        f"the run itself: --resume {run_copy} (it continues from {run_copy}/last)")
+    assert snapshot(run_copy, lock=True) == before
+
+
+def test_a_new_run_inside_a_run_is_refused(corpus, run_copy, capsys):
+    before = snapshot(run_copy, lock=True)
+    for out in (run_copy / "step-0000004" / "sub", run_copy / "nested", run_copy / "step-0000004"):
+        rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(out), "--max-steps", "2")
+        line = assert_cli_error(rc, err, "train")
+        assert f"{out} lies inside the run {run_copy}" in line or "is not empty" in line, line
+    assert snapshot(run_copy, lock=True) == before
+
+
+def test_a_checkpoint_folder_alone_is_not_resumed(run_copy, tmp_path, capsys):
+    lone = tmp_path / "lone"
+    shutil.copytree(run_copy / "step-0000004", lone)
+    before = snapshot(lone, lock=True)
+    rc, _, err = run_cli(["train", "--resume", str(lone), "--max-steps", "8", "--quiet"], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {lone} is a checkpoint folder, not a run directory; pass the run directory that "
+        "holds it to --resume")
+    assert snapshot(lone, lock=True) == before
+
+
+# ---------------------------------------------------------------------------------------------- planted symlinks
+def test_a_planted_lock_symlink_is_never_written_through(corpus, tmp_path, capsys):
+    """A run.lock planted as a symlink made `train --out` truncate the file it pointed at."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    folder = tmp_path / "trap"
+    folder.mkdir()
+    (folder / "run.lock").symlink_to(victim)
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {folder / 'run.lock'} is a symlink; a run's lock file is its own: remove the link")
+    assert victim.read_text() == "keep me"
+
+
+def test_a_planted_metrics_symlink_is_never_written_through(corpus, tmp_path, capsys):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    folder = tmp_path / "trap"
+    folder.mkdir()
+    (folder / "run.lock").write_text("")
+    (folder / "metrics.jsonl").symlink_to(victim)
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {folder / 'metrics.jsonl'} is a symlink; nanollama4 writes only files it made: "
+        "remove the link")
+    assert victim.read_text() == "keep me"
+
+
+# ---------------------------------------------------------------------------------------------- refused runs
+def test_a_refused_new_run_leaves_nothing_behind(tmp_path, capsys):
+    """A run refused after its folder was made (here: a corpus too short for one window) used to leave the
+    folder behind with its run.lock, which then made the folder look like a run."""
+    short = tmp_path / "short.txt"
+    short.write_text("a few words\n")
+    out = tmp_path / "new" / "run"
+    rc, _, err = train_cli(capsys, "--data", str(short), "--out", str(out), "--max-steps", "2")
+    assert_cli_error(rc, err, "train")
+    assert not out.exists()
+
+
+def test_a_budget_that_ends_before_the_first_step_is_an_error_and_leaves_nothing(corpus, tmp_path, capsys):
+    """`--max-time 1e-9` used to exit 0 with nothing saved, then suggest `generate` on the empty folder."""
+    out = tmp_path / "r"
+    rc, out_text, err = train_cli(capsys, "--data", str(corpus), "--out", str(out), "--max-time", "1e-9")
+    assert assert_cli_error(rc, err, "train") == (
+        "nanollama4 train: error: the budget ran out before the first step ended (--max-time 1e-09s); nothing was "
+        "trained or saved: give a budget of at least one step")
+    assert "generate" not in out_text
+    assert not out.exists()

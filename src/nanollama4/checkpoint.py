@@ -11,7 +11,6 @@ with an atomic rename. A crash at any moment therefore leaves the previous check
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import math
 import os
@@ -27,7 +26,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import read_json, read_safetensors, safetensors_shapes
+from .files import read_json, read_safetensors, safetensors_shapes, write_cause
 from .model import Transformer
 from .ops import install
 from .tokenizer import Tokenizer, load_tokenizer
@@ -204,10 +203,8 @@ def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: tor
         if best:
             _point(run_dir / "best", final.name)
     except (OSError, SafetensorError) as e:
-        cause = "no space left on the device" if getattr(e, "errno", None) == errno.ENOSPC else \
-            (getattr(e, "strerror", None) or str(e))
-        raise CheckpointError(f"step {step} not saved: cannot write it in {run_dir} ({cause}); the last checkpoint "
-                              f"there is kept: make room and continue with --resume {run_dir}") from None
+        raise CheckpointError(f"step {step} not saved: cannot write it in {run_dir} ({write_cause(e)}); the last "
+                              f"checkpoint there is kept: make room and continue with --resume {run_dir}") from None
     _prune(run_dir)
     return final
 

@@ -33,12 +33,16 @@ HEADER_LIMIT = 100 * 2**20  # a safetensors header; the format's own readers ref
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def write_failed(path: str | os.PathLike[str], e: OSError, hint: str = "") -> WriteError:
+def write_cause(e: Exception) -> str:
+    """Why a write failed, in words: an OSError's, or the one safetensors wraps in its own error text."""
+    if getattr(e, "errno", None) == errno.ENOSPC or "os error 28" in str(e):
+        return "no space left on the device"
+    return getattr(e, "strerror", None) or str(e)
+
+
+def write_failed(path: str | os.PathLike[str], e: Exception, hint: str = "") -> WriteError:
     """The one-line error for a write that failed, naming the file and the cause (and what to do)."""
-    cause = e.strerror or str(e)
-    if e.errno == errno.ENOSPC:
-        cause = "no space left on the device"
-    return WriteError(f"cannot write {path} ({cause}){'; ' + hint if hint else ''}")
+    return WriteError(f"cannot write {path} ({write_cause(e)}){'; ' + hint if hint else ''}")
 
 
 def atomic_write(target: Path, write: Callable[[str], Any], hint: str = "") -> None:
@@ -53,17 +57,16 @@ def atomic_write(target: Path, write: Callable[[str], Any], hint: str = "") -> N
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
         os.close(fd)
-        # mkstemp makes the file private (0600); give it the mode the file had, or the usual 0644
+        write(tmp)
+        # mkstemp (and safetensors, which writes a new file) make it private (0600); give it the mode the
+        # file had, or the usual 0644
         old = os.lstat(target) if os.path.lexists(target) else None
         os.chmod(tmp, stat.S_IMODE(old.st_mode) if old is not None and stat.S_ISREG(old.st_mode) else 0o644)
-        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a failed write (ENOSPC too) as its own error
         raise write_failed(target, e, hint) from None
-    except SafetensorError as e:  # safetensors reports a failed write (ENOSPC included) as its own error
-        raise WriteError(f"cannot write {target} ({e}){'; ' + hint if hint else ''}") from None
     finally:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
