@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -211,7 +212,8 @@ def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
         for i in (0, 17, 39):
             title = ", ".join(f"expert {e} ({w:.2f})" for e, w in zip(layer.experts[i], layer.weights[i],
                                                                         strict=True))
-            assert f'data-layer="{layer.index}" data-token="{i}" title="{title}"' in dom
+            kinds = " ".join(layer.slot_kind[i])
+            assert f'data-layer="{layer.index}" data-token="{i}" data-kinds="{kinds}" title="{title}"' in dom
     assert dom.count('id="heatmap"') == 1
     bars = re.findall(r'<svg width="\d+" height="120" data-layer="(\d+)">(.*?)</svg>', dom)
     assert [int(i) for i, _ in bars] == [layer.index for layer in moe_layers]
@@ -250,3 +252,91 @@ def test_html_replaces_only_its_own_pages_unless_forced(tiny_run, tmp_path, caps
     rc, out, err = run_cli(["explain", str(tiny_run), "--prompt", "the", "--html", str(link), "--force"], capsys)
     assert rc == 0, err
     assert not link.is_symlink() and victim.read_text() == "keep me"  # the link is replaced, not written through
+
+
+# ---------------------------------------------------------------------------------------------- routing told truthfully
+def _claim_slots(choice: list[list[float]], k: int, capacity: int) -> list[list[int]]:
+    """Capacity assignment written out plainly, one token at a time: tokens in order of their best choice
+    score (ties: earlier first) claim experts round by round, the r-th round offering each token still short
+    of k its r-th ranked expert, which takes it while it has room."""
+    T, E = len(choice), len(choice[0])
+    ranked = [sorted(range(E), key=lambda e, t=t: (-choice[t][e], e)) for t in range(T)]
+    order = sorted(range(T), key=lambda t: (-max(choice[t]), t))
+    room, held = [capacity] * E, [[] for _ in range(T)]
+    for r in range(E):
+        for t in order:
+            if len(held[t]) < k and room[ranked[t][r]] > 0:
+                room[ranked[t][r]] -= 1
+                held[t].append(ranked[t][r])
+    return held
+
+
+@pytest.mark.parametrize("case", ["sigmoid+bias", "tutorial-train"])
+def test_the_trace_tells_each_routing_decision_as_an_independent_recomputation_finds_it(case):
+    """From each MoE layer's input and its router's weights alone: logits, bias-added scores, top-k, weights
+    and slot kinds, for the sigmoid router with a balancing bias (eval), and for the tutorial's router in
+    train mode with noise and capacity acting (the noise is read from the trace: it is random)."""
+    tok = CharTokenizer.from_text(TEXT)
+    if case == "sigmoid+bias":
+        cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, bias_balance_rate=0.01)
+    else:
+        cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned",
+                                capacity_factor=0.5)
+    torch.manual_seed(0)
+    model = nanollama4.build_model(cfg)
+    randomize_(model, seed=5)
+    g = torch.Generator().manual_seed(6)
+    for moe in model.moe_layers():
+        moe.router_bias.copy_(torch.randn(cfg.n_experts, generator=g) * 0.5 if case == "sigmoid+bias" else 0)
+    inputs = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m, args[0].detach().reshape(-1, 64)))
+             for m in model.moe_layers()]
+    t = trace(model, tok, "Facebook was founded", mode="eval" if case == "sigmoid+bias" else "train", seed=7)
+    for h in hooks:
+        h.remove()
+    out = io.StringIO()
+    show(t, Console(file=out, width=400, color_system=None))
+    text = out.getvalue()
+    k, changed, rerouted, dropped = cfg.experts_per_token, 0, 0, 0
+    for layer in t.layers:
+        moe = model.blocks[layer.index].ffn
+        x = inputs[moe].double()
+        logits = x @ moe.router.weight.double().T
+        torch.testing.assert_close(layer.router_logits.double(), logits, atol=1e-4, rtol=1e-4)
+        noise = torch.zeros_like(logits) if layer.noise is None else layer.noise.double()
+        assert (layer.noise is None) == (case == "sigmoid+bias")
+        bias = moe.router_bias.double()
+        if case == "sigmoid+bias":
+            torch.testing.assert_close(layer.router_bias.double(), bias)
+        else:
+            assert layer.router_bias is None
+        choice = logits + noise + bias
+        torch.testing.assert_close(layer.choice_scores.double(), choice, atol=1e-4, rtol=1e-4)
+        own = [sorted(range(cfg.n_experts), key=lambda e, c=c: -c[e])[:k] for c in choice.tolist()]
+        if case == "sigmoid+bias":
+            held = own
+            weights = [[torch.sigmoid(logits[t_, e]).item() for e in row] for t_, row in enumerate(held)]
+            changed += sum(r[0] != int(logits[t_].argmax()) for t_, r in enumerate(own))
+        else:
+            cap = math.ceil(cfg.capacity_factor * x.shape[0] * k / cfg.n_experts)
+            held = _claim_slots(choice.tolist(), k, cap)
+            scores = logits + noise
+            weights = [(scores[t_, row].softmax(-1).tolist() if row else []) for t_, row in enumerate(held)]
+        for t_ in range(x.shape[0]):
+            got = [e for e in layer.experts[t_] if e >= 0]
+            assert got == held[t_], (layer.index, t_)
+            kept = [w for w, kind in zip(layer.weights[t_], layer.slot_kind[t_], strict=True) if kind != "dropped"]
+            assert kept == pytest.approx(weights[t_], abs=1e-4)
+            want_kinds = ["own" if e in own[t_] else "rerouted" for e in held[t_]] + ["dropped"] * (k - len(held[t_]))
+            assert layer.slot_kind[t_] == want_kinds
+            rerouted += want_kinds.count("rerouted")
+            dropped += want_kinds.count("dropped")
+        assert layer.rerouted == sum(kinds.count("rerouted") for kinds in layer.slot_kind)
+        assert layer.dropped == sum(kinds.count("dropped") for kinds in layer.slot_kind)
+        for token, line in zip(t.tokens, routing_lines(layer), strict=True):
+            assert f"{token!r} → {line}" in text
+    if case == "sigmoid+bias":
+        assert changed > 0 and "balancing bias per expert" in text and "router's top logit: expert" in text
+    else:
+        assert rerouted > 0 and dropped > 0  # capacity really acted, both ways
+        assert text.count("rerouted from expert") == rerouted and "pass: train mode" in text

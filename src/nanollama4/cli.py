@@ -394,7 +394,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
             raise ConfigError(f"--html {out} exists and is not a page nanollama4 explain wrote; pick a new file name "
                               "(or pass --force to replace it)")
     model, tokenizer = _model_for_prompt(args)
-    t = trace(model, tokenizer, args.prompt)
+    t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
     show(t, modules=args.trace)
     if out is not None:
         from .explain import html
@@ -490,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="text to explain")
     p.add_argument("--trace", action="store_true", help="also list every module's input and output shapes")
     p.add_argument("--html", type=_text, metavar="FILE", help="also write the trace as one self-contained page")
+    p.add_argument("--mode", choices=["eval", "train"], default="eval",
+                   help="eval: the pass generation makes (default); train: the pass training makes, with router "
+                        "noise and expert capacity acting where the model has them")
+    p.add_argument("--seed", type=_seed, default=0, help="with --mode train: the seed of the router noise")
     p.add_argument("--force", action="store_true",
                    help="let --html replace an existing file that is not a page explain wrote")
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",

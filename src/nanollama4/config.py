@@ -302,6 +302,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                              head_dim=64, max_seq_len=256, attention_chunk_size=None, nope_interval=4,
                              ffn_dim=768, n_experts=8, experts_per_token=1, expert_dim=384,
                              rope_theta=10000.0, bias_balance_rate=0.03),
+    # The tutorial's MoE (the seeds' makeMoE walk), at the demo's size: a softmax over the two chosen logits,
+    # learned noise on the logits in training (noisy top-k gating), and expert capacity whose overflow goes
+    # to each token's next-best expert with room. Experts half the demo's width, so top-2 costs what its
+    # top-1 does. Chunks of 64 on the RoPE layers and a temperature floor of 64 on the NoPE layer: the
+    # context holds 4 chunks, and the temperature grows at positions 63, 127 and 191 (as Llama 4's does
+    # at multiples of 8,192).
+    "tutorial": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
+                     max_seq_len=256, attention_chunk_size=64, nope_interval=4, floor_scale=64, attn_scale=0.1,
+                     ffn_dim=768, n_experts=8, experts_per_token=2, expert_dim=192, rope_theta=10000.0,
+                     router="softmax", router_noise="learned", capacity_factor=1.25, capacity_overflow="next"),
     # The mission's arithmetic example: Llama-3-8B-like attention shapes, dense.
     "seed-example": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          head_dim=128, max_seq_len=8192, attention_chunk_size=None, nope_interval=0,

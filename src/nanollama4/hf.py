@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from .checkpoint import check_shapes
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import atomic_write, read_json, read_safetensors, regular_file, safetensors_shapes
+from .files import atomic_write, read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
 from .model import Transformer
 from .ops import install
 
@@ -249,7 +249,10 @@ def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
             continue
         tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_failed(path, e, "pass a folder you can write to") from None
     generation = {"bos_token_id": 1, "eos_token_id": 2, "_from_model_config": True}
     atomic_write(path / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
     atomic_write(path / "config.json", lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))

@@ -130,7 +130,7 @@ class MoE(nn.Module):
         else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
             weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
         dropped = zero if valid_TK is None else (~valid_TK).sum()
-        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped)
+        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped, scores_TE, choice_TE)
 
     # ------------------------------------------------------------------------------------------ 5. losses
     def auxiliary_loss(self, r: Routing) -> torch.Tensor:
@@ -218,6 +218,8 @@ class Routing:
     valid_TK: torch.Tensor | None  # False where capacity left a slot empty; None = every slot valid
     rerouted: torch.Tensor  # assignments that went past the token's top-k because an expert was full
     dropped: torch.Tensor  # slots that found no expert with room
+    scores_TE: torch.Tensor  # the logits plus the noise (training only): what the weights are computed from
+    choice_TE: torch.Tensor  # the scores plus the balancing bias: what the top-k (and capacity) is taken on
 
     def assignments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """token_A, expert_A, weight_A: one triple per slot that found room, in token order."""

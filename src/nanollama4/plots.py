@@ -16,7 +16,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from .errors import MissingRunFile
-from .files import atomic_write
+from .files import atomic_write, write_failed
 
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
@@ -32,7 +32,7 @@ def _parse_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 bad += 1
                 continue
             if not isinstance(rec, dict) or "step" not in rec:
@@ -59,7 +59,10 @@ def _metrics_path(run_dir: str | os.PathLike) -> Path:
 
 def save_png(fig: Figure, out: Path, dpi: int = 120) -> Path:
     """Write the PNG atomically (files.atomic_write), so a viewer polling the file never sees half of it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_failed(out.parent, e) from None
     FigureCanvasAgg(fig)
     atomic_write(out, lambda p: fig.savefig(p, format="png", dpi=dpi))
     return out

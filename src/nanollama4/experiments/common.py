@@ -19,7 +19,9 @@ from matplotlib.figure import Figure
 
 from ..checkpoint import read_model_config, resolve_checkpoint
 from ..config import ModelConfig, TrainConfig
+from ..errors import CheckpointError
 from ..evaluation import full_validation_loss_of_run
+from ..files import read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
 from ..train import train
@@ -237,8 +239,12 @@ def save(out: Path, experiment: str, setting: Setting, results: Sequence[ArmResu
 
 def load_results(out: Path) -> tuple[dict[str, Any], list[ArmResult]]:
     """OUT/results.json, and its arms as ArmResults."""
-    doc = json.loads((out / "results.json").read_text())
-    return doc, [ArmResult(**a) for a in doc["arms"]]
+    doc = read_json(out / "results.json")
+    try:
+        return doc, [ArmResult(**a) for a in doc["arms"]]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{out / 'results.json'} is not an experiment's results ({e}); run the experiment "
+                              "again into a new folder") from None
 
 
 def write_table(out: Path, table: str) -> Path:

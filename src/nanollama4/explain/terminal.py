@@ -18,6 +18,9 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
     from rich.table import Table
 
     console = console or Console()
+    console.print("pass: eval mode, as generation runs it" if t.mode == "eval" else
+                  f"pass: train mode, as training runs it (router noise and expert capacity act; seed {t.seed})",
+                  markup=False)
     console.print("tokens:")
     tokens = Table(show_edge=False)
     for name in ("position", "token", "id"):
@@ -33,7 +36,9 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
         if layer.experts is None:
             console.print("  feed-forward: dense SwiGLU")
             continue
-        console.print("  routed experts, with the router's weight:")
+        for line in router_summary(layer):
+            console.print(f"  {line}", markup=False, highlight=False)
+        console.print("  routed experts, with their weights:")
         for tok, line in zip(t.tokens, routing_lines(layer), strict=True):
             console.print(f"    {tok!r} → {line}", markup=False, highlight=False)
         shared = "none" if layer.shared_share is None else \
@@ -58,7 +63,48 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
 
 
 def routing_lines(layer: LayerTrace) -> list[str]:
-    """Per token: "expert 1 (0.70), expert 3 (0.30)" (or "no expert had room")."""
-    assert layer.experts is not None and layer.weights is not None
-    return [", ".join(f"expert {e} ({w:.2f})" for e, w in zip(experts, weights, strict=True)) or "no expert had room"
-            for experts, weights in zip(layer.experts, layer.weights, strict=True)]
+    """Per token its slots, e.g. "expert 1 (0.70), expert 3 (0.30, rerouted from expert 5: full)", and when
+    the chosen expert is not the router's top logit, which one that was and what moved the choice."""
+    assert layer.experts is not None and layer.weights is not None and layer.slot_kind is not None
+    lines = []
+    changed = layer.bias_changed or [False] * len(layer.experts)
+    for t, (experts, weights, kinds, froms) in enumerate(zip(layer.experts, layer.weights, layer.slot_kind,
+                                                              layer.rerouted_from or [], strict=True)):
+        parts = []
+        for e, w, kind, source in zip(experts, weights, kinds, froms, strict=True):
+            if kind == "dropped":
+                parts.append("dropped (no expert had room)")
+            elif kind == "rerouted":
+                parts.append(f"expert {e} ({w:.2f}, rerouted from expert {source}: full)")
+            else:
+                parts.append(f"expert {e} ({w:.2f})")
+        line = ", ".join(parts)
+        if changed[t]:
+            top = int(layer.router_logits[t].argmax())
+            what = " + ".join(n for n, v in (("noise", layer.noise), ("bias", layer.router_bias)) if v is not None)
+            first = int(layer.choice_scores[t].argmax())
+            line += (f"   [router's top logit: expert {top} ({layer.router_logits[t, top]:+.2f}) over expert {first} "
+                     f"({layer.router_logits[t, first]:+.2f}); {what or 'the scores'} chose expert {first}]")
+        lines.append(line)
+    return lines
+
+
+def router_summary(layer: LayerTrace) -> list[str]:
+    """How this layer's router chose, in a few lines: what the top-k was taken on and what acted."""
+    K = len(layer.experts[0]) if layer.experts else 0
+    parts = ["router logits"]
+    if layer.noise is not None:
+        parts.append("noise (training)")
+    if layer.router_bias is not None:
+        parts.append("balancing bias")
+    lines = [f"top-{K} of {layer.n_experts} experts, taken on {' + '.join(parts)}"]
+    if layer.router_bias is not None:
+        bias = " ".join(f"{b:+.2f}" for b in layer.router_bias.tolist())
+        before_bias = layer.choice_scores - layer.router_bias
+        moved = int((before_bias.argmax(-1) != layer.choice_scores.argmax(-1)).sum())
+        lines.append(f"balancing bias per expert (auxiliary-loss-free, as in DeepSeek-V3; added for the choice "
+                     f"only, never to the weights): {bias}; it moved {moved} of {len(layer.experts)} tokens' first "
+                     "expert")
+    if layer.rerouted or layer.dropped:
+        lines.append(f"capacity acted: {layer.rerouted} slots rerouted to a next-best expert, {layer.dropped} dropped")
+    return lines

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import Attention, attention_mask
+from ..attention import Attention, attention_mask, temperature_scale
 from ..errors import GenerationError
 from ..model import Transformer
-from ..moe import MoE
+from ..moe import MoE, Routing
 from ..tokenizer import Tokenizer
 
 TOP_NEXT = 10  # next tokens listed
@@ -31,20 +31,30 @@ TOP_NEXT = 10  # next tokens listed
 
 @dataclass
 class LayerTrace:
-    """One block of the pass."""
+    """One block of the pass. On MoE layers, per token (T) and expert (E) or slot (K), the router's whole
+    decision: its logits, the noise and the balancing bias when they act, the score the top-k was taken
+    on, and what each of the token's K slots got."""
 
     index: int
     kind: str  # "rope" (rotary positions, QK-norm, maybe chunked) or "nope" (no positions, temperature)
     chunk: int | None  # chunked-attention block size; None = full causal attention
     qk_norm: bool
-    temperature: bool  # NoPE query scaling with position
+    temperature_tuning: bool  # NoPE query scaling with position
     q_shape: tuple[int, ...]  # (B, T, query heads, head dim)
     k_shape: tuple[int, ...]  # (B, T, KV heads, head dim)
     v_shape: tuple[int, ...]
     attention: torch.Tensor  # (heads, T, T) probabilities of the first (only) sequence, float32
+    visible_from: list[int] = field(default_factory=list)  # per query, the first position it may see
+    temperature: list[float] | None = None  # per position, the factor q is scaled by (NoPE layers with tuning)
     n_experts: int | None = None  # routed experts in the layer (MoE layers; None for dense)
-    experts: list[list[int]] | None = None  # per token, its routed experts (MoE layers; None for dense)
-    weights: list[list[float]] | None = None  # per token, the router weight of each of those experts
+    router_logits: torch.Tensor | None = None  # (T, E) the router's logits, float32
+    noise: torch.Tensor | None = None  # (T, E) the noise added to them (training with router noise), else None
+    router_bias: torch.Tensor | None = None  # (E,) the balancing bias (when the layer balances by bias), else None
+    choice_scores: torch.Tensor | None = None  # (T, E) logits + noise + bias: what the top-k is taken on
+    experts: list[list[int]] | None = None  # (T, K) each slot's expert; -1 for a slot that was dropped
+    weights: list[list[float]] | None = None  # (T, K) each slot's weight; 0.0 for a dropped slot
+    slot_kind: list[list[str]] | None = None  # (T, K) "own" (in the token's top-k), "rerouted" or "dropped"
+    rerouted_from: list[list[int | None]] | None = None  # (T, K) for a rerouted slot, the full expert it left
     rerouted: int | None = None  # assignments that went past a token's top-k because an expert was full
     dropped: int | None = None  # slots that found no expert with room
     shared_share: float | None = None  # |shared expert's output| / |MoE layer's output|, mean over tokens
@@ -52,6 +62,13 @@ class LayerTrace:
     @property
     def gqa(self) -> str:
         return f"{self.q_shape[2]} query heads share {self.k_shape[2]} KV heads"
+
+    @property
+    def bias_changed(self) -> list[bool] | None:
+        """Per token, whether its first expert is not the router's top logit (the bias or noise moved it)."""
+        if self.router_logits is None or self.choice_scores is None:
+            return None
+        return (self.router_logits.argmax(-1) != self.choice_scores.argmax(-1)).tolist()
 
 
 @dataclass
@@ -65,6 +82,8 @@ class Trace:
     next_tokens: list[tuple[str, float]]  # the most likely next tokens after the last position
     modules: list[tuple[str, list[tuple[int, ...]], tuple[int, ...]]] = field(default_factory=list)
     # every module call in order: (name, input shapes, output shape)
+    mode: str = "eval"  # the pass traced: "eval" (as generation runs) or "train" (noise and capacity acting)
+    seed: int | None = None  # the seed of a "train" pass's noise
 
 
 def describe_attention(layer: LayerTrace) -> str:
@@ -73,11 +92,18 @@ def describe_attention(layer: LayerTrace) -> str:
     if layer.kind == "rope":
         extent = f"chunked attention (blocks of {layer.chunk})" if layer.chunk else "full causal attention"
         return f"RoPE + {extent}{' + QK-norm' if layer.qk_norm else ''}"
-    return f"NoPE + full causal attention{' + temperature tuning' if layer.temperature else ''}"
+    return f"NoPE + full causal attention{' + temperature tuning' if layer.temperature_tuning else ''}"
 
 
-def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
-    """Run `prompt` through `model` once (eval, no gradient) and return what each layer did."""
+def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "eval", seed: int = 0) -> Trace:
+    """Run `prompt` through `model` once (no gradient) and return what each layer did.
+
+    mode "eval" is the pass generation makes. mode "train" is the pass training makes, so that router
+    noise and expert capacity act (when the model has them), drawn from `seed` so the walk can be
+    reproduced; the global RNG and the balancing counters are left as they were."""
+    if mode not in ("eval", "train"):
+        raise GenerationError(f"mode ({mode!r}) must be 'eval' (as generation runs) or 'train' (noise and "
+                              "capacity acting)")
     if not prompt:
         raise GenerationError("the prompt is empty; give some text to explain")
     ids = tokenizer.encode(prompt)
@@ -88,15 +114,20 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
         raise GenerationError(f"the prompt is {len(ids)} tokens, more than the model's max_seq_len ({limit}); "
                               "shorten it")
     modes = {m: m.training for m in model.modules()}
-    model.eval()
+    counters = {m: m.pending_counts.clone() for m in model.moe_layers()}
+    model.train(mode == "train")
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
     try:
-        with torch.no_grad(), _observed(model) as seen:
+        cuda = [device.index or 0] if device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), _observed(model) as seen:
+            torch.manual_seed(seed)
             logits = model(x)
     finally:
         for m, training in modes.items():
             m.training = training
+        for m, counts in counters.items():
+            m.pending_counts.copy_(counts)
     if not bool(torch.isfinite(logits).all()):
         raise GenerationError("the model's output is not finite for this prompt; the weights may have diverged")
     probs = logits[0, -1].float().softmax(-1)
@@ -104,7 +135,8 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str) -> Trace:
     next_tokens = [(tokenizer.decode([int(i)]), float(p)) for p, i in zip(top.values, top.indices, strict=True)]
     layers = [_layer_trace(i, block, seen) for i, block in enumerate(model.blocks)]
     return Trace(tokens=[tokenizer.decode([i]) for i in ids], ids=list(ids), embedding_shape=seen["embed"],
-                 layers=layers, next_tokens=next_tokens, modules=seen["modules"])
+                 layers=layers, next_tokens=next_tokens, modules=seen["modules"], mode=mode,
+                 seed=seed if mode == "train" else None)
 
 
 @contextmanager
@@ -184,19 +216,54 @@ def _routing_recorder(moe: MoE, route, seen: dict):
 def _layer_trace(i: int, block: nn.Module, seen: dict) -> LayerTrace:
     attn = block.attn
     q_shape, k_shape, v_shape = seen["qkv"][attn]
+    T = q_shape[1]
+    positions = torch.arange(T)
     layer = LayerTrace(index=i, kind="rope" if attn.use_rope else "nope", chunk=attn.chunk, qk_norm=attn.qk_norm,
-                       temperature=attn.temperature, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
-                       attention=seen["attention"][attn])
+                       temperature_tuning=attn.temperature, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
+                       attention=seen["attention"][attn],
+                       visible_from=[(p // attn.chunk) * attn.chunk if attn.chunk else 0 for p in range(T)])
+    if attn.temperature:
+        layer.temperature = temperature_scale(positions, attn.floor_scale, attn.attn_scale).tolist()
     moe = block.ffn
     if isinstance(moe, MoE):
-        r = seen["routing"][moe]
-        valid = torch.ones_like(r.experts_TK, dtype=torch.bool) if r.valid_TK is None else r.valid_TK
-        layer.experts = [[e for e, ok in zip(row, oks, strict=True) if ok]
-                         for row, oks in zip(r.experts_TK.tolist(), valid.tolist(), strict=True)]
-        layer.weights = [[w for w, ok in zip(row, oks, strict=True) if ok]
-                         for row, oks in zip(r.weights_TK.tolist(), valid.tolist(), strict=True)]
-        layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
+        _routing_trace(layer, moe, seen["routing"][moe])
         if moe in seen["shared"]:
             shared_TD, out_TD = seen["shared"][moe], seen["moe_out"][moe]
             layer.shared_share = float((shared_TD.norm(dim=-1) / out_TD.norm(dim=-1).clamp_min(1e-12)).mean())
     return layer
+
+
+def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
+    """Fill in a MoE layer's routing from the decision its `route` returned."""
+    T, K = r.experts_TK.shape
+    valid_TK = torch.ones_like(r.experts_TK, dtype=torch.bool) if r.valid_TK is None else r.valid_TK
+    logits = r.logits_TE.detach().float().cpu()
+    layer.router_logits, layer.choice_scores = logits, r.choice_TE.detach().float().cpu()
+    noise = r.scores_TE.detach().float().cpu() - logits
+    layer.noise = noise if bool(noise.ne(0).any()) else None
+    bias = moe.router_bias.detach().float().cpu()
+    layer.router_bias = bias if moe.bias_rate or bool(bias.ne(0).any()) else None
+    # a token's own choices: the top-k of its choice scores, ranked as routing ranks them
+    own_TK = layer.choice_scores.argsort(dim=1, descending=True, stable=True)[:, :K]
+    experts, weights = r.experts_TK.cpu().tolist(), r.weights_TK.detach().float().cpu().tolist()
+    layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = [], [], [], []
+    for t, (row, wrow, ok) in enumerate(zip(experts, weights, valid_TK.cpu().tolist(), strict=True)):
+        own = own_TK[t].tolist()
+        held = [e for e, v in zip(row, ok, strict=True) if v]
+        left = [e for e in own if e not in held]  # own choices that were full, best first
+        kinds, froms = [], []
+        for e, v in zip(row, ok, strict=True):
+            if not v:
+                kinds.append("dropped")
+                froms.append(None)
+            elif e in own:
+                kinds.append("own")
+                froms.append(None)
+            else:
+                kinds.append("rerouted")
+                froms.append(left.pop(0) if left else None)
+        layer.experts.append([e if v else -1 for e, v in zip(row, ok, strict=True)])
+        layer.weights.append([w if v else 0.0 for w, v in zip(wrow, ok, strict=True)])
+        layer.slot_kind.append(kinds)
+        layer.rerouted_from.append(froms)
+    layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
