@@ -259,15 +259,29 @@ def test_generate_can_replace_unknown_characters(tiny_run, capsys):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_command_starts_is_status_130_and_one_line(sig, tiny_run):
     """SIGINT while torch was being imported used to be a traceback, SIGTERM while loading a silent 143. The
-    signal comes 0.3 s in, while the command loads torch and the run (that takes seconds here)."""
+    signal comes as soon as the command has started (its SIGTERM handler is in place, as /proc shows), while
+    it loads torch and the run, which takes seconds."""
     proc = subprocess.Popen([sys.executable, "-m", "nanollama4.cli", "eval", str(tiny_run)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() < deadline, "the command never started"
+        time.sleep(0.002)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (proc.returncode, out, err)
     assert err.strip() == "nanollama4 eval: interrupted; nothing more was saved", err
     assert "Traceback" not in err + out
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the SigCgt mask in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (sig - 1) & 1)
 
 
 def test_eval_takes_the_corpus_at_a_new_place(run_copy, corpus, tmp_path, capsys):

@@ -215,9 +215,18 @@ def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
             kinds = " ".join(layer.slot_kind[i])
             assert f'data-layer="{layer.index}" data-token="{i}" data-kinds="{kinds}" title="{title}"' in dom
     assert dom.count('id="heatmap"') == 1
-    bars = re.findall(r'<svg width="\d+" height="120" data-layer="(\d+)">(.*?)</svg>', dom)
+    bars = re.findall(r'<svg width="\d+" height="134" data-layer="(\d+)">(.*?)</svg>', dom)
     assert [int(i) for i, _ in bars] == [layer.index for layer in moe_layers]
     assert all(body.count("<rect") == t.layers[int(i)].n_experts for i, body in bars)  # one bar per expert
+    assert all(body.count("<title>expert ") == t.layers[int(i)].n_experts for i, body in bars)  # counts on hover
+    heatmap = re.search(r'<svg [^>]*id="heatmap">(.*?)</svg>', dom, re.S)[1]
+    labels = [re.findall(rf'class="{axis}"[^>]*>([^<]*)<', heatmap) for axis in ("qlabel", "klabel")]
+    assert labels[0] == labels[1] == [json.dumps(tok)[:8].replace("&", "&amp;") for tok in t.tokens]  # both axes
+    hovers = re.findall(r'<rect [^>]*class="att"><title>query (\d+) .*? key (\d+) .*?: ([0-9.]+)</title>', heatmap)
+    assert len(hovers) == sum(p > 0 for p in t.layers[0].attention[0].flatten().tolist())  # a value per cell
+    q, k, value = hovers[-1]
+    assert float(value) == pytest.approx(t.layers[0].attention[0][int(q), int(k)].item(), abs=1e-4)
+    assert "probability" in heatmap  # the colour scale
     shot = tmp_path / "shot.png"
     subprocess.run([CHROMIUM, *flags, "--window-size=1200,1600", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120)
@@ -340,3 +349,33 @@ def test_the_trace_tells_each_routing_decision_as_an_independent_recomputation_f
     else:
         assert rerouted > 0 and dropped > 0  # capacity really acted, both ways
         assert text.count("rerouted from expert") == rerouted and "pass: train mode" in text
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (.ci/run installs Debian's chromium)")
+def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path):
+    """A train-mode trace of the tutorial's router with capacity acting: every cell holds all K slots, and
+    the rerouted and dropped ones are marked; chunk boundaries are drawn on a chunked layer's map."""
+    tok = CharTokenizer.from_text(TEXT)
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned",
+                            capacity_factor=0.5)
+    torch.manual_seed(0)
+    model = nanollama4.build_model(cfg)
+    randomize_(model, seed=5)
+    t = trace(model, tok, TEXT[:24], mode="train", seed=3)
+    page = tmp_path / "train.html"
+    page.write_text(html(t), encoding="utf-8")
+    flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert 'data-ready="yes"' in dom
+    kinds = [k for layer in t.layers for row in layer.slot_kind for k in row]
+    assert kinds.count("rerouted") > 0 and kinds.count("dropped") > 0
+    assert dom.count('class="slot own"') == kinds.count("own")
+    assert dom.count('class="slot rerouted"') == kinds.count("rerouted")
+    assert dom.count('class="slot dropped"') == kinds.count("dropped")
+    assert dom.count('class="chunk"') == 2 * ((24 - 1) // cfg.attention_chunk_size)  # layer 0: chunks of 8
+    assert dom.count('<span style="background') >= cfg.n_experts  # the legend
+    shot = tmp_path / "train.png"
+    subprocess.run([CHROMIUM, *flags, "--window-size=1200,1400", f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120)
+    assert matplotlib.image.imread(shot)[..., :3].std() > 0.05

@@ -35,6 +35,8 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
             "experts": layer.experts, "n_experts": layer.n_experts,
             "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
             "rerouted": layer.rerouted, "dropped": layer.dropped, "slot_kind": layer.slot_kind,
+            "chunk": layer.chunk,
+            "temperature": None if layer.temperature is None else [round(x, 4) for x in layer.temperature],
             "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
             "attention": [[[None if p == 0 else round(p, 4) for p in row] for row in head]
                           for head in layer.attention.tolist()],
