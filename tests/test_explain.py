@@ -379,3 +379,33 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     subprocess.run([CHROMIUM, *flags, "--window-size=1200,1400", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120)
     assert matplotlib.image.imread(shot)[..., :3].std() > 0.05
+
+
+def test_the_trace_tells_chunks_and_temperature_as_the_formulas_give_them():
+    """Chunked layers: attention exactly zero across chunk boundaries, each query's first visible position
+    its chunk's start. NoPE layers: the temperature per position is 1 + attn_scale * ln(1 + floor((p+1) /
+    floor_scale)), computed here with math, and the terminal prints it."""
+    tok = CharTokenizer.from_text(TEXT)
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size)  # chunks of 8, floor_scale 4, NoPE layer 3
+    torch.manual_seed(0)
+    model = nanollama4.build_model(cfg)
+    randomize_(model, seed=2)
+    t = trace(model, tok, TEXT[:30])
+    out = io.StringIO()
+    show(t, Console(file=out, width=400, color_system=None))
+    text = out.getvalue()
+    for layer in t.layers:
+        if layer.kind == "rope":
+            assert layer.chunk == 8 and layer.temperature is None
+            assert layer.visible_from == [(p // 8) * 8 for p in range(30)]
+            q, k = torch.meshgrid(torch.arange(30), torch.arange(30), indexing="ij")
+            across = (q // 8 != k // 8) | (k > q)
+            assert bool((layer.attention[:, across] == 0).all())
+            assert bool((layer.attention[:, ~across] > 0).all())
+        else:
+            want = [1 + cfg.attn_scale * math.log(1 + math.floor((p + 1) / cfg.floor_scale)) for p in range(30)]
+            assert layer.temperature == pytest.approx(want, abs=1e-6)
+            assert len(set(round(x, 6) for x in layer.temperature)) > 3  # it varies within the prompt
+            assert layer.visible_from == [0] * 30
+            assert f"temperature (query scale) by position: 1.000 at 0-2, {want[3]:.3f} at 3-6" in text
+    assert "chunked: a query sees only the earlier positions of its own chunk (0-7, 8-15, 16-23, 24-29)" in text

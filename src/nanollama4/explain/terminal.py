@@ -33,6 +33,8 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
         console.print()
         console.print(f"[bold]layer {layer.index}[/bold]: {describe_attention(layer)}")
         console.print(f"  q {layer.q_shape}, k {layer.k_shape}, v {layer.v_shape}: {layer.gqa}", markup=False)
+        for line in attention_lines(layer):
+            console.print(f"  {line}", markup=False, highlight=False)
         if layer.experts is None:
             console.print("  feed-forward: dense SwiGLU")
             continue
@@ -107,4 +109,24 @@ def router_summary(layer: LayerTrace) -> list[str]:
                      "expert")
     if layer.rerouted or layer.dropped:
         lines.append(f"capacity acted: {layer.rerouted} slots rerouted to a next-best expert, {layer.dropped} dropped")
+    return lines
+
+
+def attention_lines(layer: LayerTrace) -> list[str]:
+    """What each query could see, and on NoPE layers the temperature by position, as runs of positions."""
+    T = len(layer.visible_from)
+    lines = []
+    if layer.chunk and T > layer.chunk:
+        spans = ", ".join(f"{s}-{min(s + layer.chunk, T) - 1}" for s in range(0, T, layer.chunk))
+        lines.append(f"chunked: a query sees only the earlier positions of its own chunk ({spans})")
+    elif layer.chunk:
+        lines.append(f"chunked by {layer.chunk}, but all {T} positions fall in the first chunk: full causal here")
+    if layer.temperature is not None:
+        runs, start = [], 0
+        for p in range(1, T + 1):
+            if p == T or layer.temperature[p] != layer.temperature[start]:
+                runs.append(f"{layer.temperature[start]:.3f} at {start}-{p - 1}" if p - 1 > start else
+                            f"{layer.temperature[start]:.3f} at {start}")
+                start = p
+        lines.append(f"temperature (query scale) by position: {', '.join(runs)}")
     return lines
