@@ -531,3 +531,16 @@ def test_a_signal_before_the_first_checkpoint_says_nothing_was_saved(corpus, tmp
     assert rc == 130, (out, err)
     assert "stopped by a signal before the first checkpoint; nothing was saved" in out
     assert "--resume" not in out
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux), which fails every write")
+def test_a_metrics_write_that_fails_is_one_write_error(tmp_path):
+    """/dev/full answers every write with ENOSPC, as a full disk does."""
+    from nanollama4.errors import WriteError
+    from nanollama4.train import MetricsFile
+
+    with pytest.raises(WriteError) as info, MetricsFile(Path("/dev/full"), tmp_path) as metrics:
+        metrics.write("{}\n")
+        metrics.flush()
+    assert str(info.value) == (f"cannot write /dev/full (no space left on the device); the last checkpoint in "
+                               f"{tmp_path} is kept: make room and continue with --resume {tmp_path}")

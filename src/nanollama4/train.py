@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import torch
 from tqdm import tqdm
@@ -47,7 +46,7 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .distributed import Parallel, World
-from .errors import CheckpointError, DataError, TrainingError, WriteError
+from .errors import CheckpointError, DataError, TrainingError
 from .evaluation import autocast, evaluate
 from .files import open_owned, read_json, read_safetensors, write_failed
 from .model import Transformer
@@ -138,7 +137,7 @@ def train_step(run: Run, lr: float) -> StepResult:
     return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts)
 
 
-def validate_and_save(run: Run, metrics: IO[str], elapsed: float) -> None:
+def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
     """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
     A non-finite validation loss stops the run instead."""
     val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16, run.world.rank, run.world.size,
@@ -223,35 +222,29 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
 
-    try:
-        with stop_on_signals() as flag, (open_owned(metrics_path) if world.main else open(os.devnull, "a")) as metrics:
-            while True:
-                # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
-                # would wait on each other's collectives forever
-                now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
-                if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
-                    break
-                lr = lr_at(tc, run.step, now)
-                t_step = time.perf_counter()
-                result = train_step(run, lr)
-                trained_tokens += tokens_per_step
-                dt = time.perf_counter() - t_step
-                log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
-                if run.step % tc.eval_interval == 0:
-                    validate_and_save(run, metrics, elapsed())
-                    saved_step = run.step
-                metrics.flush()
-                bar.update(1)
-                left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
-                bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
-                                tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
-            if run.step != saved_step:  # the budget ran out or a signal came: save the step reached
+    with stop_on_signals() as flag, MetricsFile(metrics_path if world.main else None, run_dir) as metrics:
+        while True:
+            # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
+            # would wait on each other's collectives forever
+            now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
+            if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
+                break
+            lr = lr_at(tc, run.step, now)
+            t_step = time.perf_counter()
+            result = train_step(run, lr)
+            trained_tokens += tokens_per_step
+            dt = time.perf_counter() - t_step
+            log_step(metrics, run, result, lr, elapsed(), tokens_per_step / dt)
+            if run.step % tc.eval_interval == 0:
                 validate_and_save(run, metrics, elapsed())
-    except WriteError:
-        raise
-    except OSError as e:  # metrics.jsonl could not be written (a full disk): the checkpoints are intact
-        raise write_failed(metrics_path, e, f"the last checkpoint in {run_dir} is kept: make room and continue "
-                           f"with --resume {run_dir}") from None
+                saved_step = run.step
+            metrics.flush()
+            bar.update(1)
+            left = {"left": f"{tc.max_time - elapsed():.0f}s"} if tc.max_time else {}  # tqdm's ETA needs max_steps
+            bar.set_postfix(loss=f"{result.lm:.3f}", val=f"{run.val:.3f}" if run.val is not None else "-",
+                            tok_s=f"{tokens_per_step / dt:,.0f}", t=f"{elapsed():.0f}s", **left)
+        if run.step != saved_step:  # the budget ran out or a signal came: save the step reached
+            validate_and_save(run, metrics, elapsed())
     bar.close()
     if not stopped and not holds_run(run_dir):
         budget = f" (--max-time {tc.max_time:g}s)" if tc.max_time else ""
@@ -264,6 +257,39 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
 
 
 # ---------------------------------------------------------------------------------------------- what the loop carries
+class MetricsFile:
+    """metrics.jsonl, appended to without following a planted symlink; a write that fails (a full disk) is
+    a WriteError naming the file, the checkpoints being intact. Without a path (ranks other than 0) writes
+    go nowhere."""
+
+    def __init__(self, path: Path | None, run_dir: Path) -> None:
+        self.path, self.run_dir = path, run_dir
+        self.file = open_owned(path) if path is not None else open(os.devnull, "a")
+
+    def __enter__(self) -> MetricsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass  # the error that matters was raised by write or flush
+
+    def write(self, text: str) -> None:
+        self._guarded(self.file.write, text)
+
+    def flush(self) -> None:
+        self._guarded(self.file.flush)
+
+    def _guarded(self, call, *args) -> None:
+        try:
+            call(*args)
+        except OSError as e:
+            raise write_failed(self.path, e, f"the last checkpoint in {self.run_dir} is kept: make room and "
+                               f"continue with --resume {self.run_dir}") from None
+
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -306,7 +332,8 @@ class StepResult:
 
 
 # ---------------------------------------------------------------------------------------------- logging and checks
-def log_step(metrics: IO[str], run: Run, result: StepResult, lr: float, elapsed: float, tokens_per_s: float) -> None:
+def log_step(metrics: MetricsFile, run: Run, result: StepResult, lr: float, elapsed: float,
+             tokens_per_s: float) -> None:
     """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
     line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
             "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
