@@ -131,3 +131,13 @@ def run_cli_limited(argv: list[str], timeout: float = 120, memory: int = MEMORY_
     proc = subprocess.run([sys.executable, "-m", "nanollama4.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def assert_refused(capsys, argv: list[str], folder: Path, lock: bool = False) -> str:
+    """`nanollama4 ARGV` in this process must fail with one line (status 2) and leave `folder` exactly as it
+    was (its lock file too when `lock`: see `snapshot`); returns the line."""
+    before = snapshot(folder, lock=lock)
+    rc, _, err = run_cli(argv, capsys)
+    line = assert_cli_error(rc, err, argv[0])
+    assert snapshot(folder, lock=lock) == before
+    return line

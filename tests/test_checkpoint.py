@@ -31,7 +31,7 @@ from nanollama4.model import Transformer
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer, load_tokenizer
 from nanollama4.train import make_optimizer, train
-from tests.helpers import assert_cli_error, run_cli, run_cli_limited, snapshot, train_cli
+from tests.helpers import assert_cli_error, assert_refused, run_cli, run_cli_limited, snapshot, train_cli
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"
 FILES = {"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors", "optimizer.json",
@@ -339,10 +339,8 @@ def test_a_crafted_config_is_refused_before_anything_is_allocated(changes, messa
 ])
 def test_a_corrupt_train_state_is_one_line_on_resume(changes, message, run_copy, capsys):
     _edit_json(run_copy / "step-0000004" / "train_state.json", **changes)
-    before = snapshot(run_copy)
-    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], capsys)
-    assert message in assert_cli_error(rc, err, "train")
-    assert snapshot(run_copy) == before
+    assert message in assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"],
+                                     run_copy)
 
 
 def test_non_finite_optimizer_state_is_refused_on_resume(run_copy, capsys):
@@ -352,12 +350,9 @@ def test_non_finite_optimizer_state_is_refused_on_resume(run_copy, capsys):
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] * float("nan")
     save_file(tensors, path)
-    before = snapshot(run_copy)
-    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], capsys)
-    assert assert_cli_error(rc, err, "train") == (
-        f"nanollama4 train: error: {path}: the optimizer state holds non-finite values (in {name}); the run diverged "
-        "before this was saved: use an earlier checkpoint")
-    assert snapshot(run_copy) == before
+    line = assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], run_copy)
+    assert line == (f"nanollama4 train: error: {path}: the optimizer state holds non-finite values (in {name}); the "
+                    "run diverged before this was saved: use an earlier checkpoint")
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_when_loaded(run_copy, capsys):

@@ -409,3 +409,31 @@ def test_the_trace_tells_chunks_and_temperature_as_the_formulas_give_them():
             assert layer.visible_from == [0] * 30
             assert f"temperature (query scale) by position: 1.000 at 0-2, {want[3]:.3f} at 3-6" in text
     assert "chunked: a query sees only the earlier positions of its own chunk (0-7, 8-15, 16-23, 24-29)" in text
+
+
+def test_one_tokens_path_through_each_block_adds_up():
+    """The residual norms and sublayer contributions in the trace are those of the pass: captured here by
+    hooks of our own, in = x, mid = x + attention, out = mid + FFN, FFN = routed + shared."""
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("sigmoid", tok.vocab_size)
+    got: dict = {}
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: got.__setitem__((i, "x"), a[0][0].clone())))
+        hooks.append(block.attn.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "a"), o[0].clone())))
+        hooks.append(block.ffn.register_forward_hook(lambda m, a, o, i=i: got.__setitem__((i, "f"), o[0].clone())))
+    t = trace(model, tok, "Facebook was founded")
+    for h in hooks:
+        h.remove()
+    for layer in t.layers:
+        x, a, f = got[(layer.index, "x")], got[(layer.index, "a")], got[(layer.index, "f")]
+        for name, want in (("residual_in", x), ("attention_added", a), ("residual_mid", x + a), ("ffn_added", f),
+                           ("residual_out", x + a + f)):
+            assert getattr(layer, name) == pytest.approx(want.norm(dim=-1).tolist(), rel=1e-5), name
+        if layer.routed_added is not None:
+            assert all(r + s >= total - 1e-5 for r, s, total in zip(layer.routed_added, layer.shared_added,
+                                                                     layer.ffn_added, strict=True))
+    out = io.StringIO()
+    show(t, Console(file=out, width=400, color_system=None))
+    assert out.getvalue().count("through the block: |x| ") == len(t.layers)
+    assert "routed experts" in out.getvalue() and "shared expert" in out.getvalue()

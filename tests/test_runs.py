@@ -13,7 +13,7 @@ import pytest
 
 from nanollama4.checkpoint import load_run, load_train_state, resolve_checkpoint
 from nanollama4.config import preset
-from tests.helpers import TINY, assert_cli_error, run_cli, snapshot, start_training, train_cli
+from tests.helpers import TINY, assert_cli_error, assert_refused, run_cli, snapshot, start_training, train_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py, as are corpus, tiny_run and run_copy
 
@@ -165,12 +165,10 @@ def test_resume_with_seq_len_none_follows_the_model(run_copy, capsys):
 def test_resume_of_a_checkpoint_inside_a_run_is_refused(inside, run_copy, capsys):
     """`train --resume RUN/step-N` used to train a second run nested in the checkpoint folder, beside the first
     run's own training, whose pruning then deleted it with its steps."""
-    before = snapshot(run_copy, lock=True)
-    rc, _, err = run_cli(["train", "--resume", str(run_copy / inside), "--max-steps", "60", "--quiet"], capsys)
-    assert assert_cli_error(rc, err, "train") == (
-        f"nanollama4 train: error: {run_copy / inside} is a checkpoint inside the run {run_copy}, not a run; resume "
-        f"the run itself: --resume {run_copy} (it continues from {run_copy}/last)")
-    assert snapshot(run_copy, lock=True) == before
+    line = assert_refused(capsys, ["train", "--resume", str(run_copy / inside), "--max-steps", "60", "--quiet"],
+                          run_copy, lock=True)
+    assert line == (f"nanollama4 train: error: {run_copy / inside} is a checkpoint inside the run {run_copy}, not a "
+                    f"run; resume the run itself: --resume {run_copy} (it continues from {run_copy}/last)")
 
 
 def test_a_new_run_inside_a_run_is_refused(corpus, run_copy, capsys):
@@ -185,39 +183,28 @@ def test_a_new_run_inside_a_run_is_refused(corpus, run_copy, capsys):
 def test_a_checkpoint_folder_alone_is_not_resumed(run_copy, tmp_path, capsys):
     lone = tmp_path / "lone"
     shutil.copytree(run_copy / "step-0000004", lone)
-    before = snapshot(lone, lock=True)
-    rc, _, err = run_cli(["train", "--resume", str(lone), "--max-steps", "8", "--quiet"], capsys)
-    assert assert_cli_error(rc, err, "train") == (
-        f"nanollama4 train: error: {lone} is a checkpoint folder, not a run directory; pass the run directory that "
-        "holds it to --resume")
-    assert snapshot(lone, lock=True) == before
+    line = assert_refused(capsys, ["train", "--resume", str(lone), "--max-steps", "8", "--quiet"], lone, lock=True)
+    assert line == (f"nanollama4 train: error: {lone} is a checkpoint folder, not a run directory; pass the run "
+                    "directory that holds it to --resume")
 
 
 # ---------------------------------------------------------------------------------------------- planted symlinks
-def test_a_planted_lock_symlink_is_never_written_through(corpus, tmp_path, capsys):
-    """A run.lock planted as a symlink made `train --out` truncate the file it pointed at."""
+@pytest.mark.parametrize(("planted", "message"), [
+    ("run.lock", "is a symlink; a run's lock file is its own: remove the link"),
+    ("metrics.jsonl", "is a symlink; nanollama4 writes only files it made: remove the link"),
+])
+def test_a_planted_symlink_is_never_written_through(planted, message, corpus, tmp_path, capsys):
+    """A run.lock planted as a symlink made `train --out` truncate the file it pointed at; so did a
+    metrics.jsonl link in a folder holding only run.lock (which makes it look like a run of ours)."""
     victim = tmp_path / "precious.txt"
     victim.write_text("keep me")
     folder = tmp_path / "trap"
     folder.mkdir()
-    (folder / "run.lock").symlink_to(victim)
+    if planted == "metrics.jsonl":
+        (folder / "run.lock").write_text("")
+    (folder / planted).symlink_to(victim)
     rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
-    assert assert_cli_error(rc, err, "train") == (
-        f"nanollama4 train: error: {folder / 'run.lock'} is a symlink; a run's lock file is its own: remove the link")
-    assert victim.read_text() == "keep me"
-
-
-def test_a_planted_metrics_symlink_is_never_written_through(corpus, tmp_path, capsys):
-    victim = tmp_path / "precious.txt"
-    victim.write_text("keep me")
-    folder = tmp_path / "trap"
-    folder.mkdir()
-    (folder / "run.lock").write_text("")
-    (folder / "metrics.jsonl").symlink_to(victim)
-    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(folder), "--max-steps", "2")
-    assert assert_cli_error(rc, err, "train") == (
-        f"nanollama4 train: error: {folder / 'metrics.jsonl'} is a symlink; nanollama4 writes only files it made: "
-        "remove the link")
+    assert assert_cli_error(rc, err, "train") == f"nanollama4 train: error: {folder / planted} {message}"
     assert victim.read_text() == "keep me"
 
 

@@ -66,10 +66,11 @@ def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, d
     return total / n_pred
 
 
-def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None
-                                ) -> tuple[float, int, int]:
+def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,
+                                max_tokens: int | None = None) -> tuple[float, int, int]:
     """(loss, validation tokens, window) for a run: every validation token, in windows of its training length.
-    `data` gives the run's corpus at a new place (the same text); by default the path the run recorded."""
+    `data` gives the run's corpus at a new place (the same text); by default the path the run recorded.
+    `max_tokens` scores only the first that many validation tokens (a smoke test's bounded sample)."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     try:
         tc = TrainConfig.from_dict(tc_dict)
@@ -92,5 +93,6 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: st
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
         device = pick_device("auto")
     seq_len = tc.seq_len or model.cfg.max_seq_len
-    loss = full_validation_loss(model.to(device), dataset.val_tokens, seq_len, device, tc.bf16)
-    return loss, int(dataset.n_val), seq_len
+    tokens = dataset.val_tokens if max_tokens is None else dataset.val_tokens[:max_tokens]
+    loss = full_validation_loss(model.to(device), tokens, seq_len, device, tc.bf16)
+    return loss, len(tokens), seq_len

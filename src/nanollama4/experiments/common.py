@@ -38,7 +38,7 @@ class Setting:
     eval_batches: int = 8
     data: str | None = None  # corpus; None = Shakespeare's works
     seeds: tuple[int, ...] = (0, 1)  # the second seed measures the run-to-run spread
-    tiny: bool = False  # a smoke-test scale (seconds), for the test suite
+    tiny: bool = False  # a smoke-test scale (seconds), for the test suite: scores TINY_SCORE_TOKENS tokens
 
     @classmethod
     def tiny_scale(cls, data: str | None = None) -> Setting:
@@ -83,6 +83,9 @@ class ArmResult:
     expert_load: list[list[list[float]]] = field(default_factory=list)  # per logged step: layers x experts
 
 
+TINY_SCORE_TOKENS = 4096  # validation tokens a --tiny arm is scored on (the full split takes minutes)
+
+
 def slug(name: str) -> str:
     """A folder name for an arm: its name with anything but letters, digits, '.', '=' and '-' as '_'."""
     return "".join(c if c.isalnum() or c in ".=-" else "_" for c in name).strip("_")
@@ -102,7 +105,8 @@ def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: in
     result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
     if result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
         raise KeyboardInterrupt
-    return read_arm(name, seed, run_dir, setting.tokens_per_step)
+    return read_arm(name, seed, run_dir, setting.tokens_per_step,
+                    max_tokens=TINY_SCORE_TOKENS if setting.tiny else None)
 
 
 def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setting: Setting, out: Path,
@@ -133,16 +137,17 @@ def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setti
     return results
 
 
-def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val_loss: float | None = None
-             ) -> ArmResult:
+def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val_loss: float | None = None,
+             max_tokens: int | None = None) -> ArmResult:
     """An ArmResult from a finished run directory (its metrics.jsonl and last checkpoint); the full
-    validation loss is measured unless given.
+    validation loss is measured unless given (on the first `max_tokens` validation tokens when given).
 
     The clock is rebuilt from the steps' own logged times: the loop's clock also runs through every
     validation and checkpoint write, which take longer for a model with more parameters, and would
     charge that to the MoE arms whose speed is being measured.
     """
-    loss = full_validation_loss_of_run(run_dir, prefer="last")[0] if full_val_loss is None else full_val_loss
+    loss = full_validation_loss_of_run(run_dir, prefer="last", max_tokens=max_tokens)[0] \
+        if full_val_loss is None else full_val_loss
     train_rows, val_rows = read_metrics(run_dir / "metrics.jsonl")
     clock, seconds = {}, 0.0  # step -> seconds spent in training steps up to and including it
     for row in train_rows:

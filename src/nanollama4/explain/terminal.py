@@ -35,6 +35,7 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
         console.print(f"  q {layer.q_shape}, k {layer.k_shape}, v {layer.v_shape}: {layer.gqa}", markup=False)
         for line in attention_lines(layer):
             console.print(f"  {line}", markup=False, highlight=False)
+        console.print(f"  {path_line(layer, t.tokens)}", markup=False, highlight=False)
         if layer.experts is None:
             console.print("  feed-forward: dense SwiGLU")
             continue
@@ -130,3 +131,17 @@ def attention_lines(layer: LayerTrace) -> list[str]:
                 start = p
         lines.append(f"temperature (query scale) by position: {', '.join(runs)}")
     return lines
+
+
+def path_line(layer: LayerTrace, tokens: list[str], position: int = -1) -> str:
+    """One token's way through the block: the residual stream's norm, and what each sublayer added to it
+    (its norm, and as a share of the stream it was added to), the routed and shared parts of an MoE."""
+    p = position % len(tokens)
+    x, a, mid, f, out = (layer.residual_in[p], layer.attention_added[p], layer.residual_mid[p], layer.ffn_added[p],
+                         layer.residual_out[p])
+    parts = ""
+    if layer.routed_added is not None and layer.shared_added is not None:
+        parts = f": routed experts {layer.routed_added[p]:.2f}, shared expert {layer.shared_added[p]:.2f}"
+    return (f"token {p} {tokens[p]!r} through the block: |x| {x:.2f} -> + attention |{a:.2f}| "
+            f"({a / max(x, 1e-12):.0%} of |x|) = {mid:.2f} -> + feed-forward |{f:.2f}| ({f / max(mid, 1e-12):.0%}"
+            f"{parts}) = {out:.2f}")

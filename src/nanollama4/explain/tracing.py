@@ -58,6 +58,16 @@ class LayerTrace:
     rerouted: int | None = None  # assignments that went past a token's top-k because an expert was full
     dropped: int | None = None  # slots that found no expert with room
     shared_share: float | None = None  # |shared expert's output| / |MoE layer's output|, mean over tokens
+    # one token's path through the block, per token (T,): the residual stream's norm coming in, after the
+    # attention is added and going out, and the norms of what each sublayer added (on MoE layers also its
+    # routed and shared parts, which add up to the FFN's contribution)
+    residual_in: list[float] = field(default_factory=list)
+    attention_added: list[float] = field(default_factory=list)
+    residual_mid: list[float] = field(default_factory=list)
+    ffn_added: list[float] = field(default_factory=list)
+    residual_out: list[float] = field(default_factory=list)
+    routed_added: list[float] | None = None
+    shared_added: list[float] | None = None
 
     @property
     def gqa(self) -> str:
@@ -143,7 +153,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
 def _observed(model: Transformer) -> Iterator[dict]:
     """Attach the observers for one pass; `seen` fills in as the pass runs."""
     seen: dict = {"modules": [], "attention": {}, "qkv": {}, "shared": {}, "moe_out": {}, "routing": {},
-                  "embed": None}
+                  "embed": None, "path": {}, "inputs": {}}
     names = {m: n for n, m in model.named_modules()}
     handles = []
 
@@ -157,6 +167,15 @@ def _observed(model: Transformer) -> Iterator[dict]:
 
     for module in model.modules():
         handles.append(module.register_forward_hook(any_module))
+    for block in model.blocks:  # the residual stream around each sublayer, as norms per token
+        handles.append(block.register_forward_pre_hook(
+            lambda m, args: seen["path"].setdefault(m, {}).__setitem__("in", args[0].detach())))
+        handles.append(block.attn.register_forward_hook(
+            lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("attn", o.detach())))
+        handles.append(block.ffn.register_forward_hook(
+            lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("ffn", o.detach())))
+        handles.append(block.register_forward_hook(
+            lambda m, i, o: seen["path"].setdefault(m, {}).__setitem__("out", o.detach())))
     handles.append(model.embed.register_forward_hook(
         lambda m, i, o: seen.__setitem__("embed", tuple(o.shape))))
     originals = {}
@@ -224,13 +243,24 @@ def _layer_trace(i: int, block: nn.Module, seen: dict) -> LayerTrace:
                        visible_from=[(p // attn.chunk) * attn.chunk if attn.chunk else 0 for p in range(T)])
     if attn.temperature:
         layer.temperature = temperature_scale(positions, attn.floor_scale, attn.attn_scale).tolist()
+    path = seen["path"][block]
+    layer.residual_in, layer.residual_out = _norms(path["in"]), _norms(path["out"])
+    layer.attention_added, layer.ffn_added = _norms(path["attn"]), _norms(path["ffn"])
+    layer.residual_mid = _norms(path["in"].float() + path["attn"].float())
     moe = block.ffn
     if isinstance(moe, MoE):
         _routing_trace(layer, moe, seen["routing"][moe])
         if moe in seen["shared"]:
             shared_TD, out_TD = seen["shared"][moe], seen["moe_out"][moe]
             layer.shared_share = float((shared_TD.norm(dim=-1) / out_TD.norm(dim=-1).clamp_min(1e-12)).mean())
+            layer.shared_added, layer.routed_added = _norms(shared_TD), _norms(out_TD - shared_TD)
     return layer
+
+
+def _norms(x: torch.Tensor) -> list[float]:
+    """Each token's vector norm, for the first (only) sequence: (1, T, D) or (T, D) -> T floats."""
+    x = x.detach().float()
+    return (x[0] if x.dim() == 3 else x).norm(dim=-1).cpu().tolist()
 
 
 def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
