@@ -437,3 +437,28 @@ def test_one_tokens_path_through_each_block_adds_up():
     show(t, Console(file=out, width=400, color_system=None))
     assert out.getvalue().count("through the block: |x| ") == len(t.layers)
     assert "routed experts" in out.getvalue() and "shared expert" in out.getvalue()
+
+
+def test_generation_is_told_pass_by_pass_as_generate_makes_it(tiny_run, capsys):
+    """`explain --generate N`: a prefill, then one decode pass per token, the tokens greedy generation
+    picks; chunked layers' caches hold at most chunk - 1 positions, the others every position so far."""
+    from nanollama4.checkpoint import load_run
+    from nanollama4.explain import trace_generation
+    from nanollama4.generation import generate
+
+    model, tok, _ = load_run(tiny_run)
+    steps = trace_generation(model, tok, "the cat", 12)
+    assert [s.kind for s in steps] == ["prefill"] + ["decode"] * 11
+    assert "".join(s.chosen for s in steps) == generate(model, tok, "the cat", 12, temperature=0)
+    for i, s in enumerate(steps):
+        seen = 7 + i  # positions fed so far
+        assert s.positions == ((0, 6) if i == 0 else (seen - 1, seen - 1))
+        for layer, n in enumerate(s.cache_lengths):
+            chunk = model.cfg.chunk_size(layer)
+            assert n == (min(seen, chunk - 1) if chunk else seen), (i, layer)
+        assert all(r is not None and len(r) == model.cfg.experts_per_token for r in s.routes)
+        assert s.chosen == s.next_tokens[0][0]
+    rc, out, err = run_cli(["explain", str(tiny_run), "--prompt", "the cat", "--generate", "3"], capsys)
+    assert rc == 0, err
+    assert "prefill: 7 prompt tokens at positions 0-6 in one pass" in out
+    assert "decode 2: " in out and "KV cache per layer (positions held): layer 0 7" in out

@@ -396,6 +396,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
     model, tokenizer = _model_for_prompt(args)
     t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
     show(t, modules=args.trace)
+    if args.generate:
+        from .explain import show_generation, trace_generation
+
+        print()
+        show_generation(trace_generation(model, tokenizer, args.prompt, args.generate))
     if out is not None:
         from .explain import html
         from .files import atomic_write
@@ -494,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eval: the pass generation makes (default); train: the pass training makes, with router "
                         "noise and expert capacity acting where the model has them")
     p.add_argument("--seed", type=_seed, default=0, help="with --mode train: the seed of the router noise")
+    p.add_argument("--generate", type=_positive_int, default=0, metavar="N",
+                   help="then generate N tokens greedily, showing each pass: prefill, decode, the KV caches, routes")
     p.add_argument("--force", action="store_true",
                    help="let --html replace an existing file that is not a page explain wrote")
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",

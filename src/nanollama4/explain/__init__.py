@@ -9,8 +9,8 @@ The views only read a `Trace`; tracing.py imports neither of them.
 """
 
 from .page import PAGE_SCORES_LIMIT, escape_html, html
-from .terminal import routing_lines, show
-from .tracing import TOP_NEXT, LayerTrace, Trace, describe_attention, trace
+from .terminal import routing_lines, show, show_generation
+from .tracing import TOP_NEXT, GenerationStep, LayerTrace, Trace, describe_attention, trace, trace_generation
 
 __all__ = ["trace", "Trace", "LayerTrace", "TOP_NEXT", "describe_attention", "show", "routing_lines", "html",
-           "escape_html", "PAGE_SCORES_LIMIT"]
+           "escape_html", "PAGE_SCORES_LIMIT", "trace_generation", "GenerationStep", "show_generation"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .tracing import LayerTrace, Trace, describe_attention
+from .tracing import GenerationStep, LayerTrace, Trace, describe_attention
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -145,3 +145,25 @@ def path_line(layer: LayerTrace, tokens: list[str], position: int = -1) -> str:
     return (f"token {p} {tokens[p]!r} through the block: |x| {x:.2f} -> + attention |{a:.2f}| "
             f"({a / max(x, 1e-12):.0%} of |x|) = {mid:.2f} -> + feed-forward |{f:.2f}| ({f / max(mid, 1e-12):.0%}"
             f"{parts}) = {out:.2f}")
+
+
+def show_generation(steps: list[GenerationStep], console: Console | None = None) -> None:
+    """Print generation pass by pass: what was fed (the prompt at once, then one token), how much each
+    layer's KV cache holds, the fed token's route through every MoE layer, and the odds it chose from."""
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(f"generation, greedy: {len(steps)} new tokens, one forward pass each", markup=False)
+    for i, s in enumerate(steps):
+        first, last = s.positions
+        what = (f"prefill: {len(s.fed)} prompt tokens at positions {first}-{last} in one pass" if s.kind == "prefill"
+                else f"decode {i}: {s.fed[0]!r} at position {first}, attending to the cache")
+        console.print(what, markup=False, highlight=False)
+        console.print("  KV cache per layer (positions held): " + ", ".join(
+            f"layer {j} {n}" for j, n in enumerate(s.cache_lengths)), markup=False, highlight=False)
+        routes = [f"layer {j}: " + (", ".join(f"expert {e} ({w:.2f})" for e, w in r) or "no expert had room")
+                  for j, r in enumerate(s.routes) if r is not None]
+        if routes:
+            console.print(f"  route of {s.fed[-1]!r}: " + "; ".join(routes), markup=False, highlight=False)
+        odds = ", ".join(f"{tok!r} {p:.1%}" for tok, p in s.next_tokens[:5])
+        console.print(f"  next: {odds} -> {s.chosen!r}", markup=False, highlight=False)

@@ -297,3 +297,69 @@ def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
         layer.slot_kind.append(kinds)
         layer.rerouted_from.append(froms)
     layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
+
+
+# ---------------------------------------------------------------------------------------------- generation
+@dataclass
+class GenerationStep:
+    """One forward pass of generation: the prefill of the prompt, or the decode of one new token."""
+
+    kind: str  # "prefill" (the whole prompt in one pass) or "decode" (one token, attending to the cache)
+    positions: tuple[int, int]  # first and last position fed in this pass
+    fed: list[str]  # the tokens fed
+    cache_lengths: list[int]  # per layer, positions its KV cache holds after the pass (chunked: at most chunk - 1)
+    routes: list[list[tuple[int, float]] | None]  # per layer, the last fed token's experts and weights (None: dense)
+    next_tokens: list[tuple[str, float]]  # the most likely next tokens after this pass
+    chosen: str  # the token generation picked from them
+
+
+def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
+                     ) -> list[GenerationStep]:
+    """Greedy generation of `max_new_tokens` after `prompt`, pass by pass, observed as `trace` observes
+    one pass: a prefill, then one decode pass per new token with the KV cache. The tokens are those
+    `generation.generate` picks with temperature 0."""
+    from ..attention import KVCache
+
+    ids = tokenizer.encode(prompt) if prompt else []
+    if not ids:
+        raise GenerationError("the prompt is empty; give some text to explain")
+    if len(ids) + max_new_tokens > model.cfg.max_seq_len:
+        raise GenerationError(f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the model's "
+                              f"max_seq_len ({model.cfg.max_seq_len}); shorten the prompt or generate fewer")
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    device = next(model.parameters()).device
+    cache = KVCache(model.cfg, 1, len(ids) + max_new_tokens, dtype=next(model.parameters()).dtype, device=device)
+    steps, fed, start = [], list(ids), 0
+    try:
+        for step in range(max_new_tokens):
+            x = torch.tensor([fed], device=device)
+            positions = torch.arange(start, start + len(fed), device=device)[None]
+            with torch.no_grad(), _observed(model) as seen:
+                logits = model(x, cache=cache, positions=positions, last_only=True)[0, -1].float()
+            probs = logits.softmax(-1)
+            top = probs.topk(min(TOP_NEXT, probs.numel()))
+            chosen = int(logits.argmax())
+            routes: list[list[tuple[int, float]] | None] = []
+            for block in model.blocks:
+                r = seen["routing"].get(block.ffn) if isinstance(block.ffn, MoE) else None
+                if r is None:
+                    routes.append(None)
+                    continue
+                valid = [True] * r.experts_TK.shape[1] if r.valid_TK is None else r.valid_TK[-1].tolist()
+                routes.append([(int(e), float(w)) for e, w, ok in zip(r.experts_TK[-1].tolist(),
+                                                                     r.weights_TK[-1].tolist(), valid, strict=True)
+                               if ok])
+            lengths = [layer.length if not layer.window else int((layer.pos[0] >= 0).sum()) for layer in cache.layers]
+            steps.append(GenerationStep(
+                kind="prefill" if step == 0 else "decode", positions=(start, start + len(fed) - 1),
+                fed=[tokenizer.decode([i]) for i in fed], cache_lengths=lengths, routes=routes,
+                next_tokens=[(tokenizer.decode([int(i)]), float(p)) for p, i in zip(top.values, top.indices,
+                                                                                    strict=True)],
+                chosen=tokenizer.decode([chosen])))
+            start += len(fed)
+            fed = [chosen]
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return steps
