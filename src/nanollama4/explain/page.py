@@ -69,3 +69,10 @@ def is_our_page(path: Path) -> bool:
         return False
     with open(path, "rb") as f:
         return MARK in f.read(512)
+
+
+def notebook_html(t: Trace) -> str:
+    """The page inside an iframe (its own document, so two traces in one notebook keep their scripts and
+    element ids apart): what a Trace shows as in Jupyter (`Trace._repr_html_`)."""
+    page = html(t).replace("&", "&amp;").replace('"', "&quot;")
+    return f'<iframe srcdoc="{page}" style="width: 100%; height: 900px; border: 1px solid #ddd"></iframe>'
