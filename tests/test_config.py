@@ -155,3 +155,18 @@ def test_scout_and_maverick_layouts():
     assert [i for i in range(48) if not scout.uses_rope(i)] == list(range(3, 48, 4))
     assert all(scout.is_moe(i) for i in range(48))
     assert [i for i in range(48) if maverick.is_moe(i)] == list(range(1, 48, 2))
+
+
+def test_the_demo_is_a_miniature_of_llama4_attention():
+    """The demo's RoPE layers attend in chunks shorter than its context, and its NoPE layer's temperature
+    varies within the context (with Llama 4's floor of 8,192 it was 1.0 at every one of 256 positions)."""
+    import torch
+
+    from nanollama4.attention import temperature_scale
+
+    cfg = preset("shakespeare-char")
+    chunks = [cfg.chunk_size(i) for i in range(cfg.n_layers) if cfg.uses_rope(i)]
+    assert chunks and all(c is not None and c < cfg.max_seq_len for c in chunks)
+    assert any(not cfg.uses_rope(i) for i in range(cfg.n_layers)) and cfg.attn_temperature_tuning
+    temperature = temperature_scale(torch.arange(cfg.max_seq_len), cfg.floor_scale, cfg.attn_scale)
+    assert len(set(temperature.tolist())) >= 4 and temperature.max() > 1.1

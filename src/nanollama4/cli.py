@@ -395,12 +395,17 @@ def cmd_explain(args: argparse.Namespace) -> None:
                               "(or pass --force to replace it)")
     model, tokenizer = _model_for_prompt(args)
     t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
+    steps = None
+    if args.generate:  # before anything is printed: a request too long for the context is one line alone
+        from .explain import trace_generation
+
+        steps = trace_generation(model, tokenizer, args.prompt, args.generate)
     show(t, modules=args.trace)
-    if args.generate:
-        from .explain import show_generation, trace_generation
+    if steps is not None:
+        from .explain import show_generation
 
         print()
-        show_generation(trace_generation(model, tokenizer, args.prompt, args.generate))
+        show_generation(steps)
     if out is not None:
         from .explain import html
         from .files import atomic_write
