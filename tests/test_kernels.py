@@ -212,8 +212,11 @@ def test_swiglu_on_the_kernel_matches_torch_linear(rows, d, hidden):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
-def test_linear_pays_only_for_float32_cpu_outside_autocast():
+def test_linear_pays_only_for_float32_cpu_outside_autocast(monkeypatch):
     x = torch.randn(16, 8)
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert kernels.linear_pays(x) == avx512  # auto: the float32 loops pay only with AVX-512
+    monkeypatch.setenv("NANOLLAMA4_CPU_KERNELS", "force")
     assert kernels.linear_pays(x)
     assert not kernels.linear_pays(x[:1])  # one decoding row keeps its own path
     assert not kernels.linear_pays(x.double())

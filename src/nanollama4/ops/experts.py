@@ -291,7 +291,8 @@ BUCKETED_ROWS = 256  # rows per expert from which the bucketed loop trains faste
 def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None = None) -> str:
     """The fastest product measured (benchmarks/RESULTS.md) for `rows` rows (default x's) like x's:
 
-    - float32, CPU: our kernel; without it, grouped_mm where its strides allow, else the loop.
+    - float32, CPU with AVX-512 (`kernels.fp32_pays`): our kernel; elsewhere grouped_mm where its strides allow,
+      else the loop.
     - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`).
     - bfloat16, other CPUs: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
       moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
@@ -311,7 +312,7 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
             return "bucketed"
         return "grouped" if grouped_mm_ok(x, hidden) else "padded"
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
-            and kernels.available():
+            and kernels.fp32_pays():
         return "kernel"
     fast = torch.float32 if x.device.type == "cpu" else torch.bfloat16
     if torch.compiler.is_compiling():

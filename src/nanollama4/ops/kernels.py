@@ -8,7 +8,8 @@ experts ran several times slower than a dense layer of the same active size (ben
 every weight element once. It is compiled with torch's C++ extension tools on first use (about 20 s,
 cached afterwards under ~/.cache/torch_extensions, one build per source and flags); where that is
 impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer
-keeps torch's `grouped_mm`.
+keeps torch's `grouped_mm`. The float32 loops pay only with AVX-512 (`fp32_pays()`); elsewhere torch's
+products are the faster ones and `auto` keeps them.
 
 The bf16 products follow the same plan on the CPU's bf16 dot-product instruction, with float32 sums; they
 take float32 master weights as they are (each core casting the part it multiplies) and write float32 gradients, so
@@ -136,6 +137,16 @@ def available() -> bool:
     return load() is not None
 
 
+def fp32_pays() -> bool:
+    """Whether the float32 products are worth choosing here: built, on a CPU with AVX-512. Their loops are
+    written for 16-float vectors; compiled for AVX2 they ran 15x slower than torch's matmul on a Zen 3
+    (benchmarks/RESULTS.md, "The float32 kernel needs AVX-512"), so `auto` leaves them to AVX-512 CPUs.
+    NANOLLAMA4_CPU_KERNELS=force chooses them on any CPU (for tests and measurements)."""
+    if not available():
+        return False
+    return os.environ.get("NANOLLAMA4_CPU_KERNELS") == "force" or torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def require() -> None:
     """Raise unless `available()`: callers check that before choosing the kernel."""
     if not available():
@@ -226,4 +237,4 @@ def linear_pays(x: torch.Tensor) -> bool:
     """Whether `linear` is the faster way for x: float32 on the CPU outside autocast and compilation, with
     enough rows (a single decoding row has its own two-core path, `ops.linear.row_matmul`)."""
     return (not torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and x.numel() >= 8 * x.shape[-1] and available())
+            and not torch.is_autocast_enabled("cpu") and x.numel() >= 8 * x.shape[-1] and fp32_pays())
