@@ -203,10 +203,10 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     cfg = config_from_hf(read_json(path / "config.json"))
     with torch.device("meta"):
         model = Transformer(cfg)
-    shapes = {to_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()
-              if not name.endswith("router_bias")}
+    ours = model.state_dict()
+    wanted = {to_hf_name(name): name for name in ours if not name.endswith("router_bias")}  # theirs -> ours
     if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight", None)
+        wanted.pop("lm_head.weight", None)
     found = {}
     for shard in hf_shards(path):
         for name, shape in safetensors_shapes(shard).items():
@@ -214,12 +214,10 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
                 found[new] = shape
     if cfg.tie_embeddings:
         found.pop("lm_head.weight", None)
-    check_shapes(path, found, shapes, against=f"{path / 'config.json'}")
+    check_shapes(path, found, {theirs: tuple(ours[name].shape) for theirs, name in wanted.items()},
+                 against=f"{path / 'config.json'}")
     weights = read_hf_weights(path)
-    wanted = {to_hf_name(name): name for name in model.state_dict() if not name.endswith("router_bias")}
-    if cfg.tie_embeddings:
-        wanted.pop("lm_head.weight", None)
-    state = {ours: weights[theirs].to(dtype) for theirs, ours in wanted.items()}
+    state = {name: weights[theirs].to(dtype) for theirs, name in wanted.items()}
     model = model.to_empty(device="cpu").to(dtype)
     for moe in model.moe_layers():
         moe.router_bias.zero_()  # ours only (aux-loss-free balancing); the reference has no such bias

@@ -157,7 +157,7 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
     if kept != lines:  # a resume that stops before its first step leaves the file as it was
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
 

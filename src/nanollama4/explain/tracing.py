@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import Attention, attention_mask, temperature_scale
+from ..attention import Attention, KVCache, attention_mask, temperature_scale
 from ..errors import GenerationError
 from ..model import Transformer
 from ..moe import MoE, Routing
@@ -318,8 +318,6 @@ def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_
     """Greedy generation of `max_new_tokens` after `prompt`, pass by pass, observed as `trace` observes
     one pass: a prefill, then one decode pass per new token with the KV cache. The tokens are those
     `generation.generate` picks with temperature 0."""
-    from ..attention import KVCache
-
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         raise GenerationError("the prompt is empty; give some text to explain")
