@@ -235,33 +235,63 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | Sequence[st
 def stream(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 256,
            sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
            **settings: Any) -> Iterator[str]:
-    """Yield the continuation of one prompt piece by piece, as soon as each token is decoded.
-
-    Text is decoded from all new ids each time and only the new suffix is yielded, so a multi-byte
-    character split across BPE tokens appears once it is complete.
-    """
+    """Yield the continuation of one prompt piece by piece, as soon as each token is decoded (see
+    `TextStream` for what is held back and why)."""
     sampling = _sampling(sampling, settings)
-    stop = sampling.stop
-    ids: list[int] = []
-    shown = 0  # characters already yielded
-    hold = max((len(s) - 1 for s in stop), default=0)  # the tail that could still grow into a stop string
+    text = TextStream(tokenizer, sampling.stop)
     for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, sampling, slide=slide,
                            compile=compile):
         if int(tok[0]) in sampling.stop_ids:
             break
-        ids.append(int(tok[0]))
-        text, hit = _cut_at_stop(tokenizer.decode(ids), stop)
-        if hit:
+        piece = text.add(int(tok[0]))
+        if piece:
+            yield piece
+        if text.stopped:
             break
-        safe = len(text) - hold
-        while safe > shown and text[safe - 1] == "\ufffd":  # a character whose bytes are not all here yet
-            safe -= 1
-        if safe > shown:
-            yield text[shown:safe]
-            shown = safe
-    text, _ = _cut_at_stop(tokenizer.decode(ids), stop)
-    if len(text) > shown:
-        yield text[shown:]
+    if rest := text.flush():
+        yield rest
+
+
+class TextStream:
+    """Token ids in, text out as soon as it is safe to show: the continuation of one row, cut right before
+    the first stop string, exactly as `generate` returns it once joined.
+
+    All ids are decoded each time and only the new suffix is given out, so a multi-byte character split
+    across BPE tokens appears once it is complete; the last len(longest stop) - 1 characters are held back
+    while they could still grow into a stop string. `generation.stream` and the server use it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.shown = 0  # characters already given out
+        self.stopped = False  # a stop string has appeared; nothing more will be given out
+        self._hold = max((len(s) - 1 for s in self.stop), default=0)
+
+    def add(self, token_id: int) -> str:
+        """Take the next token; return the text that became safe to show ("" if none)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        text, self.stopped = _cut_at_stop(self.tokenizer.decode(self.ids), self.stop)
+        safe = len(text) if self.stopped else len(text) - self._hold
+        while safe > self.shown and text[safe - 1] == "\ufffd" and not self.stopped:
+            safe -= 1  # a character whose bytes are not all here yet
+        if safe <= self.shown:
+            return ""
+        piece, self.shown = text[self.shown:safe], safe
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the row."""
+        text = self.text
+        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        return piece
+
+    @property
+    def text(self) -> str:
+        """The whole continuation so far, cut before a stop string."""
+        return _cut_at_stop(self.tokenizer.decode(self.ids), self.stop)[0]
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:

@@ -150,34 +150,13 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
 
 
 @contextmanager
-def _observed(model: Transformer) -> Iterator[dict]:
-    """Attach the observers for one pass; `seen` fills in as the pass runs."""
-    seen: dict = {"modules": [], "attention": {}, "qkv": {}, "shared": {}, "moe_out": {}, "routing": {},
-                  "embed": None, "path": {}, "inputs": {}}
-    names = {m: n for n, m in model.named_modules()}
-    handles = []
-
-    def shapes(values) -> list[tuple[int, ...]]:
-        return [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
-
-    def any_module(module, inputs, output) -> None:
-        outs = shapes([output] if isinstance(output, torch.Tensor) else
-                      output if isinstance(output, (tuple, list)) else [])
-        seen["modules"].append((names[module] or "model", shapes(inputs), outs[0] if outs else ()))
-
-    for module in model.modules():
-        handles.append(module.register_forward_hook(any_module))
-    for block in model.blocks:  # the residual stream around each sublayer, as norms per token
-        handles.append(block.register_forward_pre_hook(
-            lambda m, args: seen["path"].setdefault(m, {}).__setitem__("in", args[0].detach())))
-        handles.append(block.attn.register_forward_hook(
-            lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("attn", o.detach())))
-        handles.append(block.ffn.register_forward_hook(
-            lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("ffn", o.detach())))
-        handles.append(block.register_forward_hook(
-            lambda m, i, o: seen["path"].setdefault(m, {}).__setitem__("out", o.detach())))
-    handles.append(model.embed.register_forward_hook(
-        lambda m, i, o: seen.__setitem__("embed", tuple(o.shape))))
+def observe(model: Transformer) -> Iterator[dict]:
+    """Record, for the passes run inside, what every layer decided: `seen["attention"][attn]` the
+    probabilities (B, heads, Tq, Tk) each Attention attended with and `seen["keys"][attn]` the positions
+    of its keys (B, Tk) or (Tk,), `seen["routing"][moe]` the `Routing` each MoE's route returned (tokens
+    flattened, row-major). The model computes exactly as without it; the server traces its batched steps
+    with this, `trace` one prompt."""
+    seen: dict = {"attention": {}, "keys": {}, "qkv": {}, "routing": {}}
     originals = {}
     for module in model.modules():
         if isinstance(module, Attention):
@@ -186,16 +165,9 @@ def _observed(model: Transformer) -> Iterator[dict]:
         if isinstance(module, MoE):
             originals[module] = vars(module).get("route")  # an instance-level route of its own, if any
             module.route = _routing_recorder(module, module.route, seen)  # wraps whichever route it had
-            handles.append(module.register_forward_hook(
-                lambda m, i, o: seen["moe_out"].__setitem__(m, o.detach().float().reshape(-1, o.shape[-1]))))
-            if module.shared_expert is not None:
-                handles.append(module.shared_expert.register_forward_hook(
-                    lambda m, i, o, moe=module: seen["shared"].__setitem__(moe, o.detach().float())))
     try:
         yield seen
     finally:
-        for h in handles:
-            h.remove()
         for module, original in originals.items():
             if isinstance(module, Attention):
                 module.attend = original  # its own attribute, put back
@@ -203,6 +175,50 @@ def _observed(model: Transformer) -> Iterator[dict]:
                 module.route = original
             else:
                 del module.route  # the recorder shadowed the class's method
+
+
+@contextmanager
+def _observed(model: Transformer) -> Iterator[dict]:
+    """`observe`, plus every module's shapes and the residual stream around each sublayer; `seen` fills
+    in as the pass runs."""
+    names = {m: n for n, m in model.named_modules()}
+    handles = []
+
+    def shapes(values) -> list[tuple[int, ...]]:
+        return [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+
+    with observe(model) as seen:
+        seen.update({"modules": [], "shared": {}, "moe_out": {}, "embed": None, "path": {}})
+
+        def any_module(module, inputs, output) -> None:
+            outs = shapes([output] if isinstance(output, torch.Tensor) else
+                          output if isinstance(output, (tuple, list)) else [])
+            seen["modules"].append((names[module] or "model", shapes(inputs), outs[0] if outs else ()))
+
+        for module in model.modules():
+            handles.append(module.register_forward_hook(any_module))
+        for block in model.blocks:  # the residual stream around each sublayer, as norms per token
+            handles.append(block.register_forward_pre_hook(
+                lambda m, args: seen["path"].setdefault(m, {}).__setitem__("in", args[0].detach())))
+            handles.append(block.attn.register_forward_hook(
+                lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("attn", o.detach())))
+            handles.append(block.ffn.register_forward_hook(
+                lambda m, i, o, b=block: seen["path"].setdefault(b, {}).__setitem__("ffn", o.detach())))
+            handles.append(block.register_forward_hook(
+                lambda m, i, o: seen["path"].setdefault(m, {}).__setitem__("out", o.detach())))
+        handles.append(model.embed.register_forward_hook(
+            lambda m, i, o: seen.__setitem__("embed", tuple(o.shape))))
+        for module in model.moe_layers():
+            handles.append(module.register_forward_hook(
+                lambda m, i, o: seen["moe_out"].__setitem__(m, o.detach().float().reshape(-1, o.shape[-1]))))
+            if module.shared_expert is not None:
+                handles.append(module.shared_expert.register_forward_hook(
+                    lambda m, i, o, moe=module: seen["shared"].__setitem__(moe, o.detach().float())))
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _recording(attn: Attention, attend, seen: dict):
@@ -216,7 +232,7 @@ def _recording(attn: Attention, attend, seen: dict):
             k_rep = k.float().repeat_interleave(rep, dim=2)  # (B, Tk, H, Dh): query head h reads KV head h // rep
             scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_rep) / math.sqrt(q.shape[-1])
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
-        seen["attention"][attn] = probs[0].cpu()
+        seen["attention"][attn], seen["keys"][attn] = probs.cpu(), k_pos.cpu()
         return attend(q, k, v, q_pos, k_pos, chunk, mask)  # the layer's output, as the real backend makes it
 
     return record
@@ -239,7 +255,7 @@ def _layer_trace(i: int, block: nn.Module, seen: dict) -> LayerTrace:
     positions = torch.arange(T)
     layer = LayerTrace(index=i, kind="rope" if attn.use_rope else "nope", chunk=attn.chunk, qk_norm=attn.qk_norm,
                        temperature_tuning=attn.temperature, q_shape=q_shape, k_shape=k_shape, v_shape=v_shape,
-                       attention=seen["attention"][attn],
+                       attention=seen["attention"][attn][0],
                        visible_from=[(p // attn.chunk) * attn.chunk if attn.chunk else 0 for p in range(T)])
     if attn.temperature:
         layer.temperature = temperature_scale(positions, attn.floor_scale, attn.attn_scale).tolist()
@@ -265,18 +281,27 @@ def _norms(x: torch.Tensor) -> list[float]:
 
 def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
     """Fill in a MoE layer's routing from the decision its `route` returned."""
-    T, K = r.experts_TK.shape
-    valid_TK = torch.ones_like(r.experts_TK, dtype=torch.bool) if r.valid_TK is None else r.valid_TK
     logits = r.logits_TE.detach().float().cpu()
     layer.router_logits, layer.choice_scores = logits, r.choice_TE.detach().float().cpu()
     noise = r.scores_TE.detach().float().cpu() - logits
     layer.noise = noise if bool(noise.ne(0).any()) else None
     bias = moe.router_bias.detach().float().cpu()
     layer.router_bias = bias if moe.bias_rate or bool(bias.ne(0).any()) else None
+    layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = describe_slots(r)
+    layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
+
+
+def describe_slots(r: Routing) -> tuple[list[list[int]], list[list[float]], list[list[str]], list[list[int | None]]]:
+    """Per token (T) and slot (K) of a routing decision: the expert (-1 for a dropped slot), its weight
+    (0.0 when dropped), what kind of slot it is ("own": in the token's top-k of its choice scores,
+    "rerouted": given because an own choice was full, "dropped") and, for a rerouted slot, the own expert
+    it could not get."""
+    K = r.experts_TK.shape[1]
+    valid_TK = torch.ones_like(r.experts_TK, dtype=torch.bool) if r.valid_TK is None else r.valid_TK
     # a token's own choices: the top-k of its choice scores, ranked as routing ranks them
-    own_TK = layer.choice_scores.argsort(dim=1, descending=True, stable=True)[:, :K]
+    own_TK = r.choice_TE.detach().float().cpu().argsort(dim=1, descending=True, stable=True)[:, :K]
     experts, weights = r.experts_TK.cpu().tolist(), r.weights_TK.detach().float().cpu().tolist()
-    layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = [], [], [], []
+    out_e, out_w, out_k, out_f = [], [], [], []
     for t, (row, wrow, ok) in enumerate(zip(experts, weights, valid_TK.cpu().tolist(), strict=True)):
         own = own_TK[t].tolist()
         held = [e for e, v in zip(row, ok, strict=True) if v]
@@ -292,11 +317,11 @@ def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
             else:
                 kinds.append("rerouted")
                 froms.append(left.pop(0) if left else None)
-        layer.experts.append([e if v else -1 for e, v in zip(row, ok, strict=True)])
-        layer.weights.append([w if v else 0.0 for w, v in zip(wrow, ok, strict=True)])
-        layer.slot_kind.append(kinds)
-        layer.rerouted_from.append(froms)
-    layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
+        out_e.append([e if v else -1 for e, v in zip(row, ok, strict=True)])
+        out_w.append([w if v else 0.0 for w, v in zip(wrow, ok, strict=True)])
+        out_k.append(kinds)
+        out_f.append(froms)
+    return out_e, out_w, out_k, out_f
 
 
 # ---------------------------------------------------------------------------------------------- generation
