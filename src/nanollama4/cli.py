@@ -138,6 +138,9 @@ _new_tokens = _checked(_whole, lambda v: 1 <= v <= MAX_NEW_TOKENS, f"must be fro
 _temperature = _checked(_finite, lambda v: v >= 0, "must be 0 (greedy) or more")
 _top_p = _checked(_finite, lambda v: 0 < v <= 1, "must be in (0, 1]: the probability mass to sample from")
 _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
+_port = _checked(_whole, lambda v: 0 <= v <= 65535, "must be a TCP port from 0 (any free one) to 65535")
+_queue = _checked(_whole, lambda v: 0 <= v <= 100_000, "must be from 0 to 100,000")
+_batch = _checked(_whole, lambda v: 1 <= v <= 1024, "must be from 1 to 1,024")
 
 
 def _duration(text: str) -> float:
@@ -415,6 +418,30 @@ def cmd_explain(args: argparse.Namespace) -> None:
         print(f"page: {out}")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from .serve.server import serve
+
+    model, tokenizer = load_any(args.path)
+    name = args.name or Path(args.path).resolve().name
+    serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
+          max_queue=args.max_queue, announce=lambda line: print(line, flush=True))
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from .checkpoint import load_run
+    from .files import atomic_write
+    from .hf import export_hf
+
+    out = Path(args.out)
+    if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty folder; export into a new or empty folder")
+    model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
+    export_hf(model, out)
+    atomic_write(out / "tokenizer.json", tokenizer.save)
+    print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
+          "generation_config.json, tokenizer.json")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from .evaluation import full_validation_loss_of_run
 
@@ -512,6 +539,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.set_defaults(func=cmd_explain)
 
+    p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
+                       "each streamed token's route")
+    p.add_argument("path", type=_text, help="a run directory, a checkpoint folder, or a transformers checkpoint")
+    p.add_argument("--host", type=_text, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; the server has no authentication)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0 = any free one; the address is printed)")
+    p.add_argument("--max-batch", type=_batch, default=16, help="requests decoded together in one batched step")
+    p.add_argument("--max-queue", type=_queue, default=64,
+                   help="requests that may wait for a free batch row; more are answered 429 with Retry-After")
+    p.add_argument("--name", type=_text, help="the model id clients pass (default: the folder's name)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")
+    p.add_argument("run_dir", type=_text)
+    p.add_argument("out", type=_text, help="a new or empty folder")
+    p.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_text)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
@@ -576,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     in_charge = not under_torchrun and threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if in_charge else None
     try:
-        if args.command in ("train", "generate", "eval"):
+        if args.command in ("train", "generate", "eval", "serve"):
             from .runtime import tune_allocator
 
             tune_allocator()

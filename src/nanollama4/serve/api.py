@@ -1,0 +1,503 @@
+"""The HTTP side of `nanollama4 serve`: OpenAI's completions and chat completions over the engine.
+
+Every request field is checked here, before anything reaches the engine, and a bad one is answered with
+the API's error object naming it (status 400), so a client library raises a clear BadRequestError.
+Streams are server-sent events ending in `data: [DONE]`; a client that goes away cancels its requests,
+which leave the batch at the engine's next step. Two fields are ours: `top_k`, and `nanollama4_trace`,
+which attaches to each streamed token the step that chose it (routes, attention, odds) for the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import TokenizerError
+from ..generation import Sampling
+from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent
+
+BODY_LIMIT = 1 << 20  # bytes of JSON a request may send
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_LOGPROBS = {"completions": 5, "chat": 20}  # alternatives per token, OpenAI's limits
+ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the chat template's speaker names
+END_OF_TURN = "\n\n"  # the chat template ends each message with a blank line; chat replies stop at one
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: the status and the object a client library reads."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+# ---------------------------------------------------------------------------------------------- the fields
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+           "user", "frequency_penalty", "presence_penalty", "logit_bias", "nanollama4_trace"}
+FIELDS = {"completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
+          "chat": _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "best_of": (1,), "n": (1,),
+            "logit_bias": ({},), "suffix": ("",)}  # accepted at their no-op values only
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bad(param: str, rule: str, value: Any) -> ApiError:
+    shown = json.dumps(value)[:80] if not isinstance(value, float) else repr(value)
+    return ApiError(400, f"{param} ({shown}) {rule}", param=param)
+
+
+@dataclass
+class Params:
+    """A checked completions or chat request."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    max_tokens: int
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    echo: bool
+    trace: bool
+
+
+def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Params:
+    """The fields of a completions (`kind` "completions") or chat ("chat") request body, checked."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}; this server accepts: {', '.join(sorted(FIELDS[kind]))}",
+                       param=unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise _bad(name, f"is not supported here; leave it out (or {json.dumps(neutral[0])})", body[name])
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"model is required: {model_name!r} (see GET /v1/models)", param="model")
+    if model != model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
+                       code="model_not_found")
+    temperature = body.get("temperature", 1.0)
+    temperature = 1.0 if temperature is None else temperature
+    if not _is_number(temperature) or not math.isfinite(temperature) or not 0 <= temperature <= 2:
+        raise _bad("temperature", "must be a number from 0 (greedy) to 2", temperature)
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):  # NaN fails the range too
+        raise _bad("top_p", "must be a number in (0, 1]", top_p)
+    top_k = body.get("top_k")
+    if top_k is not None and top_k != -1 and (not _is_int(top_k) or top_k < 1):
+        raise _bad("top_k", "must be a positive integer (or -1 / null for all tokens)", top_k)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
+        raise _bad("seed", "must be an integer from 0 to 2^63 - 1", seed)
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop", f"must be a non-empty string or a list of up to {MAX_STOPS} of them", body.get("stop"))
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise _bad("stream_options", 'must be {"include_usage": true|false}', options)
+    if options is not None and not stream:
+        raise _bad("stream_options", "is only allowed with stream: true", options)
+    include_usage = bool(options and options.get("include_usage"))
+    trace = _flag(body, "nanollama4_trace")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("user", "must be a string", body["user"])
+
+    if kind == "completions":
+        texts, prompts = _prompts(body.get("prompt"), engine)
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS[kind]):
+            raise _bad("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", logprobs)
+        echo = _flag(body, "echo")
+        max_tokens, field = body.get("max_tokens", 16), "max_tokens"
+        max_tokens = 16 if max_tokens is None else max_tokens
+    else:
+        text = chat_prompt(body.get("messages"))
+        prompts = [_encode(text, engine, "messages")]
+        texts = [text]
+        stop = [*stop, END_OF_TURN]
+        want = _flag(body, "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS[kind]):
+            raise _bad("top_logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", top)
+        if top is not None and not want:
+            raise _bad("top_logprobs", "needs logprobs: true", top)
+        logprobs = (top or 0) if want else None
+        echo = False
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = body.get(field)
+        if max_tokens is None:
+            max_tokens = engine.cfg.max_seq_len - len(prompts[0])  # the rest of the context
+    limit = engine.cfg.max_seq_len
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise _bad(field, f"must be a positive integer (at most the context, {limit} tokens, minus the prompt)",
+                   max_tokens)
+    for ids in prompts:
+        if len(ids) + max_tokens > limit:
+            what = "messages" if kind == "chat" else "prompt"
+            raise ApiError(400, f"this model's context is {limit} tokens; the {what} takes {len(ids)} and "
+                           f"{field} asks for {max_tokens} more ({len(ids) + max_tokens}); shorten the {what} or "
+                           f"lower {field}", param=field if len(ids) < limit else what,
+                           code="context_length_exceeded")
+    sampling = Sampling(temperature=float(temperature), top_p=None if top_p is None or top_p >= 1 else float(top_p),
+                        top_k=None if top_k in (None, -1) else top_k, seed=seed, stop=tuple(stop))
+    return Params(prompts, texts, max_tokens, sampling, stream, include_usage, logprobs, echo, trace)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(name, "must be true or false", value)
+    return bool(value)
+
+
+def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
+    """A completions prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+    vocab = engine.tokenizer.vocab_size
+    if isinstance(prompt, str):
+        return [prompt], [_encode(prompt, engine, "prompt")]
+    if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt), [_encode(p, engine, "prompt") for p in prompt]
+        lists = [prompt] if all(_is_int(t) for t in prompt) else prompt
+        if all(isinstance(ids, list) and ids and all(_is_int(t) and 0 <= t < vocab for t in ids) for ids in lists):
+            return [engine.tokenizer.decode(ids) for ids in lists], [list(ids) for ids in lists]
+    raise _bad("prompt", f"must be a string, a list of up to {MAX_PROMPTS} strings, or token ids in "
+               f"[0, {vocab}) (a list, or a list of lists)", prompt)
+
+
+def _encode(text: str, engine: Engine, param: str) -> list[int]:
+    if not text:
+        raise ApiError(400, f"the {param} is empty; give some text to continue", param=param)
+    try:
+        ids = engine.tokenizer.encode(text)
+    except TokenizerError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
+    if not ids:
+        raise ApiError(400, f"the {param} encodes to no tokens; give some text to continue", param=param)
+    return ids
+
+
+def chat_prompt(messages: Any) -> str:
+    """The chat template: a system message as it is, each other message under its speaker's name (as the
+    plays of the default corpus name their speakers), a blank line after each, and the assistant's name
+    to end. A base model continues this text as it would a play; the reply ends at its first blank line:
+
+        You are terse.
+
+        USER.
+        What light through yonder window breaks?
+
+        ASSISTANT.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "must be a non-empty list of {role, content} objects", messages)
+    parts = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise _bad(f"messages[{i}]", "must be an object with role and content", m)
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise _bad(f"messages[{i}].content", "may hold only text parts ({type: text, text})", content)
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content", "must be a string", content)
+        if role in ("system", "developer"):
+            parts.append(f"{content}{END_OF_TURN}")
+        elif role in ROLE_NAMES:
+            parts.append(f"{ROLE_NAMES[role]}.\n{content}{END_OF_TURN}")
+        else:
+            raise _bad(f"messages[{i}].role", "must be system, developer, user or assistant", role)
+    return "".join(parts) + f"{ROLE_NAMES['assistant']}.\n"
+
+
+# ---------------------------------------------------------------------------------------------- responses
+class Session:
+    """The requests of one HTTP call (one per prompt) and the events they send back, in order."""
+
+    def __init__(self, engine: Engine, params: Params) -> None:
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        def emitter(index: int) -> Callable[[Event], None]:
+            def emit(event: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(self.events.put_nowait, (index, event))
+                except RuntimeError:  # the loop is gone (the server stopped): nobody is listening
+                    pass
+            return emit
+
+        self.requests = [Request(ids, params.max_tokens, params.sampling, emitter(i), logprobs=params.logprobs,
+                                 prompt_logprobs=params.echo and params.logprobs is not None, trace=params.trace)
+                         for i, ids in enumerate(params.prompts)]
+        self.engine = engine
+        self.open = len(self.requests)
+
+    def submit(self) -> None:
+        try:
+            self.engine.submit_all(self.requests)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}; retry in a moment", kind="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
+        except Closing as e:
+            raise ApiError(503, f"{e}; try again once it is back", kind="server_error") from None
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Event]]:
+        while self.open:
+            index, event = await self.events.get()
+            if isinstance(event, Finished):
+                self.open -= 1
+            yield index, event
+
+    def cancel(self) -> None:
+        for r in self.requests:
+            r.cancel()
+
+
+def _logprob_entry(engine: Engine, event: TokenEvent) -> tuple[str, float | None, dict[str, float] | None]:
+    text = engine.token_text
+    top = None if event.top is None else {text[i]: lp for i, lp in event.top}
+    return text[event.token_id], event.logprob, top
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(engine: Engine, model_name: str) -> Starlette:
+    """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /."""
+    created = int(time.time())
+    page = _page(engine, model_name)
+
+    async def models(_: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                          "owned_by": "nanollama4",
+                                                          "max_model_len": engine.cfg.max_seq_len}]})
+
+    async def health(_: HttpRequest) -> Response:
+        decoding, waiting = engine.busy
+        state = {"status": "closing" if engine.closing else "ok", "model": model_name, "decoding": decoding,
+                 "waiting": waiting, "max_batch": engine.max_batch, "max_queue": engine.max_queue}
+        return JSONResponse(state, status_code=503 if engine.closing else 200)
+
+    async def index(_: HttpRequest) -> Response:
+        return HTMLResponse(page)
+
+    def endpoint(kind: str):
+        async def handle(http: HttpRequest) -> Response:
+            try:
+                body = await _read_json(http)
+                params = parse_request(body, kind, engine, model_name)
+                session = Session(engine, params)
+                session.submit()
+            except ApiError as e:
+                return e.response()
+            respond = _stream if params.stream else _whole
+            return await respond(kind, http, session, params, engine, model_name)
+        return handle
+
+    async def not_found(http: HttpRequest, exc: Exception) -> Response:
+        return ApiError(404, f"no such endpoint: {http.method} {http.url.path}", kind="not_found_error").response()
+
+    async def not_allowed(http: HttpRequest, exc: Exception) -> Response:
+        return ApiError(405, f"{http.method} is not allowed on {http.url.path}").response()
+
+    routes = [Route("/", index), Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", endpoint("completions"), methods=["POST"]),
+              Route("/v1/chat/completions", endpoint("chat"), methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+
+
+async def _read_json(http: HttpRequest) -> Any:
+    size = http.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > BODY_LIMIT:
+        raise ApiError(413, f"the request body is {int(size):,} bytes; at most {BODY_LIMIT:,} are accepted")
+    chunks, total = [], 0
+    async for chunk in http.stream():
+        total += len(chunk)
+        if total > BODY_LIMIT:
+            raise ApiError(413, f"the request body is over {BODY_LIMIT:,} bytes; send less")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise ApiError(400, f"the request body is not valid JSON ({reason}); send a JSON object") from None
+
+
+async def _whole(kind: str, http: HttpRequest, session: Session, params: Params, engine: Engine,
+                 model_name: str) -> Response:
+    """Wait for every prompt's continuation and answer once; a client that hangs up cancels them."""
+    watcher = asyncio.ensure_future(_until_disconnected(http, session))
+    texts = [""] * len(session.requests)
+    tokens: list[list[TokenEvent]] = [[] for _ in session.requests]
+    ends: list[Finished | None] = [None] * len(session.requests)
+    try:
+        async for index, event in session:
+            if isinstance(event, TokenEvent):
+                texts[index] += event.text
+                tokens[index].append(event)
+            else:
+                texts[index] += event.text
+                ends[index] = event
+    finally:
+        watcher.cancel()
+        session.cancel()
+    error = next((e for e in ends if e is not None and e.reason == "error"), None)
+    if error is not None:
+        return ApiError(500, f"generation failed: {error.error}", kind="server_error").response()
+    prompt_n = sum(e.prompt_tokens for e in ends)
+    completion_n = sum(e.completion_tokens for e in ends)
+    choices = []
+    for i, (text, events, end) in enumerate(zip(texts, tokens, ends, strict=True)):
+        if kind == "completions":
+            prefix = params.prompt_texts[i] if params.echo else ""
+            prompt = (params.prompts[i], end.prompt_logprobs, end.prompt_top) if params.echo else None
+            logprobs = None if params.logprobs is None else _completion_logprobs(engine, events, prompt)
+            choices.append({"index": i, "text": prefix + text, "logprobs": logprobs, "finish_reason": end.reason})
+        else:
+            logprobs = None if params.logprobs is None else {"content": [_chat_logprob(engine, e) for e in events]}
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                            "finish_reason": end.reason})
+    obj = "text_completion" if kind == "completions" else "chat.completion"
+    return JSONResponse({"id": _id(kind), "object": obj, "created": int(time.time()), "model": model_name,
+                         "choices": choices, "usage": _usage(prompt_n, completion_n)})
+
+
+async def _until_disconnected(http: HttpRequest, session: Session) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    session.cancel()
+
+
+def _completion_logprobs(engine: Engine, events: list[TokenEvent], prompt: tuple | None = None) -> dict:
+    """The completions logprobs object: tokens, their log-probabilities, the top alternatives, offsets;
+    the prompt's tokens first when it is echoed (`prompt`: its ids, log-probabilities and top ones)."""
+    entries = [_logprob_entry(engine, e) for e in events]
+    if prompt is not None:
+        ids, prompt_lp, prompt_top = prompt
+        prompt_top = prompt_top or [None] * len(ids)
+        text = engine.token_text
+        entries = [(text[t], lp, None if top is None else {text[j]: v for j, v in top})
+                   for t, lp, top in zip(ids, prompt_lp, prompt_top, strict=True)] + entries
+    offsets, at = [], 0
+    for token, _, _ in entries:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
+
+
+def _chat_logprob(engine: Engine, event: TokenEvent) -> dict:
+    text = engine.token_text
+    token = text[event.token_id]
+    return {"token": token, "logprob": event.logprob, "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [{"token": text[i], "logprob": lp, "bytes": list(text[i].encode("utf-8"))}
+                             for i, lp in (event.top or [])]}
+
+
+def _id(kind: str) -> str:
+    return f"{'cmpl' if kind == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+
+
+async def _stream(kind: str, http: HttpRequest, session: Session, params: Params, engine: Engine,
+                  model_name: str) -> Response:
+    """Server-sent events: a chunk per token (per prompt), a last chunk with finish_reason, the usage if
+    asked for, then [DONE]. Starlette cancels the generator when the client hangs up."""
+    rid, created = _id(kind), int(time.time())
+    obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
+
+    def chunk(choices: list[dict], **extra: Any) -> str:
+        payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        prompt_n = completion_n = 0
+        try:
+            if kind == "chat":
+                for i in range(len(session.requests)):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            elif params.echo:
+                for i, text in enumerate(params.prompt_texts):
+                    yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+            async for index, event in session:
+                if isinstance(event, TokenEvent):
+                    choice: dict[str, Any] = {"index": index, "finish_reason": None}
+                    if kind == "completions":
+                        choice["text"] = event.text
+                        choice["logprobs"] = None if params.logprobs is None else _completion_logprobs(
+                            engine, [event])
+                    else:
+                        choice["delta"] = {"content": event.text}
+                        choice["logprobs"] = None if params.logprobs is None else {
+                            "content": [_chat_logprob(engine, event)]}
+                    if event.trace is not None:
+                        choice["nanollama4"] = {"token": engine.token_text[event.token_id], "step": event.trace}
+                    yield chunk([choice])
+                    continue
+                prompt_n += event.prompt_tokens
+                completion_n += event.completion_tokens
+                if event.reason == "error":
+                    err = {"message": f"generation failed: {event.error}", "type": "server_error", "param": None,
+                           "code": None}
+                    yield f"data: {json.dumps({'error': err})}\n\n"
+                    continue
+                last: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": event.reason}
+                if kind == "completions":
+                    last["text"] = event.text
+                else:
+                    last["delta"] = {"content": event.text} if event.text else {}
+                yield chunk([last])
+            if params.include_usage:
+                yield chunk([], usage=_usage(prompt_n, completion_n))
+            yield "data: [DONE]\n\n"
+        finally:
+            session.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _page(engine: Engine, model_name: str) -> str:
+    """The page with this model's layout written into it (the page fetches nothing but the API)."""
+    cfg = engine.cfg
+    info = {"model": model_name, "max_seq_len": cfg.max_seq_len, "experts_per_token": cfg.experts_per_token,
+            "layers": [{"index": i, "kind": "rope" if cfg.uses_rope(i) else "nope", "chunk": cfg.chunk_size(i),
+                        "moe": cfg.is_moe(i), "n_experts": cfg.n_experts if cfg.is_moe(i) else 0}
+                       for i in range(cfg.n_layers)]}
+    html = resources.files("nanollama4.serve").joinpath("page.html").read_text(encoding="utf-8")
+    blob = json.dumps(info).replace("<", "\\u003c")  # nothing in it can close the script element
+    return html.replace("/*MODEL_INFO*/null", blob)

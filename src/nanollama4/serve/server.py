@@ -1,0 +1,80 @@
+"""The process of `nanollama4 serve`: bind the socket, run uvicorn over the app, stop cleanly.
+
+SIGTERM and Ctrl-C stop the server gracefully: it stops accepting connections, lets the streams in
+flight finish (cancelling any still open after GRACE seconds), stops the engine and returns, so the
+command exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+from ..errors import ConfigError
+from ..model import Transformer
+from ..tokenizer import Tokenizer
+
+GRACE = 30  # seconds in-flight requests get to finish after SIGTERM
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket, or one clear error (a port in use, a host that is not this machine's)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror}); use 127.0.0.1") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0 = any free "
+                          "one) or stop what is using it") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print) -> None:
+    """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens."""
+    try:
+        import uvicorn
+
+        from .api import create_app
+    except ImportError as e:
+        raise ConfigError(f"nanollama4 serve needs starlette and uvicorn ({e.name} is missing): "
+                          "pip install 'nanollama4[serve]'") from None
+    from .engine import Engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if host not in LOCAL_HOSTS:
+        print(f"warning: --host {host} makes the server reachable from other machines, and it has no "
+              "authentication: anyone who can connect can use it", file=sys.stderr)
+    sock = bind(host, port)
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue).start()
+    app = create_app(engine, name)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
+                            access_log=False)
+    server = uvicorn.Server(config)
+    shown_host = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
+    address = f"http://{shown_host}:{sock.getsockname()[1]}"
+    # uvicorn re-raises the signal that stopped it once it is done; caught here, it ends the command
+    # normally (exit 0) rather than as an interruption
+    stop_requested = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        announce(f"serving {name!r} at {address} (page: {address}/, API: {address}/v1); Ctrl-C or SIGTERM stops")
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        engine.close(cancel=True, timeout=GRACE)
+        sock.close()
