@@ -309,7 +309,8 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
     async def health(_: HttpRequest) -> Response:
         decoding, waiting = engine.busy
         state = {"status": "closing" if engine.closing else "ok", "model": model_name, "decoding": decoding,
-                 "waiting": waiting, "max_batch": engine.max_batch, "max_queue": engine.max_queue}
+                 "waiting": waiting, "max_batch": engine.max_batch, "max_queue": engine.max_queue,
+                 "finished": dict(engine.finished)}
         return JSONResponse(state, status_code=503 if engine.closing else 200)
 
     async def index(_: HttpRequest) -> Response:
@@ -334,7 +335,10 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
     async def not_allowed(http: HttpRequest, exc: Exception) -> Response:
         return ApiError(405, f"{http.method} is not allowed on {http.url.path}").response()
 
-    routes = [Route("/", index), Route("/health", health), Route("/v1/models", models),
+    async def no_icon(_: HttpRequest) -> Response:
+        return Response(status_code=204)
+
+    routes = [Route("/", index), Route("/favicon.ico", no_icon), Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", endpoint("completions"), methods=["POST"]),
               Route("/v1/chat/completions", endpoint("chat"), methods=["POST"])]
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})

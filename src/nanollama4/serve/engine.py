@@ -19,7 +19,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -207,6 +207,7 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="nanollama4-engine", daemon=True)
         self.steps = 0  # batched decode steps run
+        self.finished: Counter[str] = Counter()  # requests ended, by reason
         self.token_text = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
         if model.cfg.n_experts and model.cfg.capacity_factor is not None and model.cfg.capacity_in_eval:
             log.warning("this model limits expert capacity at inference (capacity_in_eval): the tokens of a "
@@ -376,6 +377,7 @@ class Engine:
         if r.finished:
             return
         r.finished = True
+        self.finished[reason] += 1
         lp, top = r.prompt_scores
         tail = r.text.flush() if r.text is not None and reason in ("stop", "length") else ""
         r.emit(Finished(reason, tail, len(r.prompt_ids), r.generated, lp, top, error))
