@@ -1,0 +1,396 @@
+"""`nanollama4 serve`: the real server on a free local port, driven by the official `openai` client and a
+real browser; its tokens equal offline generation's; bad requests get the API's error objects."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+
+import nanollama4
+from nanollama4.generation import generate
+from nanollama4.serve.api import END_OF_TURN, chat_prompt, create_app
+from nanollama4.serve.engine import Engine, Finished, QueueFull, Request, TokenEvent
+from nanollama4.serve.server import bind
+from nanollama4.tokenizer import CharTokenizer
+from tests.helpers import randomize_
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXT = "ROMEO.\nBut soft, what light through yonder window breaks?\n\nJULIET.\nAy me! USER ASSISTANT xyz qjk\n"
+NAME = "tiny-test"
+
+
+@contextmanager
+def running(engine: Engine, name: str = NAME):
+    """The app over `engine` on uvicorn, on a free local port, in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _model(max_seq_len: int = 64, seed: int = 7):
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, max_seq_len=max_seq_len)
+    model = nanollama4.build_model(cfg).eval()
+    randomize_(model, seed=seed)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A tiny model (chunks of 8, top-2 of 4 experts) behind the real server, and an identical copy offline."""
+    model, tok = _model()
+    offline = copy.deepcopy(model)
+    engine = Engine(model, tok, max_batch=8, max_queue=8).start()
+    with running(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield SimpleNamespace(url=url, engine=engine, client=client, offline=offline, tok=tok)
+    engine.close(cancel=True, timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- the API
+def test_models_and_health(served):
+    assert [m.id for m in served.client.models.list().data] == [NAME]
+    health = httpx.get(f"{served.url}/health").json()
+    assert health["status"] == "ok" and health["max_batch"] == 8
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_completion_equals_offline_generate_token_for_token(served, stream):
+    prompt = "ROMEO.\nBut soft, what light"
+    want = generate(served.offline, served.tok, prompt, 30, temperature=0)
+    kwargs = dict(model=NAME, prompt=prompt, max_tokens=30, temperature=0, logprobs=0)
+    if stream:
+        chunks = list(served.client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        usage = chunks[-1].usage
+    else:
+        r = served.client.completions.create(**kwargs)
+        text, tokens, usage = r.choices[0].text, r.choices[0].logprobs.tokens, r.usage
+        assert r.choices[0].finish_reason == "length"
+    assert text == want
+    assert tokens == [served.tok.decode([i]) for i in served.tok.encode(want)]  # one token per character
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 30)
+
+
+def test_eight_concurrent_seeded_requests_each_equal_their_offline_run(served):
+    prompts = ["ROMEO.\n", "But soft", "what light", "JULIET.\nAy me", "yonder", "window breaks?", "Ay", "xyz"]
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        stream = served.client.completions.create(model=NAME, prompt=prompts[i], max_tokens=40, temperature=0.9,
+                                                  top_p=0.95, seed=100 + i, stream=True)
+        results[i] = "".join(c.choices[0].text for c in stream)
+
+    steps = served.engine.steps
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01 * (t.ident % 3))  # joining a running batch at different steps
+    for t in threads:
+        t.join(120)
+    assert served.engine.steps - steps < 8 * 39  # they did decode together
+    for i, prompt in enumerate(prompts):
+        want = generate(served.offline, served.tok, prompt, 40, temperature=0.9, top_p=0.95, seed=100 + i)
+        assert results[i] == want, i
+
+
+def test_chat_continues_the_documented_template_and_ends_at_a_blank_line(served):
+    messages = [{"role": "system", "content": "ROMEO."}, {"role": "user", "content": "But soft"}]
+    text = chat_prompt(messages)
+    assert text == "ROMEO.\n\nUSER.\nBut soft\n\nASSISTANT.\n"
+    want = generate(served.offline, served.tok, text, 64 - len(text), temperature=0.7, seed=3, stop=[END_OF_TURN])
+    r = served.client.chat.completions.create(model=NAME, messages=messages, temperature=0.7, seed=3)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    chunks = list(served.client.chat.completions.create(model=NAME, messages=messages, temperature=0.7, seed=3,
+                                                        stream=True, logprobs=True, top_logprobs=2))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    scored = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.logprob - 1e-6 for lp in scored)
+
+
+def test_stop_strings_echo_and_logprobs(served):
+    prompt = "But soft"
+    full = generate(served.offline, served.tok, prompt, 20, temperature=0)
+    stop = full[5:7]
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stop=[stop],
+                                         echo=True, logprobs=3)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.text == prompt + full[:full.index(stop)]
+    lp = choice.logprobs
+    assert lp.tokens[:len(prompt)] == list(prompt) and lp.token_logprobs[0] is None
+    assert lp.text_offset[:3] == [0, 1, 2]
+    # the log-probabilities are the model's (temperature 1), checked against one offline pass
+    ids = served.tok.encode(prompt + full[:len(lp.tokens) - len(prompt)])
+    with torch.no_grad():
+        logp = served.offline(torch.tensor([ids]))[0].float().log_softmax(-1)
+    for t in range(1, len(ids)):
+        assert lp.token_logprobs[t] == pytest.approx(float(logp[t - 1, ids[t]]), abs=1e-4)
+        assert len(lp.top_logprobs[t]) == 3 and max(lp.top_logprobs[t].values()) == pytest.approx(
+            float(logp[t - 1].max()), abs=1e-4)
+
+
+def test_a_list_of_prompts_gets_one_choice_each(served):
+    r = served.client.completions.create(model=NAME, prompt=["ROMEO.", "JULIET."], max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [generate(served.offline, served.tok, p, 5, temperature=0)
+                                           for p in ("ROMEO.", "JULIET.")]
+    assert r.usage.completion_tokens == 10
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+OK = {"model": NAME, "prompt": "But soft", "max_tokens": 4}
+BAD = [
+    ("malformed JSON", b'{"model": "tiny-test", "prompt": ', 400, None),
+    ("not an object", b'["But soft"]', 400, None),
+    ("unknown field", {**OK, "temprature": 0.5}, 400, "temprature"),
+    ("wrong type", {**OK, "max_tokens": "4"}, 400, "max_tokens"),
+    ("max_tokens 0", {**OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {**OK, "max_tokens": -3}, 400, "max_tokens"),
+    ("max_tokens huge", {**OK, "max_tokens": 10**12}, 400, "max_tokens"),
+    ("temperature -1", {**OK, "temperature": -1}, 400, "temperature"),
+    ("temperature NaN", b'{"model": "tiny-test", "prompt": "But soft", "temperature": NaN}', 400, "temperature"),
+    ("top_p 0", {**OK, "top_p": 0}, 400, "top_p"),
+    ("top_p 2", {**OK, "top_p": 2}, 400, "top_p"),
+    ("seed negative", {**OK, "seed": -1}, 400, "seed"),
+    ("stream not a flag", {**OK, "stream": "yes"}, 400, "stream"),
+    ("too many stops", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("over-long prompt", {**OK, "prompt": "a" * 70}, 400, "prompt"),
+    ("prompt + max_tokens over the context", {**OK, "prompt": "a" * 40, "max_tokens": 30}, 400, "max_tokens"),
+    ("unknown characters", {**OK, "prompt": "But soft \u263a"}, 400, "prompt"),
+    ("empty prompt", {**OK, "prompt": ""}, 400, "prompt"),
+    ("token ids outside the vocabulary", {**OK, "prompt": [1, 2, 999]}, 400, "prompt"),
+    ("an unsupported setting", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("another model", {**OK, "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [pytest.param(b, s, p, id=i) for i, b, s, p in BAD])
+def test_bad_requests_get_the_apis_error_object_and_the_server_goes_on(served, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{served.url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
+    if param:
+        assert param in error["message"]
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    assert served.client.completions.create(**OK).choices[0].finish_reason == "length"
+
+
+def test_the_openai_client_raises_on_a_bad_field(served):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        served.client.completions.create(model=NAME, prompt="But soft", top_p=0)
+    with pytest.raises(openai.BadRequestError, match="not in the vocabulary"):
+        served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "\u00e9t\u00e9"}])
+    with pytest.raises(openai.NotFoundError):
+        served.client.completions.create(model="other", prompt="But soft")
+
+
+def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1)  # not started: requests wait
+    with running(engine) as url:
+        ok = json.dumps(OK).encode()
+        with httpx.Client(timeout=60) as http:
+            waiting = [http.stream("POST", f"{url}/v1/completions", content=json.dumps({**OK, "stream": True}))
+                       for _ in range(2)]
+            responses = [w.__enter__() for w in waiting]  # a free row and the one queue place
+            assert [r.status_code for r in responses] == [200, 200]
+            r = http.post(f"{url}/v1/completions", content=ok)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert http.get(f"{url}/health").json()["waiting"] == 2
+            engine.start()
+            for response, w in zip(responses, waiting, strict=True):
+                assert response.read().decode().endswith("data: [DONE]\n\n")
+                w.__exit__(None, None, None)
+            assert http.post(f"{url}/v1/completions", content=ok).status_code == 200
+    engine.close(cancel=True, timeout=30)
+
+
+def test_clients_that_hang_up_free_their_rows_at_once():
+    """8 streams dropped after their first token leave the batch; a new request then completes at once."""
+    model, tok = _model(max_seq_len=2048)
+    engine = Engine(model, tok, max_batch=8, max_queue=0).start()
+    with running(engine) as url, httpx.Client(timeout=60) as http:
+        body = json.dumps({**OK, "max_tokens": 2000, "stream": True})
+        with ExitStack() as streams:
+            lines = []  # kept: an httpx line iterator closes its response when it is collected
+            for _ in range(8):
+                response = streams.enter_context(http.stream("POST", f"{url}/v1/completions", content=body))
+                lines.append(response.iter_lines())
+                next(lines[-1])  # its first token has arrived
+            deadline = time.time() + 10  # (sent from its prefill, just before it takes its row)
+            while engine.busy != (8, 0) and time.time() < deadline:
+                time.sleep(0.01)
+            assert engine.busy == (8, 0) and not engine.finished
+        # all 8 hung up
+        deadline = time.time() + 10
+        while (engine.busy != (0, 0) or engine.finished["cancelled"] < 8) and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.busy == (0, 0) and engine.finished == {"cancelled": 8}
+        started = time.time()
+        r = http.post(f"{url}/v1/completions", content=json.dumps({**OK, "max_tokens": 8}))  # max_queue 0: a free row
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert time.time() - started < 5
+    engine.close(cancel=True, timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- the engine alone
+def test_the_engine_refuses_past_its_queue_and_admits_in_order():
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=2, max_queue=1)
+    events: list = []
+    requests = [Request(tok.encode("But"), 3, nanollama4.Sampling(temperature=0), events.append) for _ in range(3)]
+    engine.submit_all(requests)
+    with pytest.raises(QueueFull):
+        engine.submit(Request(tok.encode("But"), 3, nanollama4.Sampling(temperature=0), events.append))
+    engine.step([engine.waiting.popleft(), engine.waiting.popleft()])
+    assert len(engine.rows) == 2 and len(engine.waiting) == 1
+    while engine.rows:
+        engine.step()
+    ends = [e for e in events if isinstance(e, Finished)]
+    assert [e.reason for e in ends] == ["length", "length"]
+    assert sum(isinstance(e, TokenEvent) for e in events) == 6
+
+
+def test_a_traced_step_is_the_step_that_ran(served):
+    """The page's data: each token's route and the odds after it, from the batched step itself; greedy, so
+    they must be those `explain --generate` records one pass at a time."""
+    from nanollama4.explain import trace_generation
+
+    prompt = "But soft, what"
+    r = httpx.post(f"{served.url}/v1/completions", json={**OK, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                         "stream": True, "nanollama4_trace": True}, timeout=60)
+    steps = [json.loads(line[6:])["choices"][0]["nanollama4"] for line in r.text.splitlines()
+             if line.startswith("data: {") and '"nanollama4"' in line]
+    offline = trace_generation(served.offline, served.tok, prompt, 12)
+    assert [s["token"] for s in steps] == [o.chosen for o in offline]
+    assert [p["token"] for p in steps[0]["step"]["prompt"]] == list(prompt)
+    for mine, theirs in zip(steps, offline, strict=True):
+        step = mine["step"]
+        assert step["position"] == theirs.positions[1]
+        routes = [r for r in theirs.routes if r is not None]
+        assert [[e for e in r["experts"]] for r in step["routes"]] == [[e for e, _ in route] for route in routes]
+        for r, route in zip(step["routes"], routes, strict=True):
+            assert r["weights"] == pytest.approx([w for _, w in route], abs=1e-3)
+        assert step["odds"][0][0] == theirs.next_tokens[0][0]
+        assert step["odds"][0][1] == pytest.approx(theirs.next_tokens[0][1], abs=1e-3)
+        attn = {a["layer"]: a for a in step["attention"]}
+        assert all(math.isclose(sum(p for _, p in a["keys"]), 1.0, abs_tol=0.05) for a in attn.values())
+        chunked = [a for a in attn.values() if a["chunk"]]
+        assert all(min(k for k, _ in a["keys"]) >= step["position"] // a["chunk"] * a["chunk"] for a in chunked)
+
+
+# ---------------------------------------------------------------------------------------------- the page
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-headless-shell")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (.ci/run installs Debian's chromium)")
+def test_the_page_streams_tokens_and_shows_a_clicked_tokens_route(served, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    prompt = "But soft, what"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.goto(served.url + "/")
+        page.fill("#prompt", prompt)
+        page.fill("#max_tokens", "20")
+        page.fill("#temperature", "0")
+        page.click("#generate")
+        page.wait_for_selector("body[data-state=done]", timeout=60_000)
+        generated = page.locator(".tok.gen")
+        assert generated.count() == 20
+        want = generate(served.offline, served.tok, prompt, 20, temperature=0)
+        assert "".join(generated.all_inner_texts()) == want
+        assert "finish_reason: length" in page.inner_text("#status")
+        generated.nth(2).click()
+        routes = page.locator("#routes .route")
+        moe_layers = [i for i in range(served.offline.cfg.n_layers) if served.offline.cfg.is_moe(i)]
+        assert [int(x) for x in routes.evaluate_all("rs => rs.map(r => r.dataset.layer)")] == moe_layers
+        assert routes.nth(0).locator(".slot").count() == served.offline.cfg.experts_per_token
+        token = page.evaluate("window.nanollama4.tokens[%d]" % (len(prompt) + 2))
+        shown = routes.nth(0).inner_text()
+        assert all(f"expert {e}" in shown for e in token["routes"][0]["experts"])
+        assert page.locator("#odds .bar").count() == 8 and page.locator("#attention .attn").count() == 4
+        assert page.locator("#odds .chosen").first.inner_text().strip("\u201c\u201d") == want[3]
+        page.screenshot(path=str(tmp_path / "page.png"))
+        browser.close()
+    assert errors == []
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def test_serve_command_logs_each_request_and_exits_0_on_sigterm(tiny_run, tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", str(tiny_run), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"http://127\.0\.0\.1:\d+", line)[0]
+        name = Path(tiny_run).name
+        body = {"model": name, "prompt": "the cat", "max_tokens": 20, "temperature": 0}
+        with httpx.Client(timeout=60) as http:
+            assert http.post(f"{url}/v1/completions", json=body).status_code == 200
+            with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+                lines = response.iter_lines()
+                next(lines)
+                proc.send_signal(signal.SIGTERM)  # mid-stream: the stream still ends properly
+                rest = list(lines)
+        assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert len(re.findall(r"req-\d+ length: 7 prompt \+ 20 new tokens in [0-9.]+ s", err)) == 2, err
+    assert "Traceback" not in err
+
+
+def test_serve_refuses_a_port_in_use_in_one_line(tiny_run, capsys):
+    from tests.helpers import assert_cli_error, run_cli
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        rc, _, err = run_cli(["serve", str(tiny_run), "--port", str(sock.getsockname()[1])], capsys)
+        assert "pick another --port" in assert_cli_error(rc, err, "serve")
+    finally:
+        sock.close()
