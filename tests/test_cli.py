@@ -157,6 +157,16 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("experiment", "--data"): [["gqa", "--data", "MISSING"], ["gqa", "--data", "EMPTY"]],
     ("experiment", "--tiny"): [["gqa", "--tiny=1"]],
     ("experiment", "--quiet"): [["gqa", "--quiet=1"]],
+    ("serve", "path"): [["MISSING"], ["EMPTY"], ["FILE"]],
+    ("serve", "--host"): [["RUN", "--host", ""], ["RUN", "--host", "192.0.2.1"]],  # not this machine's (TEST-NET-1)
+    ("serve", "--port"): [["RUN", "--port", "70000"], ["RUN", "--port", "-1"], ["RUN", "--port", "http"]],
+    ("serve", "--max-batch"): [["RUN", "--max-batch", "0"], ["RUN", "--max-batch", "2000"]],
+    ("serve", "--max-queue"): [["RUN", "--max-queue", "-1"], ["RUN", "--max-queue", "many"]],
+    ("serve", "--name"): [["RUN", "--name", ""]],
+    ("serve", "--threads"): [["RUN", "--threads", "0"], ["RUN", "--threads", "two"]],
+    ("export", "run_dir"): [["MISSING", "OUT"], ["EMPTY", "OUT"]],
+    ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
+    ("export", "--checkpoint"): [["RUN", "OUT", "--checkpoint", "worst"]],
 }
 
 

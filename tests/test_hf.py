@@ -188,3 +188,27 @@ def test_malformed_reference_json_is_one_error(edit, message, sharded):
         (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**8}))
     with pytest.raises(CheckpointError, match=message):
         nanollama4.load_hf(folder)
+
+
+def test_export_command_writes_a_checkpoint_transformers_loads_and_our_commands_take(tiny_run, tmp_path, capsys):
+    """`nanollama4 export RUN DIR`: the run's best checkpoint as a reference directory with its tokenizer."""
+    from nanollama4.checkpoint import load_run
+    from nanollama4.cli import load_any
+    from tests.helpers import run_cli
+
+    out = tmp_path / "exported"
+    rc, stdout, err = run_cli(["export", str(tiny_run), str(out)], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json"]
+    ours, tok, _ = load_run(tiny_run)
+    theirs = transformers.Llama4ForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([tok.encode("the cat sat on the mat")])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
+    model, tokenizer = load_any(out)  # what generate, explain and serve load
+    assert tokenizer.encode("the cat") == tok.encode("the cat")
+    rc, stdout, err = run_cli(["explain", str(out), "--prompt", "the cat"], capsys)
+    assert rc == 0 and "next token after the prompt" in stdout, err
+    rc, _, err = run_cli(["export", str(tiny_run), str(out)], capsys)  # never over a folder with files in it
+    assert rc == 2 and "not an empty folder" in err

@@ -348,9 +348,9 @@ def test_the_page_streams_tokens_and_shows_a_clicked_tokens_route(served, tmp_pa
         moe_layers = [i for i in range(served.offline.cfg.n_layers) if served.offline.cfg.is_moe(i)]
         assert [int(x) for x in routes.evaluate_all("rs => rs.map(r => r.dataset.layer)")] == moe_layers
         assert routes.nth(0).locator(".slot").count() == served.offline.cfg.experts_per_token
-        token = page.evaluate("window.nanollama4.tokens[%d]" % (len(prompt) + 2))
+        token_routes = page.evaluate(f"window.nanollama4.tokens[{len(prompt) + 2}].routes")
         shown = routes.nth(0).inner_text()
-        assert all(f"expert {e}" in shown for e in token["routes"][0]["experts"])
+        assert all(f"expert {e}" in shown for e in token_routes[0]["experts"])
         assert page.locator("#odds .bar").count() == 8 and page.locator("#attention .attn").count() == 4
         assert page.locator("#odds .chosen").first.inner_text().strip("\u201c\u201d") == want[3]
         page.screenshot(path=str(tmp_path / "page.png"))

@@ -419,8 +419,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    import torch
+
     from .serve.server import serve
 
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     model, tokenizer = load_any(args.path)
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
@@ -549,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_queue, default=64,
                    help="requests that may wait for a free batch row; more are answered 429 with Retry-After")
     p.add_argument("--name", type=_text, help="the model id clients pass (default: the folder's name)")
+    p.add_argument("--threads", type=_batch, help="threads for the model's arithmetic (default: the CPU's cores "
+                   "less one, which is left to the HTTP side and the clients)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")

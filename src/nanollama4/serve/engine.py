@@ -325,22 +325,31 @@ class Engine:
         with self._observing(any(r.trace for r in self.rows)) as seen:
             logits = self.model(ids, cache=self.cache, positions=positions, last_only=True)[:, -1].float()
         self.steps += 1
+        # what every row needs, in one op each: finiteness, and the greedy rows' tokens (argmax is exact
+        # whatever the batch); sampled rows draw one by one, each from its own generator
+        finite = torch.isfinite(logits).all(-1).tolist()
+        greedy = logits.argmax(-1).tolist()
         done = []
         for b, r in enumerate(self.rows):
             r.position += 1
             trace = self._step_trace(seen, row=b, query=0, flat=b, logits=logits[b], position=r.position - 1,
                                      token=r.last) if r.trace else None
-            if not self._emit_next(r, logits[b:b + 1], trace):
+            if not self._emit_next(r, logits[b:b + 1], trace, finite[b], greedy[b]):
                 done.append(r)
         for r in done:
             self._retire(r, None)
 
-    def _emit_next(self, r: Request, logits: torch.Tensor, trace: dict | None) -> bool:
-        """Sample r's next token from logits (1, vocab) and send it; False when the request is over."""
-        if not bool(torch.isfinite(logits).all()):
+    def _emit_next(self, r: Request, logits: torch.Tensor, trace: dict | None, finite: bool | None = None,
+                   greedy: int | None = None) -> bool:
+        """Sample r's next token from logits (1, vocab) and send it; False when the request is over.
+        `finite` and `greedy` (the argmax) may come precomputed for the whole batch."""
+        if not (bool(torch.isfinite(logits).all()) if finite is None else finite):
             self._finish(r, "error", error="the model's output is not finite; its weights may have diverged")
             return False
-        token = int(next_token(logits, r.sampling, r.generator)[0])
+        if r.sampling.temperature <= 0:
+            token = int(logits[0].argmax()) if greedy is None else greedy
+        else:
+            token = int(next_token(logits, r.sampling, r.generator)[0])
         lp = top = None
         if r.logprobs is not None:
             logp = logits[0].log_softmax(-1)
