@@ -7,6 +7,7 @@ command exits 0.
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 import socket
@@ -35,8 +36,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0 = any free "
-                          "one) or stop what is using it") from None
+        fix = ("pick another --port (0 = any free one) or stop what is using it" if e.errno == errno.EADDRINUSE
+               else "give --host an address of this machine (127.0.0.1, or 0.0.0.0 for all)"
+               if e.errno == errno.EADDRNOTAVAIL else "pick a port above 1023, or run with the right to bind this one"
+               if e.errno == errno.EACCES else "check --host and --port")
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); {fix}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -55,10 +59,10 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     from .engine import Engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    sock = bind(host, port)
     if host not in LOCAL_HOSTS:
         print(f"warning: --host {host} makes the server reachable from other machines, and it has no "
               "authentication: anyone who can connect can use it", file=sys.stderr)
-    sock = bind(host, port)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue).start()
     app = create_app(engine, name)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
