@@ -184,6 +184,11 @@ BAD = [
     ("max_tokens huge", {**OK, "max_tokens": 10**12}, 400, "max_tokens"),
     ("temperature -1", {**OK, "temperature": -1}, 400, "temperature"),
     ("temperature NaN", b'{"model": "tiny-test", "prompt": "But soft", "temperature": NaN}', 400, "temperature"),
+    ("temperature an integer past any float", {**OK, "temperature": 10**400}, 400, "temperature"),
+    ("a lone surrogate as a key", b'{"model": "tiny-test", "prompt": "But soft", "\\ud800": 1}', 400, "\ud800"),
+    ("a lone surrogate in the prompt", b'{"model": "tiny-test", "prompt": "But \\ud800"}', 400, "prompt"),
+    ("a trace without a stream", {**OK, "nanollama4_trace": True}, 400, "nanollama4_trace"),
+    ("more prompts than the server holds", {**OK, "prompt": ["But"] * 17}, 400, "prompt"),
     ("top_p 0", {**OK, "top_p": 0}, 400, "top_p"),
     ("top_p 2", {**OK, "top_p": 2}, 400, "top_p"),
     ("seed negative", {**OK, "seed": -1}, 400, "seed"),
@@ -196,20 +201,44 @@ BAD = [
     ("token ids outside the vocabulary", {**OK, "prompt": [1, 2, 999]}, 400, "prompt"),
     ("an unsupported setting", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("another model", {**OK, "model": "gpt-4"}, 404, "model"),
+    ("chat messages longer than the context", {"model": NAME, "messages": [{"role": "user", "content": "a" * 80}]},
+     400, "messages"),
 ]
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [pytest.param(b, s, p, id=i) for i, b, s, p in BAD])
 def test_bad_requests_get_the_apis_error_object_and_the_server_goes_on(served, body, status, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{served.url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    path = "chat/completions" if isinstance(body, dict) and "messages" in body else "completions"
+    r = httpx.post(f"{served.url}/v1/{path}", content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
-    if param:
-        assert param in error["message"]
+    if param:  # named in the message (a lone surrogate as its escape)
+        assert param in error["message"] or param.encode("unicode_escape").decode() in error["message"]
     assert httpx.get(f"{served.url}/health").status_code == 200
     assert served.client.completions.create(**OK).choices[0].finish_reason == "length"
+
+
+def test_scoring_a_prompt_token_ids_a_tiny_temperature_and_the_model_card(served):
+    """What scoring harnesses and other clients send: max_tokens 0 with echo and logprobs, a prompt of token
+    ids longer than 64, a temperature too small to divide by."""
+    prompt = "But soft, what light through yonder window"
+    r = served.client.completions.create(model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    ids = served.tok.encode(prompt)
+    with torch.no_grad():
+        logp = served.offline(torch.tensor([ids]))[0].float().log_softmax(-1)
+    got = r.choices[0].logprobs.token_logprobs
+    assert r.choices[0].text == prompt and got[0] is None and r.usage.completion_tokens == 0
+    assert got[1:] == pytest.approx([float(logp[t - 1, ids[t]]) for t in range(1, len(ids))], abs=1e-4)
+    long_ids = served.tok.encode("But soft, what light " * 3)[:63]
+    r = served.client.completions.create(model=NAME, prompt=long_ids, max_tokens=1, temperature=0)
+    assert r.choices[0].text == generate(served.offline, served.tok, served.tok.decode(long_ids), 1, temperature=0)
+    r = served.client.completions.create(model=NAME, prompt="But soft", max_tokens=10, temperature=1e-300)
+    assert r.choices[0].text == generate(served.offline, served.tok, "But soft", 10, temperature=0)
+    assert served.client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("gpt-4")
 
 
 def test_the_openai_client_raises_on_a_bad_field(served):
@@ -241,6 +270,18 @@ def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
                 w.__exit__(None, None, None)
             assert http.post(f"{url}/v1/completions", content=ok).status_code == 200
     engine.close(cancel=True, timeout=30)
+
+
+def test_a_closing_server_answers_503_and_says_so_on_health():
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=2, max_queue=2).start()
+    with running(engine) as url:
+        engine.stop_accepting()
+        r = httpx.post(f"{url}/v1/completions", json=OK)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "closing"
+    engine.close(timeout=30)
 
 
 def test_clients_that_hang_up_free_their_rows_at_once():

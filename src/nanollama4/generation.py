@@ -84,9 +84,13 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
+GREEDY_BELOW = 1e-6  # temperatures below this are greedy: dividing the logits by them would overflow
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row from logits (B, vocab): argmax when temperature is 0, else sample."""
-    if sampling.temperature <= 0:
+    """Pick one token per row from logits (B, vocab): argmax when temperature is 0 (or below GREEDY_BELOW,
+    where the sharpened distribution is the argmax's anyway), else sample."""
+    if sampling.temperature < GREEDY_BELOW:
         return logits.argmax(-1)
     probs = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -20,13 +20,14 @@ from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import TokenizerError
 from ..generation import Sampling
-from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent
+from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 
 BODY_LIMIT = 1 << 20  # bytes of JSON a request may send
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
@@ -45,9 +46,10 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+    def response(self) -> Response:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return Response(json.dumps(body), status_code=self.status, headers=self.headers,
+                        media_type="application/json")  # ASCII JSON: any text a client sent can be quoted back
 
 
 # ---------------------------------------------------------------------------------------------- the fields
@@ -64,7 +66,13 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite JSON number (an integer too large for a float is not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _bad(param: str, rule: str, value: Any) -> ApiError:
@@ -106,7 +114,7 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
                        code="model_not_found")
     temperature = body.get("temperature", 1.0)
     temperature = 1.0 if temperature is None else temperature
-    if not _is_number(temperature) or not math.isfinite(temperature) or not 0 <= temperature <= 2:
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
         raise _bad("temperature", "must be a number from 0 (greedy) to 2", temperature)
     top_p = body.get("top_p")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):  # NaN fails the range too
@@ -130,17 +138,23 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
         raise _bad("stream_options", "is only allowed with stream: true", options)
     include_usage = bool(options and options.get("include_usage"))
     trace = _flag(body, "nanollama4_trace")
+    if trace and not stream:
+        raise _bad("nanollama4_trace", "needs stream: true (the page's stream of steps)", True)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("user", "must be a string", body["user"])
 
     if kind == "completions":
         texts, prompts = _prompts(body.get("prompt"), engine)
+        if trace and len(prompts) > 1:
+            raise _bad("nanollama4_trace", "takes one prompt at a time", True)
         logprobs = body.get("logprobs")
         if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS[kind]):
             raise _bad("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", logprobs)
         echo = _flag(body, "echo")
         max_tokens, field = body.get("max_tokens", 16), "max_tokens"
         max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens == 0 and echo and logprobs is not None and _is_int(max_tokens):
+            max_tokens = None  # scoring the prompt alone: allowed, as OpenAI's legacy API allowed it
     else:
         text = chat_prompt(body.get("messages"))
         prompts = [_encode(text, engine, "messages")]
@@ -156,12 +170,19 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
         echo = False
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = body.get(field)
-        if max_tokens is None:
+        if max_tokens is None and len(prompts[0]) < engine.cfg.max_seq_len:
             max_tokens = engine.cfg.max_seq_len - len(prompts[0])  # the rest of the context
+        elif max_tokens is None:
+            max_tokens = 1  # the check below names the messages as too long
     limit = engine.cfg.max_seq_len
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if max_tokens is None:  # scoring only
+        max_tokens = 0
+    elif not _is_int(max_tokens) or max_tokens < 1:
         raise _bad(field, f"must be a positive integer (at most the context, {limit} tokens, minus the prompt)",
                    max_tokens)
+    if len(prompts) > engine.max_batch + engine.max_queue:
+        raise ApiError(400, f"{len(prompts)} prompts are more than this server ever holds at once "
+                       f"({engine.max_batch} decoding + {engine.max_queue} waiting); send fewer", param="prompt")
     for ids in prompts:
         if len(ids) + max_tokens > limit:
             what = "messages" if kind == "chat" else "prompt"
@@ -186,11 +207,12 @@ def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
     vocab = engine.tokenizer.vocab_size
     if isinstance(prompt, str):
         return [prompt], [_encode(prompt, engine, "prompt")]
-    if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
-        if all(isinstance(p, str) for p in prompt):
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) and len(prompt) <= MAX_PROMPTS:
             return list(prompt), [_encode(p, engine, "prompt") for p in prompt]
-        lists = [prompt] if all(_is_int(t) for t in prompt) else prompt
-        if all(isinstance(ids, list) and ids and all(_is_int(t) and 0 <= t < vocab for t in ids) for ids in lists):
+        lists = [prompt] if all(_is_int(t) for t in prompt) else prompt  # one id list, or a list of them
+        if len(lists) <= MAX_PROMPTS and all(isinstance(ids, list) and ids and all(_is_int(t) and 0 <= t < vocab
+                                                                                  for t in ids) for ids in lists):
             return [engine.tokenizer.decode(ids) for ids in lists], [list(ids) for ids in lists]
     raise _bad("prompt", f"must be a string, a list of up to {MAX_PROMPTS} strings, or token ids in "
                f"[0, {vocab}) (a list, or a list of lists)", prompt)
@@ -199,6 +221,11 @@ def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
 def _encode(text: str, engine: Engine, param: str) -> list[int]:
     if not text:
         raise ApiError(400, f"the {param} is empty; give some text to continue", param=param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"the {param} holds a lone surrogate (\\ud800-\\udfff), which is not text; send "
+                       "valid Unicode", param=param) from None
     try:
         ids = engine.tokenizer.encode(text)
     except TokenizerError as e:
@@ -226,6 +253,8 @@ def chat_prompt(messages: Any) -> str:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
             raise _bad(f"messages[{i}]", "must be an object with role and content", m)
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise _bad(f"messages[{i}].name", "must be a string", m["name"])
         role, content = m.get("role"), m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -301,10 +330,17 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
     created = int(time.time())
     page = _page(engine, model_name)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "nanollama4",
+            "max_model_len": engine.cfg.max_seq_len}
+
     async def models(_: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                          "owned_by": "nanollama4",
-                                                          "max_model_len": engine.cfg.max_seq_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(http: HttpRequest) -> Response:
+        if http.path_params["name"] != model_name:
+            return ApiError(404, f"the model {http.path_params['name']!r} does not exist; this server serves "
+                            f"{model_name!r}", param="model", code="model_not_found").response()
+        return JSONResponse(card)
 
     async def health(_: HttpRequest) -> Response:
         decoding, waiting = engine.busy
@@ -324,6 +360,7 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
                 session = Session(engine, params)
                 session.submit()
             except ApiError as e:
+                log.info("refused %s %s: %d %s", http.method, http.url.path, e.status, e.message)
                 return e.response()
             respond = _stream if params.stream else _whole
             return await respond(kind, http, session, params, engine, model_name)
@@ -338,10 +375,15 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
     async def no_icon(_: HttpRequest) -> Response:
         return Response(status_code=204)
 
+    async def failed(http: HttpRequest, exc: Exception) -> Response:
+        log.error("%s %s failed: %s: %s", http.method, http.url.path, type(exc).__name__, exc)
+        return ApiError(500, "the server failed on this request (its log says why)", kind="server_error").response()
+
     routes = [Route("/", index), Route("/favicon.ico", no_icon), Route("/health", health), Route("/v1/models", models),
+              Route("/v1/models/{name:path}", model),
               Route("/v1/completions", endpoint("completions"), methods=["POST"]),
               Route("/v1/chat/completions", endpoint("chat"), methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: failed})
 
 
 async def _read_json(http: HttpRequest) -> Any:
@@ -406,9 +448,11 @@ async def _until_disconnected(http: HttpRequest, session: Session) -> None:
     session.cancel()
 
 
-def _completion_logprobs(engine: Engine, events: list[TokenEvent], prompt: tuple | None = None) -> dict:
-    """The completions logprobs object: tokens, their log-probabilities, the top alternatives, offsets;
-    the prompt's tokens first when it is echoed (`prompt`: its ids, log-probabilities and top ones)."""
+def _completion_logprobs(engine: Engine, events: list[TokenEvent], prompt: tuple | None = None,
+                         start: int = 0) -> dict:
+    """The completions logprobs object: tokens, their log-probabilities, the top alternatives, offsets into
+    the choice's text (from `start`); the prompt's tokens first when it is echoed (`prompt`: its ids,
+    log-probabilities and top ones)."""
     entries = [_logprob_entry(engine, e) for e in events]
     if prompt is not None:
         ids, prompt_lp, prompt_top = prompt
@@ -416,7 +460,7 @@ def _completion_logprobs(engine: Engine, events: list[TokenEvent], prompt: tuple
         text = engine.token_text
         entries = [(text[t], lp, None if top is None else {text[j]: v for j, v in top})
                    for t, lp, top in zip(ids, prompt_lp, prompt_top, strict=True)] + entries
-    offsets, at = [], 0
+    offsets, at = [], start
     for token, _, _ in entries:
         offsets.append(at)
         at += len(token)
@@ -447,6 +491,8 @@ async def _stream(kind: str, http: HttpRequest, session: Session, params: Params
         payload = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+    offsets = [len(t) if params.echo else 0 for t in params.prompt_texts]  # where each choice's next token starts
+
     async def events() -> AsyncIterator[str]:
         prompt_n = completion_n = 0
         try:
@@ -463,7 +509,8 @@ async def _stream(kind: str, http: HttpRequest, session: Session, params: Params
                     if kind == "completions":
                         choice["text"] = event.text
                         choice["logprobs"] = None if params.logprobs is None else _completion_logprobs(
-                            engine, [event])
+                            engine, [event], start=offsets[index])
+                        offsets[index] += len(engine.token_text[event.token_id])
                     else:
                         choice["delta"] = {"content": event.text}
                         choice["logprobs"] = None if params.logprobs is None else {
@@ -491,7 +538,8 @@ async def _stream(kind: str, http: HttpRequest, session: Session, params: Params
         finally:
             session.cancel()
 
-    return StreamingResponse(events(), media_type="text/event-stream",
+    # the background task runs however the response ends, also when the client left before the first event
+    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(session.cancel),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -30,7 +30,7 @@ from ..attention import KVCache, MaskMemo, attention_mask
 from ..config import ModelConfig
 from ..errors import Nanollama4Error
 from ..explain.tracing import describe_slots, observe
-from ..generation import Sampling, TextStream, next_token
+from ..generation import GREEDY_BELOW, Sampling, TextStream, next_token
 from ..model import Transformer
 from ..tokenizer import Tokenizer
 
@@ -76,9 +76,10 @@ Event = TokenEvent | Finished
 _ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: two with equal fields are still two rows
 class Request:
-    """One prompt to continue. `emit` is called from the engine's thread with each event, in order."""
+    """One prompt to continue. `emit` is called from the engine's thread with each event, in order.
+    max_tokens 0 only scores the prompt (with prompt_logprobs) and ends."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -205,6 +206,7 @@ class Engine:
         self._lock = threading.Condition()
         self._closing = False
         self._stopped = False
+        self._admitting: list[Request] = []  # taken from `waiting`, not yet in a row
         self._thread = threading.Thread(target=self._loop, name="nanollama4-engine", daemon=True)
         self.steps = 0  # batched decode steps run
         self.finished: Counter[str] = Counter()  # requests ended, by reason
@@ -228,6 +230,7 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise Closing("the server is shutting down")
+            self._forget_cancelled()
             room = self.max_queue + max(0, self.max_batch - len(self.rows)) - len(self.waiting)
             if len(requests) > room:
                 raise QueueFull(f"{len(self.rows)} requests are decoding and {len(self.waiting)} waiting "
@@ -235,12 +238,18 @@ class Engine:
             self.waiting.extend(requests)
             self._lock.notify()
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests (Closing); those in flight go on."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+
     def close(self, cancel: bool = False, timeout: float | None = None) -> None:
         """Take no new requests; let those in flight finish (or cancel them), then stop the loop."""
         with self._lock:
             self._closing = True
             if cancel:
-                for r in (*self.rows, *self.waiting):
+                for r in (*self.rows, *self.waiting, *self._admitting):
                     r.cancel()
             self._lock.notify()
         if self._thread.is_alive():
@@ -256,6 +265,14 @@ class Engine:
     def closing(self) -> bool:
         return self._closing
 
+    def _forget_cancelled(self) -> None:
+        """Waiting requests whose client went away leave the queue (under the lock) and end now."""
+        if any(r.cancelled for r in self.waiting):
+            gone = [r for r in self.waiting if r.cancelled]
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
+            for r in gone:
+                self._finish(r, "cancelled")
+
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -266,14 +283,18 @@ class Engine:
                 if self._closing and not self.rows and not self.waiting:
                     self._stopped = True
                     return
+                self._forget_cancelled()
                 new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+                self._admitting = new
             try:
                 self.step(new)
-            except Exception as e:  # a bug or a non-finite model: end what is in flight, keep serving
+            except Exception as e:  # a bug in the batched pass: end what is in flight, keep serving
                 log.exception("a step failed")
                 for r in [*self.rows, *new]:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
                 self.rows = []
+            with self._lock:
+                self._admitting = []
 
     @torch.no_grad()
     def step(self, new: list[Request] = ()) -> None:
@@ -284,7 +305,11 @@ class Engine:
             if r.cancelled:
                 self._finish(r, "cancelled")
                 continue
-            self._prefill(r)
+            try:
+                self._prefill(r)
+            except Exception as e:  # this request alone fails (the rows are untouched)
+                log.exception("%s: the prefill failed", r.id)
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
         if self.rows:
             self._decode()
 
@@ -313,6 +338,9 @@ class Engine:
                                      token=r.prompt_ids[-1])
             trace["prompt"] = [{"position": t, "token": self.token_text[i], "routes": self._routes(seen, t)}
                                for t, i in enumerate(r.prompt_ids)]
+        if r.max_tokens == 0:  # scoring the prompt only
+            self._finish(r, "length")
+            return
         if self._emit_next(r, logits[-1:], trace):
             self.cache.load(len(self.rows), cache)
             self.rows.append(r)
@@ -334,7 +362,13 @@ class Engine:
             r.position += 1
             trace = self._step_trace(seen, row=b, query=0, flat=b, logits=logits[b], position=r.position - 1,
                                      token=r.last) if r.trace else None
-            if not self._emit_next(r, logits[b:b + 1], trace, finite[b], greedy[b]):
+            try:
+                going = self._emit_next(r, logits[b:b + 1], trace, finite[b], greedy[b])
+            except Exception as e:  # sampling or sending failed for this row alone: it ends, the others go on
+                log.exception("%s: a step failed", r.id)
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                going = False
+            if not going:
                 done.append(r)
         for r in done:
             self._retire(r, None)
@@ -346,7 +380,7 @@ class Engine:
         if not (bool(torch.isfinite(logits).all()) if finite is None else finite):
             self._finish(r, "error", error="the model's output is not finite; its weights may have diverged")
             return False
-        if r.sampling.temperature <= 0:
+        if r.sampling.temperature < GREEDY_BELOW:
             token = int(logits[0].argmax()) if greedy is None else greedy
         else:
             token = int(next_token(logits, r.sampling, r.generator)[0])

@@ -67,7 +67,12 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     app = create_app(engine, name)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
                             access_log=False)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # the signal: new requests get 503 from now on
+            engine.stop_accepting()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     shown_host = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
     address = f"http://{shown_host}:{sock.getsockname()[1]}"
     # uvicorn re-raises the signal that stopped it once it is done; caught here, it ends the command
