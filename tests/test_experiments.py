@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nanollama4.experiments import EXPERIMENTS
-from nanollama4.experiments.common import loss_at, verdict
+from nanollama4.experiments.common import EFFECT, Setting, loss_at, paired_test
 from nanollama4.experiments.router_tricks import starved
 from tests.helpers import write_corpus
 
@@ -52,7 +52,78 @@ def test_the_helpers_behind_the_readings():
     curve = [{"tokens": 0, "time": 0.0, "val_loss": 3.0}, {"tokens": 100, "time": 10.0, "val_loss": 2.0}]
     assert loss_at(curve, "time", 5.0) == pytest.approx(2.5)
     assert loss_at(curve, "tokens", 100) == pytest.approx(2.0)
-    assert verdict(-0.01, 0.02) == "tie" and verdict(-0.03, 0.02) == "better" and verdict(0.03, 0.02) == "worse"
     # 2 layers x 4 experts; one expert of layer 1 gets 1% of the assignments (under 10% of the fair 25%)
     load = [[[0.25, 0.25, 0.25, 0.25], [0.33, 0.33, 0.33, 0.01]]] * 10
     assert starved(load, 0.25) == (1, 8)
+
+
+def test_paired_statistics_call_what_their_interval_allows():
+    """Hand-made paired differences (arm minus baseline per seed): an interval that excludes 0 is called, a
+    wide one that straddles 0 is undecided, a narrow one inside +-EFFECT is a tie."""
+    better = paired_test([-0.020, -0.022, -0.018])
+    half = 4.303 * 0.002 / 3 ** 0.5  # t(0.975, df 2) x sd / sqrt(n)
+    assert better.reading == "better" and better.mean == pytest.approx(-0.020)
+    assert (better.low, better.high) == pytest.approx((-0.020 - half, -0.020 + half))
+    assert paired_test([0.020, 0.025, 0.018]).reading == "worse"
+    wide = paired_test([-0.05, 0.04, 0.01])
+    assert wide.low < 0 < wide.high and wide.reading == "undecided"
+    narrow = paired_test([-0.002, 0.001, 0.0005])
+    assert narrow.low < 0 < narrow.high and max(-narrow.low, narrow.high) <= EFFECT and narrow.reading == "tie"
+    assert paired_test([-0.002, 0.001, 0.0005], effect=0.001).reading == "undecided"  # the effect size decides
+    assert paired_test([-0.03, -0.02]).reading == "undecided (2 seeds)"  # no interval from two
+    assert paired_test([0.2], gated=0.03).reading.startswith("worse (one seed")  # let off by the gate
+    assert paired_test([0.05], gated=0.03).reading == "undecided (1 seed)"
+    assert paired_test([-0.020, -0.022, -0.018]).interval.startswith("-0.0200 [")
+
+
+def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(corpus, tmp_path, monkeypatch):
+    """Interrupted during its third arm, the experiment rerun into the same folder reads back the finished
+    arms, resumes the interrupted one exactly from its checkpoint, trains the rest and writes its results."""
+    import torch
+
+    from nanollama4.experiments import common, run_experiment
+    from nanollama4.plots import read_metrics
+    from nanollama4.runs import resume_config
+
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
+    torch.set_num_threads(1)
+    out = tmp_path / "capacity"
+    setting = Setting.tiny_scale(str(corpus))
+    real_train, calls = common.train, []
+
+    def train_then_stop(cfg, tc, run_dir, **kwargs):
+        calls.append(run_dir)
+        if len(calls) == 3:  # the third arm stops after 2 of its 3 steps, as Ctrl-C would leave it
+            real_train(cfg, tc.replace(max_steps=2), run_dir, **kwargs)
+            raise KeyboardInterrupt
+        return real_train(cfg, tc, run_dir, **kwargs)
+
+    monkeypatch.setattr(common, "train", train_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment("moe_capacity", out, setting, progress=False)
+    first, second, third = calls
+    kept = {p: (p / "metrics.jsonl").read_bytes() for p in (first, second)}
+    assert common.finished_steps(third) == 2 and not (out / "results.json").exists()
+    monkeypatch.setattr(common, "train", real_train)
+    resumed = []
+    monkeypatch.setattr(common, "resume_config", lambda run_dir, **kw: resumed.append(run_dir) or resume_config(
+        run_dir, **kw))
+    paths = run_experiment("moe_capacity", out, setting, progress=False)
+    assert resumed == [third]  # only the interrupted arm resumed; the finished ones were read back untouched
+    assert all((p / "metrics.jsonl").read_bytes() == kept[p] for p in kept)
+    doc = json.loads((out / "results.json").read_text())
+    names = {(a["name"], a["seed"]) for a in doc["arms"]}
+    assert len(names) == 4 * 3 + 2 * 3 and all(a["steps"] == 3 for a in doc["arms"])
+    assert {n for n, _ in names} >= {"dense", "moe N=4", "moe N=16", "moe N=64", "dense (BPE)"}
+    train_rows, _ = read_metrics(third / "metrics.jsonl")
+    assert [r["step"] for r in train_rows] == [1, 2, 3]  # steps 1-2 before the stop, 3 after the resume
+    table = (out / "table.md").read_text()
+    assert "BPE pair" in table and "gain at 100% of tokens" in table
+    assert any(p.name == "moe_capacity_gain.png" for p in paths)
+    with pytest.raises(Exception, match="already holds results"):
+        run_experiment("moe_capacity", out, setting, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "experiment.json").write_text(json.dumps({"experiment": "moe_capacity", "setting": {}}))
+    with pytest.raises(Exception, match="not an unfinished run of this experiment"):
+        run_experiment("moe_capacity", other, setting, progress=False)

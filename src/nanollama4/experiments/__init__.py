@@ -9,6 +9,7 @@ This module stays light (the CLI reads EXPERIMENTS to build its parser); the exp
 
 from __future__ import annotations
 
+import json
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,13 +25,17 @@ EXPERIMENTS = {
     "irope_length": "all-RoPE vs iRoPE trained at 128, evaluated to 2,048, with and without temperature",
     "gqa": "1, 2, 4, 8 KV heads at 8 query heads: cache bytes, decode speed, loss",
     "router_tricks": "noise, -inf masking, capacity with and without overflow, aux loss, bias balancing",
+    "moe_capacity": "a dense model short of capacity against MoEs of N = 4, 16, 64 at its active size, long runs",
 }
 
 
 def run_experiment(name: str, out: str | Path, setting: Setting | None = None, progress: bool = True) -> list[Path]:
     """Run experiment `name` into folder `out` (new or empty); returns the paths written: results.json,
-    table.md, the plots. (Each module's `report(out)` redraws the table and plots from results.json.)"""
-    from dataclasses import replace
+    table.md, the plots. (Each module's `report(out)` redraws the table and plots from results.json.)
+
+    Rerun with the same setting into the folder of an interrupted experiment, it continues: finished arms
+    are read back, an interrupted arm resumes exactly from its last checkpoint, the rest are trained."""
+    from dataclasses import asdict, replace
 
     from .common import Setting
 
@@ -39,14 +44,35 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; pass a new or empty folder")
-    if out.is_dir() and any(out.iterdir()):
-        what = "already holds results" if (out / "results.json").exists() else "is not empty"
-        raise ConfigError(f"{out} {what}; pass a new or empty --out (experiments never overwrite)")
     module = import_module(f".{name}", __name__)
     setting = setting or Setting()
     if setting.steps is None:
         setting = replace(setting, steps=module.STEPS)
+    started = {"experiment": name, "setting": json.loads(json.dumps(asdict(setting)))}
+    if out.is_dir() and any(out.iterdir()):
+        if (out / "results.json").exists():
+            raise ConfigError(f"{out} already holds results; pass a new or empty --out (experiments never "
+                              "overwrite)")
+        if not (out / STARTED).exists() or _started(out) != started:
+            raise ConfigError(f"{out} is not empty and not an unfinished run of this experiment with this setting; "
+                              "pass a new or empty --out (or the same options as the interrupted run)")
+    else:  # what a rerun into this folder must match to continue it
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STARTED).write_text(json.dumps(started, indent=1) + "\n")
     return module.run(out, setting, progress)
+
+
+STARTED = "experiment.json"  # written when an experiment starts: its name and setting
+
+
+def _started(out: Path) -> dict | None:
+    from ..errors import Nanollama4Error
+    from ..files import read_json
+
+    try:
+        return read_json(out / STARTED)
+    except Nanollama4Error:
+        return None
 
 
 __all__ = ["EXPERIMENTS", "run_experiment"]

@@ -24,6 +24,7 @@ from ..evaluation import full_validation_loss_of_run
 from ..files import read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
+from ..runs import is_run_dir, resume_config
 from ..train import train
 
 
@@ -37,7 +38,7 @@ class Setting:
     eval_interval: int = 50  # validation points along the curve
     eval_batches: int = 8
     data: str | None = None  # corpus; None = Shakespeare's works
-    seeds: tuple[int, ...] = (0, 1)  # the second seed measures the run-to-run spread
+    seeds: tuple[int, ...] = (0, 1, 2)  # three seeds: the least that gives a paired interval of use
     tiny: bool = False  # a smoke-test scale (seconds), for the test suite: scores TINY_SCORE_TOKENS tokens
 
     @classmethod
@@ -91,31 +92,51 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in ".=-" else "_" for c in name).strip("_")
 
 
-def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True
-              ) -> ArmResult:
-    """Train one arm to setting.steps in OUT/runs/SLUG-seedS and read back what it logged."""
+def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
+              train_changes: dict[str, Any] | None = None) -> ArmResult:
+    """Train one arm to setting.steps in OUT/runs/SLUG-seedS (with `train_changes` to its TrainConfig, e.g.
+    another tokenizer) and read back what it logged. A run directory already there is continued: read
+    back when finished, resumed exactly when interrupted."""
     if setting.tiny:
         cfg = tiny_model(cfg)
     tc = TrainConfig(max_steps=setting.steps, batch_size=setting.batch_size, seq_len=setting.seq_len,
                      eval_interval=setting.eval_interval, eval_batches=setting.eval_batches, seed=seed,
-                     warmup_steps=min(50, setting.steps))
+                     warmup_steps=min(50, setting.steps), **(train_changes or {}))
     run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
+    done = finished_steps(run_dir)
     if progress:
-        print(f"- {name} (seed {seed})", flush=True)
-    result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
-    if result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
+        state = "" if done is None else " (finished)" if done >= setting.steps else f" (continuing from step {done})"
+        print(f"- {name} (seed {seed}){state}", flush=True)
+    if done is None:
+        result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
+    elif done < setting.steps:  # an interrupted arm: its run resumes exactly where it stopped
+        result = train(None, resume_config(run_dir, max_steps=setting.steps), run_dir, data=setting.data,
+                       resume=True, progress=progress)
+    else:
+        result = None
+    if result is not None and result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
         raise KeyboardInterrupt
     return read_arm(name, seed, run_dir, setting.tokens_per_step,
                     max_tokens=TINY_SCORE_TOKENS if setting.tiny else None)
+
+
+def finished_steps(run_dir: Path) -> int | None:
+    """The step of a run directory's last checkpoint, or None when there is none (no run, or one that
+    stopped before its first checkpoint, which starts afresh)."""
+    if not is_run_dir(run_dir) or not (run_dir / "last").exists():
+        return None
+    name = resolve_checkpoint(run_dir, prefer="last").name  # step-0000123
+    return int(name.removeprefix("step-")) if name.removeprefix("step-").isdigit() else None
 
 
 def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setting: Setting, out: Path,
                        progress: bool = True, always: Sequence[str] = (),
                        done: Sequence[ArmResult] = ()) -> list[ArmResult]:
     """Train the baseline arm `base` with every seed (its spread), every other arm with the first seed,
-    and again with the other seeds when its difference from `base` on the first seed is within that
-    spread: a tie needs more than one seed before it is read. Arms named in `always` get every seed
-    anyway. Arms already in `done` (name and seed) are kept, not retrained."""
+    and again with the other seeds unless its difference from `base` on the first seed is over GATE x
+    that spread (a difference that large needs no interval to be read). Arms named in `always` get every
+    seed anyway. Arms already in `done` (name and seed) are kept, not retrained; so is an arm whose run
+    directory already holds its finished run (see `train_arm`)."""
     results = list(done)
     have = {(r.name, r.seed) for r in results}
 
@@ -132,7 +153,7 @@ def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setti
     for name, cfg in arms:
         ensure(name, cfg, setting.seeds if name in always else [first])
         diff = paired(results, name, base)
-        if rest and name != base and (not diff or math.isnan(tie) or abs(diff[0]) <= tie):
+        if rest and name != base and (not diff or math.isnan(tie) or abs(diff[0]) <= GATE * tie):
             ensure(name, cfg, rest)
     return results
 
@@ -195,18 +216,6 @@ def mean(values: Iterable[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def verdict(diff: float, tie_below: float) -> str:
-    """'better' / 'worse' / 'tie' for a loss difference (arm minus baseline) against the spread; 'n/a (one
-    seed)' when no spread was measured."""
-    if math.isnan(tie_below):
-        return "n/a (one seed)"
-    if math.isnan(diff):
-        return "-"
-    if abs(diff) <= tie_below:
-        return "tie"
-    return "better" if diff < 0 else "worse"
-
-
 def loss_at(curve: Sequence[dict[str, float]], key: str, x: float) -> float:
     """The validation loss of a curve at tokens or time `x` (key "tokens" or "time"), linearly between
     its evaluations; nan outside it."""
@@ -265,6 +274,74 @@ def paired(results: Sequence[ArmResult], name: str, base: str) -> list[float]:
     mine = {r.seed: r.full_val_loss for r in results if r.name == name}
     theirs = {r.seed: r.full_val_loss for r in results if r.name == base}
     return [mine[s] - theirs[s] for s in sorted(mine) if s in theirs]
+
+
+EFFECT = 0.01  # nats per token: the smallest difference these experiments are sized to see (see PairedTest)
+GATE = 3.0  # an arm skips the other seeds when its first seed's difference is GATE x the baseline's spread
+# two-sided 95% quantiles of Student's t by degrees of freedom (n - 1 for n paired seeds)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """An arm against its baseline, seed by seed: the differences (arm minus baseline, same seed: the same
+    initialisation and the same batches, so most of the run-to-run noise cancels), their mean and its 95%
+    t-interval, and what that allows one to say:
+
+    - "better" / "worse": the interval excludes 0;
+    - "tie": it straddles 0 and lies within +-EFFECT, so any difference is below what matters here;
+    - "undecided": it straddles 0 but is wider than that: more seeds (or longer runs) are needed;
+    - with fewer than 3 seeds no interval is drawn (with 2 the t quantile is 12.7: nothing is ever
+      decided); a single seed is read only when the gate let it skip the others ("worse (one seed, ...)").
+    """
+
+    diffs: tuple[float, ...]
+    mean: float
+    low: float
+    high: float
+    reading: str
+
+    @property
+    def interval(self) -> str:
+        """'mean [low, high]' or the mean alone when no interval was drawn."""
+        if math.isnan(self.mean):
+            return "-"
+        return f"{self.mean:+.4f}" + ("" if math.isnan(self.low) else f" [{self.low:+.4f}, {self.high:+.4f}]")
+
+
+def paired_test(diffs: Sequence[float], effect: float = EFFECT, gated: float = math.nan) -> PairedTest:
+    """The paired reading of `diffs` (see PairedTest). `gated`: the baseline spread against which a
+    single-seed arm was let off the other seeds (nan if it was not)."""
+    diffs = tuple(diffs)
+    n = len(diffs)
+    m = mean(diffs)
+    if n < 3:
+        if n == 1 and not math.isnan(gated) and abs(diffs[0]) > GATE * gated:
+            side = "better" if diffs[0] < 0 else "worse"
+            return PairedTest(diffs, m, math.nan, math.nan, f"{side} (one seed, over {GATE:g}x the spread)")
+        return PairedTest(diffs, m, math.nan, math.nan, "-" if n == 0 else f"undecided ({n} seed{'s' * (n > 1)})")
+    sd = math.sqrt(sum((d - m) ** 2 for d in diffs) / (n - 1))
+    half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+    low, high = m - half, m + half
+    if high < 0 or low > 0:
+        reading = "better" if high < 0 else "worse"
+    else:
+        reading = "tie" if max(-low, high) <= effect else "undecided"
+    return PairedTest(diffs, m, low, high, reading)
+
+
+def paired_reading(results: Sequence[ArmResult], name: str, base: str, effect: float = EFFECT) -> PairedTest:
+    """`paired_test` of arm `name` against `base`, with the gate's spread for an arm left at one seed."""
+    return paired_test(paired(results, name, base), effect, gated=spread(results, base))
+
+
+def paired_note(first: int, base: str, effect: float = EFFECT) -> str:
+    """The sentence under a table that says how its readings were made."""
+    return (f"Readings are paired: each arm minus {base} on the same seed (same initialisation and batches), "
+            "the mean difference and its 95% t-interval; better/worse when the interval excludes 0, a tie when "
+            f"it lies within +-{effect} nats, undecided otherwise. Arms other than those trained on every seed "
+            f"got the other seeds unless their seed-{first} difference exceeded {GATE:g}x {base}'s seed-to-seed "
+            "spread.")
 
 
 def per_seed(results: Sequence[ArmResult], name: str) -> str:

@@ -27,13 +27,12 @@ from .common import (
     largest_spread,
     load_results,
     markdown_table,
-    mean,
-    paired,
+    paired_note,
+    paired_reading,
     per_seed,
     save,
     save_figure,
     train_with_repeats,
-    verdict,
     versus,
     write_table,
 )
@@ -84,18 +83,18 @@ def report(out: Path) -> list[Path]:
     rows = []
     for h in KV_HEADS:
         m, name = doc["measured"][str(h)], f"kv_heads={h}"
-        diffs = paired(results, name, base)
+        test = paired_reading(results, name, base)
         rates = m["decode_tokens_per_s"]
         rate = ", ".join(f"{v:,.0f}" for v in rates) if isinstance(rates, list) else f"{rates:,.0f}"
         rows.append([f"{h} KV heads (sharing {8 // h})", m["calculator_bytes"], m["live_bytes"], 8 // h, rate,
-                     per_seed(results, name), "-" if name == base else versus(diffs),
-                     "baseline" if name == base else verdict(mean(diffs), tie)])
+                     per_seed(results, name), "-" if name == base else versus(test.diffs),
+                     "-" if name == base else test.interval, "baseline" if name == base else test.reading])
     context = doc["measured"][str(KV_HEADS[0])]["context"]
     table = markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
                             "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed",
-                            "minus multi-head, per seed", "reading"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {format_spread(tie)}; a mean "
-              f"difference up to it is a tie; cache and decoding measured on seed {first}'s models")
+                            "minus multi-head, per seed", "mean [95% CI]", "reading"], rows)
+    table += (f"\n\n{paired_note(first, base)} Seed-to-seed spread of the raw losses (largest of "
+              f"{', '.join(repeated)}): {format_spread(tie)}; cache and decoding measured on seed {first}'s models.")
     fig, (left, right) = figure(2)
     left.bar([str(h) for h in KV_HEADS], [doc["measured"][str(h)]["live_bytes"] / 1024 for h in KV_HEADS])
     left.set(xlabel="KV heads", ylabel=f"KV cache of one {context}-token sequence (KiB, fp32)", title=TITLE)

@@ -4,7 +4,8 @@ Every arm has the same active feed-forward width (384 per token): the dense FFN 
 routed experts of 192 plus a shared expert of 192, for N in 4, 8, 16, 32; and top-2 of 8 experts of 128
 plus a shared one of 128. Same steps, and per seed the same initialisation seed and batches; the dense
 model and N = 8 with every seed (the spread), the other arms again with the other seeds when their
-first seed is within the dense model's spread. Validation loss against tokens seen and against time.
+first seed's difference is within 3x the dense model's spread; each arm read by its paired
+differences from dense (mean and 95% t-interval). Validation loss against tokens seen and against time.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from .common import (
     loss_at,
     markdown_table,
     mean,
-    paired,
+    paired_note,
+    paired_reading,
     per_seed,
     plot_curves,
     save,
     train_with_repeats,
-    verdict,
+    versus,
     write_table,
 )
 
@@ -61,17 +63,16 @@ def report(out: Path) -> list[Path]:
     rows = []
     for name, _, _ in arms():
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
-        diffs = paired(results, name, BASE)
+        test = paired_reading(results, name, BASE)
         rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
-                     "-" if name == BASE else ", ".join(f"{d:+.4f}" for d in diffs),
-                     "baseline" if name == BASE else verdict(mean(diffs), tie), speed[name] / speed[BASE],
+                     "-" if name == BASE else versus(test.diffs), "-" if name == BASE else test.interval,
+                     "baseline" if name == BASE else test.reading, speed[name] / speed[BASE],
                      ", ".join(f"{loss_at(r.val_curve, 'time', equal_time):.4f}" for r in mine)])
     table = markdown_table(["arm", "params", "active", "full val loss per seed", f"minus {BASE}, per seed",
-                            "reading (by tokens)", "speed vs dense", f"val loss at {equal_time:.0f} s, per seed"],
-                           rows)
-    table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))} (arms with one seed: {first}; an arm within "
-              f"the spread of {BASE} on it was repeated); seed-to-seed spread (largest of {', '.join(repeated)}): "
-              f"{format_spread(tie)}; a mean difference up to it is a tie. Speed "
+                            "mean [95% CI]", "reading (by tokens)", "speed vs dense",
+                            f"val loss at {equal_time:.0f} s, per seed"], rows)
+    table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))}. {paired_note(first, BASE)} Seed-to-seed "
+              f"spread of the raw losses (largest of {', '.join(repeated)}): {format_spread(tie)}. Speed "
               "and time count training steps only (no evaluations, no checkpoints). The last column is the "
               "fixed-batch validation loss when the quickest arm had finished its steps (interpolated between "
               "evaluations).")

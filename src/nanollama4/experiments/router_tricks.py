@@ -22,13 +22,12 @@ from .common import (
     largest_spread,
     load_results,
     markdown_table,
-    mean,
-    paired,
+    paired_note,
+    paired_reading,
     per_seed,
     save,
     save_figure,
     train_with_repeats,
-    verdict,
     versus,
     write_table,
 )
@@ -82,14 +81,14 @@ def report(out: Path) -> list[Path]:
     for name, _ in arms():
         first = next(r for r in results if r.name == name and r.seed == first_seed)
         n, total = starved(first.expert_load, 1 / N_EXPERTS)
-        diffs = paired(results, name, base)
+        test = paired_reading(results, name, base)
         rows.append([name, f"{n} of {total}", max(max(row) for row in first.expert_load[-1]) * N_EXPERTS,
-                     per_seed(results, name), "-" if name == base else versus(diffs),
-                     "baseline" if name == base else verdict(mean(diffs), tie)])
+                     per_seed(results, name), "-" if name == base else versus(test.diffs),
+                     "-" if name == base else test.interval, "baseline" if name == base else test.reading])
     table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end (x fair)",
-                            "full val loss per seed", "minus no tricks, per seed", "reading"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of {', '.join(repeated)}): {format_spread(tie)}; a mean "
-              f"difference up to it is a tie; load columns from seed {first_seed}")
+                            "full val loss per seed", "minus no tricks, per seed", "mean [95% CI]", "reading"], rows)
+    table += (f"\n\n{paired_note(first_seed, base)} Seed-to-seed spread of the raw losses (largest of "
+              f"{', '.join(repeated)}): {format_spread(tie)}; load columns from seed {first_seed}.")
     names = [name for name, _ in arms()]
     plots = []
     for part, chunk in enumerate((names[:5], names[5:]), start=1):

@@ -19,12 +19,13 @@ from .common import (
     load_results,
     markdown_table,
     mean,
-    paired,
+    paired_note,
+    paired_reading,
     per_seed,
     plot_curves,
     save,
     train_with_repeats,
-    verdict,
+    versus,
     write_table,
 )
 
@@ -46,19 +47,19 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
-    _, results = load_results(out)
+    doc, results = load_results(out)
+    first = doc["setting"]["seeds"][0]
     names = [name for name, _ in arms()]
     tie, _ = largest_spread(results)
     rows = []
     for name in names:
         mine = [r for r in results if r.name == name]
-        diffs = paired(results, name, names[0])
-        versus = "-" if name == names[0] else ", ".join(f"{d:+.4f}" for d in diffs)
+        test = paired_reading(results, name, names[0])
         rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
-                     mean(r.full_val_loss for r in mine), versus,
-                     "baseline" if name == names[0] else verdict(mean(diffs), tie)])
+                     mean(r.full_val_loss for r in mine), "-" if name == names[0] else versus(test.diffs),
+                     "-" if name == names[0] else test.interval, "baseline" if name == names[0] else test.reading])
     table = markdown_table(["arm", "params", "active", "full val loss per seed", "mean (same seeds)",
-                            "minus shared on, per seed", "reading"], rows)
-    table += (f"\n\nseed-to-seed spread (largest of the two arms): {format_spread(tie)}; a mean difference up "
-              "to it is a tie")
+                            "minus shared on, per seed", "mean [95% CI]", "reading"], rows)
+    table += (f"\n\n{paired_note(first, names[0])} Seed-to-seed spread of the raw losses (largest of the two "
+              f"arms): {format_spread(tie)}.")
     return [write_table(out, table), plot_curves(results, out / "shared_expert.png", TITLE)]
