@@ -598,7 +598,7 @@ def _seeds(text: str) -> tuple[int, ...]:
     return seeds
 
 
-def cmd_experiment(args: argparse.Namespace) -> None:
+def cmd_experiment(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from .data import find_corpus_files
@@ -614,8 +614,15 @@ def cmd_experiment(args: argparse.Namespace) -> None:
     if args.seeds:
         setting = replace(setting, seeds=args.seeds)
     out = args.out or f"runs/experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    for path in run_experiment(args.name, out, setting, progress=not args.quiet):
+    try:
+        paths = run_experiment(args.name, out, setting, progress=not args.quiet)
+    except KeyboardInterrupt:  # each arm's run saved its checkpoint: the experiment can continue
+        print(f"nanollama4 experiment: interrupted; the arms trained so far are kept in {out}: rerun the same "
+              f"command with --out {out} to continue where it stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    for path in paths:
         print(f"{ {'.json': 'results', '.md': 'table'}.get(path.suffix, 'plot')}: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

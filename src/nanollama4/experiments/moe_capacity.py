@@ -44,7 +44,7 @@ from .common import (
 )
 
 TITLE = "MoE where capacity is short"
-STEPS = 2500  # optimizer steps per arm (of 16 x 128 tokens): 5.1M characters, 3 epochs of the corpus
+STEPS = 2500  # optimizer steps per arm (of 16 x 128 tokens): 5.1M characters, ~1.1 passes over the corpus
 BASE = "dense"
 NS = (4, 16, 64)
 BPE_VOCAB = 512
@@ -79,14 +79,16 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
     return [save(out, "moe_capacity", setting, results, {"best_n": best}), *report(out)]
 
 
-def gains(results: list[ArmResult], name: str, fraction: float) -> list[float]:
-    """Arm `name` minus dense on each seed, in fixed-batch validation loss at `fraction` of the run's tokens."""
+def gains(results: list[ArmResult], name: str, fraction: float, key: str = "tokens", at: float | None = None
+          ) -> list[float]:
+    """Arm `name` minus dense on each seed, in fixed-batch validation loss at `fraction` of the run's tokens
+    (or, with key "time", at `at` seconds of training steps)."""
     base = {r.seed: r for r in results if r.name == BASE}
     out = []
     for r in sorted((r for r in results if r.name == name), key=lambda r: r.seed):
         if r.seed in base and r.val_curve:
-            at = fraction * r.val_curve[-1]["tokens"]
-            out.append(loss_at(r.val_curve, "tokens", at) - loss_at(base[r.seed].val_curve, "tokens", at))
+            x = fraction * r.val_curve[-1][key] if at is None else at
+            out.append(loss_at(r.val_curve, key, x) - loss_at(base[r.seed].val_curve, key, x))
     return out
 
 
@@ -105,6 +107,8 @@ def report(out: Path) -> list[Path]:
     doc, results = load_results(out)
     first = doc["setting"]["seeds"][0]
     best = doc.get("best_n")
+    char = [r for r in results if not r.name.endswith("(BPE)")]
+    equal_time = min(r.val_curve[-1]["time"] for r in char if r.val_curve)  # the quickest run's end
     rows = []
     for name, _ in arms():
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
@@ -114,15 +118,17 @@ def report(out: Path) -> list[Path]:
         rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
                      "-" if test is None else test.interval, "baseline" if test is None else test.reading,
                      *("-" if name == BASE else paired_test(gains(results, name, f)).interval for f in FRACTIONS),
+                     "-" if name == BASE else paired_test(gains(results, name, 0, "time", equal_time)).interval,
                      mean(r.tokens_per_s for r in mine)])
     headers = ["arm", "params", "active", "full val loss per seed", f"minus {BASE} (mean [95% CI])", "reading",
-               *(f"gain at {f:.0%} of tokens" for f in FRACTIONS), "tokens/s"]
+               *(f"gain at {f:.0%} of tokens" for f in FRACTIONS), f"gain at {equal_time:.0f} s", "tokens/s"]
     table = markdown_table(headers, rows)
     drop, total = flattening(results)
     table += (f"\n\n{paired_note(first, BASE)} The 'gain at' columns are fixed-batch validation losses at that "
               f"share of the run (interpolated), paired the same way. Dense's curve: {total:.4f} nats gained over "
               f"the run, {drop:.4f} over its last third ({'flattened' if drop < FLAT else 'still falling'}: "
-              f"the threshold is {FLAT} nats).")
+              f"the threshold is {FLAT} nats). 'gain at {equal_time:.0f} s' compares the arms at the same time in "
+              "training steps, when the quickest run had finished.")
     bpe = [r for r in results if r.name.endswith("(BPE)")]
     if bpe:
         names = list(dict.fromkeys(r.name for r in bpe))
@@ -133,7 +139,6 @@ def report(out: Path) -> list[Path]:
                   + markdown_table(["arm", "full val loss per seed", "mean"], bpe_rows)
                   + f"\n\n{moe} minus {BASE} (BPE): {test.interval}, {test.reading}"
                   + (f" (N={best}: the lowest mean loss of the character arms)" if best else ""))
-    char = [r for r in results if not r.name.endswith("(BPE)")]
     return [write_table(out, table), plot_curves(char, out / "moe_capacity.png", TITLE), plot_gains(char, out)]
 
 
@@ -146,7 +151,8 @@ def plot_gains(results: list[ArmResult], out: Path) -> Path:
     for name in names:
         tests = [paired_test(gains(results, name, f)) for f in fractions]
         tokens = [f * max(r.val_curve[-1]["tokens"] for r in results if r.name == name) for f in fractions]
-        line, = by_tokens.plot(tokens, [t.mean for t in tests], label=name)
+        colour = f"C{[n for n, _ in arms()].index(name)}"  # the colours of the curves' plot
+        line, = by_tokens.plot(tokens, [t.mean for t in tests], label=name, color=colour)
         if all(t.low == t.low for t in tests):  # intervals exist (3+ seeds)
             by_tokens.fill_between(tokens, [t.low for t in tests], [t.high for t in tests], alpha=0.2,
                                    color=line.get_color())
