@@ -205,7 +205,6 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self._lock = threading.Condition()
         self._closing = False
-        self._stopped = False
         self._admitting: list[Request] = []  # taken from `waiting`, not yet in a row
         self._thread = threading.Thread(target=self._loop, name="nanollama4-engine", daemon=True)
         self.steps = 0  # batched decode steps run
@@ -281,7 +280,6 @@ class Engine:
                 while not self.rows and not self.waiting and not self._closing:
                     self._lock.wait()
                 if self._closing and not self.rows and not self.waiting:
-                    self._stopped = True
                     return
                 self._forget_cancelled()
                 new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
