@@ -42,6 +42,7 @@ def test_each_experiment_script_runs_on_a_tiny_setting(name, corpus, tmp_path):
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert table.count("\n|") >= 3 and "spread" in table
+    assert "95% t-interval" in table  # every experiment is read by paired intervals (docs/experiments.md)
     # a second run into the same folder is refused rather than overwriting it
     again = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--tiny", "--quiet", "--data", str(corpus),
                             "--out", str(out)], capture_output=True, text=True, timeout=120)

@@ -402,7 +402,17 @@ def test_the_page_streams_tokens_and_shows_a_clicked_tokens_route(served, tmp_pa
 # ---------------------------------------------------------------------------------------------- the command
 def test_serve_command_logs_each_request_and_exits_0_on_sigterm(tiny_run, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", str(tiny_run), "--port", "0"],
+    # each forward pass made 20 ms slower, so the streamed request is surely still decoding at the signal
+    slow_server = ("import sys, time\n"
+                   "from nanollama4.cli import main\n"
+                   "from nanollama4.model import Transformer\n"
+                   "forward = Transformer.forward\n"
+                   "def slow(self, *args, **kwargs):\n"
+                   "    time.sleep(0.02)\n"
+                   "    return forward(self, *args, **kwargs)\n"
+                   "Transformer.forward = slow\n"
+                   "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", slow_server, "serve", str(tiny_run), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -423,6 +433,10 @@ def test_serve_command_logs_each_request_and_exits_0_on_sigterm(tiny_run, tmp_pa
             proc.kill()
     err = proc.stderr.read()
     assert len(re.findall(r"req-\d+ length: 7 prompt \+ 20 new tokens in [0-9.]+ s", err)) == 2, err
+    # the streamed request was still in flight at the signal and finished after it
+    stopping = re.search(r"stopping: new requests get 503; (\d+) in flight", err)
+    assert stopping and stopping[1] == "1", err
+    assert re.search(r"req-\d+ length: 7 prompt \+ 20 new tokens", err[stopping.end():]), err
     assert "Traceback" not in err
 
 

@@ -578,9 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--out", type=_text, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-800)")
-    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds, e.g. 0,1 (default); the second measures "
-                                                "the spread")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
+    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds (default 0,1,2); at least 3 are "
+                                                "needed for an interval on each difference")
     p.add_argument("--data", type=_text, help="a text file or folder of .txt files (default: Shakespeare's works)")
     p.add_argument("--tiny", action="store_true", help="a smoke test of a few seconds (tiny models, 3 steps)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -50,7 +50,7 @@ from .errors import CheckpointError, DataError, TrainingError
 from .evaluation import autocast, evaluate
 from .files import open_owned, read_json, read_safetensors, write_failed
 from .model import Transformer
-from .ops import build_model
+from .ops import build_model, kernels
 from .runs import (
     check_budget_ahead,
     check_new_run_dir,
@@ -214,6 +214,8 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     if world.distributed and world.main:
         print(f"torchrun: {run.parallel.describe()}; global batch {world.size} ranks x {tc.batch_size} x "
               f"{tc.grad_accum} accumulated = {sequences} sequences of {tc.seq_len} tokens per step", flush=True)
+    if device.type == "cpu":
+        kernels.load()  # a first-time build (~20 s) stays out of the run's clock, its times and --max-time
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     trained_tokens = 0

@@ -5,7 +5,8 @@ positional embedding, the RoPE layers attending within chunks of 128). Both are 
 windows of 128 to 2,048 characters; the iRoPE model with and without the NoPE layers' attention
 temperature (floor_scale = the training context: the scale is 1 inside it but for its last position,
 1.07, and grows beyond).
-Reported: the mean loss over the second half of each window, the positions furthest from training.
+Reported: the mean loss over the second half of each window, the positions furthest from training, and
+paired readings (same seed, same batches) of iRoPE against all-RoPE and of the temperature on against off.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .common import (
     load_results,
     markdown_table,
     mean,
+    paired_reading,
+    paired_test,
     save,
     save_figure,
     train_with_repeats,
@@ -103,7 +106,8 @@ def report(out: Path) -> list[Path]:
     lengths, curves, context = doc["lengths"], doc["curves"], doc["setting"]["seq_len"]
     tie, _ = largest_spread(results)
     rows = [[name, *[mean(c[i] for c in per) for i in range(len(lengths))],
-             ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per)] for name, per in curves.items()]
+             ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per) + f"; {paired_test([c[-1] - c[0] for c in per]).interval}"]
+            for name, per in curves.items()]
     # the seed-to-seed spread of the table's own quantity, at each length
     rows.append(["spread between seeds (largest of the three)",
                  *[max(max(c[i] for c in per) - min(c[i] for c in per) for per in curves.values())
@@ -114,11 +118,22 @@ def report(out: Path) -> list[Path]:
                  "-"])
     scored = doc.get("scored_tokens") or ["?"] * len(lengths)
     table = markdown_table(["model", *[f"L={n}" for n in lengths],
-                            f"L={lengths[-1]} minus L={lengths[0]}, per seed"], rows)
+                            f"L={lengths[-1]} minus L={lengths[0]}, per seed; mean [95% CI]"], rows)
     table += (f"\n\nloss over the far half of each window (nats/char), mean over seeds "
               f"{', '.join(map(str, doc['setting']['seeds']))}; characters scored per length: "
               f"{', '.join(f'{n:,}' if isinstance(n, int) else n for n in scored)}; seed-to-seed spread of the "
               f"full validation loss at the training length: {format_spread(tie)}")
+    # the curves of every variant list the seeds in the same order (both arms train on every seed)
+    comparisons = [("iRoPE (temperature on) minus all RoPE", on, curves.get("all RoPE", [])),
+                   ("temperature on minus off", on, off)]
+    paired_rows = [[label, *[_cell([x[i] - y[i] for x, y in zip(a, b, strict=True)]) for i in range(len(lengths))]]
+                   for label, a, b in comparisons if a and b]
+    if paired_rows:
+        full = paired_reading(results, "iRoPE", "all RoPE")
+        table += ("\n\nPaired, seed by seed (mean difference [95% t-interval], reading):\n\n"
+                  + markdown_table(["difference", *[f"L={n}" for n in lengths]], paired_rows)
+                  + f"\n\nFull validation loss at the training length, iRoPE minus all RoPE: {full.interval}, "
+                  f"{full.reading}. A tie is an interval within +-0.01 nats; undecided, a wider one that straddles 0.")
     fig, (ax,) = figure()
     for name, per in curves.items():
         ax.plot(lengths, [mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
@@ -128,3 +143,8 @@ def report(out: Path) -> list[Path]:
     ax.minorticks_off()
     ax.legend(fontsize=8)
     return [write_table(out, table), save_figure(fig, out / "irope_length.png")]
+
+
+def _cell(diffs: list[float]) -> str:
+    test = paired_test(diffs)
+    return f"{test.interval} {test.reading}"

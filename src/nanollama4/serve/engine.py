@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import KVCache, MaskMemo, attention_mask
+from ..attention import KVCache, LayerCache, MaskMemo
 from ..config import ModelConfig
 from ..errors import Nanollama4Error
 from ..explain.tracing import describe_slots, observe
@@ -105,9 +105,9 @@ class Request:
 
 
 # ---------------------------------------------------------------------------------------------- the cache
-class SlotLayer:
-    """One layer's keys and values for `rows` independent sequences, as `attention.LayerCache` holds them
-    for one batch, except that each row advances on its own.
+class SlotLayer(LayerCache):
+    """One layer's keys and values for `rows` independent sequences: an `attention.LayerCache` whose rows
+    each advance on their own (the mask memo, built from positions, is the parent's).
 
     Full-attention layers keep position p of a row in slot p. Chunked layers keep a ring of chunk - 1
     slots, position p in slot p mod (chunk - 1): a query never looks further back than the start of its
@@ -117,18 +117,9 @@ class SlotLayer:
 
     def __init__(self, rows: int, slots: int, kv_heads: int, head_dim: int, window: bool, dtype: torch.dtype,
                  device: torch.device, masks: MaskMemo) -> None:
-        self.k = torch.zeros(rows, slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((rows, slots), -1, dtype=torch.long, device=device)
-        self.window, self.masks = window, masks
+        super().__init__(rows, slots, kv_heads, head_dim, window, dtype, device, masks)
         self.active = 0  # rows [0, active) take part in the current step
         self.span = 0  # full layers: slots [0, span) hold every position the step needs
-
-    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) -> torch.Tensor:
-        key = (self.window, chunk)
-        if key not in self.masks:
-            self.masks[key] = attention_mask(q_pos, k_pos, chunk)
-        return self.masks[key]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -70,6 +70,11 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # the signal: new requests get 503 from now on
             engine.stop_accepting()
+            if not self.should_exit:
+                decoding, waiting = engine.busy
+                logging.getLogger("nanollama4.serve").info(
+                    "stopping: new requests get 503; %d in flight have up to %d s to finish",
+                    decoding + waiting, GRACE)
             super().handle_exit(sig, frame)
 
     server = Server(config)
