@@ -247,9 +247,9 @@ class Engine:
 
     @property
     def busy(self) -> tuple[int, int]:
-        """(requests decoding, requests waiting)."""
+        """(requests admitted: decoding or being prefilled, requests waiting)."""
         with self._lock:
-            return len(self.rows), len(self.waiting)
+            return len({*self.rows, *self._admitting}), len(self.waiting)
 
     @property
     def closing(self) -> bool:
