@@ -33,7 +33,7 @@ from .common import (
 )
 
 TITLE = "router tricks: per-expert load over training"
-STEPS = 500  # per arm (of 16 x 128 characters): eleven runs, so fewer steps each than the others
+STEPS = 500  # per arm (of 16 x 128 characters): ten arms of three seeds, so fewer steps each than the others
 N_EXPERTS = 8
 
 
