@@ -23,6 +23,7 @@ from ..errors import DataError
 from ..model import Transformer
 from ..ops import build_model
 from .common import (
+    EFFECT,
     Setting,
     base_model,
     figure,
@@ -133,7 +134,8 @@ def report(out: Path) -> list[Path]:
         table += ("\n\nPaired, seed by seed (mean difference [95% t-interval], reading):\n\n"
                   + markdown_table(["difference", *[f"L={n}" for n in lengths]], paired_rows)
                   + f"\n\nFull validation loss at the training length, iRoPE minus all RoPE: {full.interval}, "
-                  f"{full.reading}. A tie is an interval within +-0.01 nats; undecided, a wider one that straddles 0.")
+                  f"{full.reading}. A tie is an interval within +-{EFFECT} nats; undecided, a wider one that "
+                  "straddles 0.")
     fig, (ax,) = figure()
     for name, per in curves.items():
         ax.plot(lengths, [mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)

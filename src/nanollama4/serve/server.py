@@ -56,7 +56,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     except ImportError as e:
         raise ConfigError(f"nanollama4 serve needs starlette and uvicorn ({e.name} is missing): "
                           "pip install 'nanollama4[serve]'") from None
-    from .engine import Engine
+    from .engine import Engine, log
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     sock = bind(host, port)
@@ -72,9 +72,8 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
             engine.stop_accepting()
             if not self.should_exit:
                 decoding, waiting = engine.busy
-                logging.getLogger("nanollama4.serve").info(
-                    "stopping: new requests get 503; %d in flight have up to %d s to finish",
-                    decoding + waiting, GRACE)
+                log.info("stopping: new requests get 503; %d in flight have up to %d s to finish",
+                         decoding + waiting, GRACE)
             super().handle_exit(sig, frame)
 
     server = Server(config)
