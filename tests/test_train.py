@@ -416,10 +416,46 @@ def test_lr_at_warmup_and_cosine():
     # decay_steps sets the horizon instead of max_steps (a run stopped early on plan)
     tc2 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=warm, max_steps=20, decay_steps=210)
     assert lr_at(tc2, 15, 0.0) == pytest.approx(cosine(5 / 200))
-    # a time budget: the schedule follows elapsed time
-    tc3 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=0, max_time=100.0)
+    # a time budget: the schedule follows elapsed time, warmup_steps plays no part
+    tc3 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=1000, warmup_frac=0.0, max_time=100.0)
     assert lr_at(tc3, 3, 25.0) == pytest.approx(cosine(0.25))
     assert lr_at(tc3, 3, 200.0) == pytest.approx(min_lr)
+    # ... and so does its warmup: a share of the budget, read at the step's expected end
+    tc4 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=1000, warmup_frac=0.2, max_time=100.0)
+    assert lr_at(tc4, 0, 0.0, step_time=2.0) == pytest.approx(lr * 2 / 20)
+    assert lr_at(tc4, 7, 9.0, step_time=1.0) == pytest.approx(lr / 2)
+    assert lr_at(tc4, 7, 20.0) == pytest.approx(lr)
+    assert lr_at(tc4, 7, 60.0) == pytest.approx(cosine(0.5))
+    # both budgets: each phase ends with whichever budget reaches it first
+    tc5 = TrainConfig(lr=lr, min_lr=min_lr, warmup_steps=10, warmup_frac=0.2, max_time=100.0, max_steps=110)
+    assert lr_at(tc5, 9, 1.0) == pytest.approx(lr)
+    assert lr_at(tc5, 0, 20.0) == pytest.approx(lr)
+    assert lr_at(tc5, 60, 20.0) == pytest.approx(cosine(0.5))
+
+
+@pytest.mark.parametrize("pause", [0.05, 0.25])
+def test_time_budget_warmup_peaks_at_its_share_whatever_the_step_speed(pause, work, tmp_path, monkeypatch):
+    """Steps slowed 5x apart: under --max-time the learning rate reaches its peak at warmup_frac of the
+    budget in both runs (a step-counted warmup would end 5x later in the slow one)."""
+    real_step = train_mod.train_step
+
+    def slow_step(run, lr):
+        time.sleep(pause)
+        return real_step(run, lr)
+
+    monkeypatch.setattr(train_mod, "train_step", slow_step)
+    budget, frac, peak = 3.0, 0.4, 3e-3
+    run_train(tmp_path / "r", cfg(max_time=budget, warmup_frac=frac, warmup_steps=2, lr=peak, eval_interval=100000),
+              work["corpus"], work["cache"])
+    lines = train_lines(tmp_path / "r")
+    durations = [b["time"] - a["time"] for a, b in zip(lines, lines[1:], strict=False)]
+    dt = max(durations)
+    first_peak = next(x for x in lines if x["lr"] == pytest.approx(peak, rel=1e-3))
+    start = first_peak["time"] - dt  # the clock when that step began (at most)
+    assert start <= frac * budget <= first_peak["time"] + dt, (first_peak, dt)
+    warming = [x for x in lines if x["time"] < first_peak["time"]]
+    assert len(warming) >= 2 and all(x["lr"] < peak for x in warming)
+    assert [x["lr"] for x in warming] == sorted(x["lr"] for x in warming)  # rising all the way
 
 
 # ---------------------------------------------------------------------------------------------- torch.compile

@@ -208,7 +208,8 @@ class TrainConfig(_JsonConfig):
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: float = 7e-5  # learning rate at the end of the cosine decay
-    warmup_steps: int = 100  # linear warmup from 0 to lr
+    warmup_steps: int = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
+    warmup_frac: float = 0.05  # under --max-time: linear warmup over this share of the time budget
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.99  # AdamW second-moment decay
@@ -250,6 +251,8 @@ class TrainConfig(_JsonConfig):
             raise ConfigError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
         if self.warmup_steps < 0 or self.threads < 0:
             raise ConfigError("warmup_steps and threads must be non-negative")
+        if not isinstance(self.warmup_frac, (int, float)) or not 0 <= self.warmup_frac < 1:
+            raise ConfigError(f"warmup_frac ({self.warmup_frac!r}) must be a share of the time budget in [0, 1)")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ConfigError(f"max_steps ({self.max_steps}) must be positive or None")
         if self.decay_steps is not None and self.decay_steps <= 0:

@@ -83,18 +83,29 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
-def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
-    """Linear warmup to tc.lr, then cosine decay to tc.min_lr over the step or time budget."""
-    if step < tc.warmup_steps:
-        return tc.lr * (step + 1) / tc.warmup_steps
-    progress = 0.0
-    horizon = tc.decay_steps or tc.max_steps
-    if horizon:
-        progress = (step - tc.warmup_steps) / max(1, horizon - tc.warmup_steps)
+def lr_at(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0) -> float:
+    """The learning rate of the step about to run: linear warmup to tc.lr, then cosine decay to tc.min_lr.
+
+    The schedule follows the budget that was given. Under --max-steps it is counted in steps (warmup_steps,
+    then a cosine over decay_steps or max_steps); under --max-time in seconds (warmup over warmup_frac of
+    the budget, then a cosine over the rest), so a slow machine spends the same share of its budget warming
+    up as a fast one. `elapsed` is the clock at the step's start and `step_time` the last step's duration: the
+    warmup reads the clock at the step's expected end, so the first step does not run at lr 0. With both
+    budgets each phase ends with whichever budget reaches it first."""
+    warm, progress = [], []
     if tc.max_time:
-        progress = max(progress, elapsed / tc.max_time)
-    progress = min(1.0, progress)
-    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * progress))
+        warm_time = tc.warmup_frac * tc.max_time
+        warm.append(min(1.0, (elapsed + step_time) / warm_time) if warm_time > 0 else 1.0)
+        progress.append((elapsed - warm_time) / (tc.max_time - warm_time))
+    horizon = tc.decay_steps or tc.max_steps
+    if horizon or not tc.max_time:
+        warm.append(min(1.0, (step + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
+        if horizon:
+            progress.append((step - tc.warmup_steps) / max(1, horizon - tc.warmup_steps))
+    if max(warm) < 1.0:
+        return tc.lr * max(warm)
+    p = min(1.0, max(0.0, *progress)) if progress else 0.0
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1 + math.cos(math.pi * p))
 
 
 def train_step(run: Run, lr: float) -> StepResult:
@@ -220,6 +231,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     t0 = time.perf_counter()
     trained_tokens = 0
     saved_step, stopped = run.step, False
+    dt = 0.0  # the last step's duration: the time warmup reads the clock at the step's expected end
 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
@@ -228,10 +240,10 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
         while True:
             # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
             # would wait on each other's collectives forever
-            now, stopped = run.parallel.max_over_ranks([elapsed(), flag["stop"]])
+            now, stopped, step_time = run.parallel.max_over_ranks([elapsed(), flag["stop"], dt])
             if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
                 break
-            lr = lr_at(tc, run.step, now)
+            lr = lr_at(tc, run.step, now, step_time)
             t_step = time.perf_counter()
             result = train_step(run, lr)
             trained_tokens += tokens_per_step
