@@ -88,13 +88,15 @@ def cache_env(work, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- exact resume
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_resume_is_exact(routing, work, tmp_path):
+@pytest.mark.parametrize("routing,optimizer", [("default", "adamw"), ("tutorial", "adamw"), ("default", "muon")])
+def test_resume_is_exact(routing, optimizer, work, tmp_path):
+    """Stopped at step k and resumed, a run logs the same losses and ends with the same weights as one that
+    never stopped: with AdamW, with the tutorial's routing state, and with Muon's momentum."""
     k = 6
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(a, cfg(max_steps=2 * k), corpus, cache, model=model)
-    first = run_train(b, cfg(max_steps=k, decay_steps=2 * k), corpus, cache, model=model)
+    run_train(a, cfg(max_steps=2 * k, optimizer=optimizer), corpus, cache, model=model)
+    first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, optimizer=optimizer), corpus, cache, model=model)
     assert first.step == k and not first.interrupted
     second = resume(b, cache, max_steps=2 * k)
     assert second.step == 2 * k

@@ -206,6 +206,7 @@ class TrainConfig(_JsonConfig):
     batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
     seq_len: int | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    optimizer: str = "adamw"  # "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest)
     lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: float = 7e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
@@ -213,6 +214,9 @@ class TrainConfig(_JsonConfig):
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.99  # AdamW second-moment decay
+    muon_lr: float = 0.02  # optimizer=muon: peak learning rate of the hidden matrices (scaled per shape)
+    muon_momentum: float = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
+    muon_weight_decay: float = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_steps: int | None = None  # stop after this many optimizer steps
     max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
@@ -239,7 +243,7 @@ class TrainConfig(_JsonConfig):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} ({value!r}) must be a positive integer")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "muon_lr", "muon_weight_decay"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
@@ -260,6 +264,11 @@ class TrainConfig(_JsonConfig):
         if self.max_time is not None and not (isinstance(self.max_time, (int, float))
                                                and math.isfinite(self.max_time) and self.max_time > 0):
             raise ConfigError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"optimizer ({self.optimizer!r}) must be 'adamw' or 'muon' (Muon for the hidden "
+                              "matrices, AdamW for the rest)")
+        if not isinstance(self.muon_momentum, (int, float)) or not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"muon_momentum ({self.muon_momentum!r}) must be in [0, 1)")
         if self.tokenizer not in ("char", "bpe"):
             raise ConfigError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):

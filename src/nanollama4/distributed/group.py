@@ -49,6 +49,10 @@ class World:
 
 def check(world: World, tc: TrainConfig, cfg: ModelConfig) -> None:
     """Refuse a spread that cannot work, before any process joins a group or creates a file."""
+    if tc.optimizer == "muon" and tc.parallel == "fsdp":
+        raise ConfigError("optimizer=muon with parallel=fsdp is not supported: Muon orthogonalises whole matrices "
+                          "and FSDP2 gives each rank a slice of them; use parallel=ddp (expert_parallel works with "
+                          "it) or optimizer=adamw")
     e = tc.expert_parallel
     if e == 1:
         return

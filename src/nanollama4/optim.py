@@ -1,0 +1,163 @@
+"""Optimizers: AdamW for everything, or Muon for the hidden matrices and AdamW for the rest.
+
+Muon (Keller Jordan, 2024) replaces each hidden matrix's update by the nearest semi-orthogonal matrix to its
+(Nesterov) momentum, found by a few Newton–Schulz iterations: every direction of the matrix moves by about
+the same amount, where Adam's update is dominated by a few. It is meant for matrices that map one hidden
+space to another, so the embedding, the LM head, the norms' gains and the router (whose rows are per-expert
+scores, not a map) stay on AdamW, as in the speedruns that made Muon known.
+
+torch.optim.Muon takes 2-D parameters only, one at a time. The routed experts are one 3-D parameter per
+layer, (experts, in, out); `MuonAdamW` orthogonalises each expert's matrices on their own, and gate and up
+(stored side by side as one (in, 2 x hidden) matrix per expert) each on their own, as the shared expert's
+separate gate and up projections are: all of a layer's expert matrices in one batched product. Both kinds
+of parameter live in one optimizer, so a checkpoint saves one state and a resume restores it whole.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.adamw import adamw
+
+from .config import TrainConfig
+
+# The quintic Newton-Schulz coefficients of Keller Jordan's Muon (those torch.optim.Muon uses): chosen for
+# the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
+    """An approximately semi-orthogonal matrix near each matrix of g (..., rows, cols): U V^T of its SVD,
+    its singular values brought near 1 by Newton-Schulz iterations in bf16 (as torch.optim.Muon does)."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16().reshape(-1, *g.shape[-2:])
+    wide = x.size(-2) <= x.size(-1)
+    if not wide:  # iterate on the smaller Gram matrix
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1
+    for _ in range(steps):  # x <- a x + (b G + c G^2) x with G = x x^T, each product fused with its sum
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x if wide else x.mT).reshape(g.shape)
+
+
+def _as_matrices(t: torch.Tensor, layout: str, blocks: int) -> torch.Tensor:
+    """t as a batch of (fan_out, fan_in) matrices. "linear": nn.Linear's (out, in); "experts": a stack of
+    (in, out) expert matrices whose out holds `blocks` equal matrices side by side (gate and up)."""
+    if layout == "linear":
+        return t.unsqueeze(0)
+    e, d_in, d_out = t.shape
+    return t.view(e, d_in, blocks, d_out // blocks).permute(0, 2, 3, 1).reshape(e * blocks, d_out // blocks, d_in)
+
+
+def _from_matrices(m: torch.Tensor, like: torch.Tensor, layout: str, blocks: int) -> torch.Tensor:
+    """The inverse of `_as_matrices`."""
+    if layout == "linear":
+        return m.squeeze(0)
+    e, d_in, d_out = like.shape
+    return m.view(e, blocks, d_out // blocks, d_in).permute(0, 3, 1, 2).reshape(e, d_in, d_out)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the param groups marked {"muon": True, "layout": ..., "blocks": ...}, AdamW on the others.
+
+    Muon's step, per matrix W with gradient G: B <- momentum·B + (1 - momentum)·G; with Nesterov
+    U = (1 - momentum)·G + momentum·B; W <- (1 - lr·wd)·W - lr·sqrt(max(1, fan_out/fan_in))·NS(U). That is
+    torch.optim.Muon's step with its default ("original") scaling, which `tests/test_optim.py` checks on
+    one expert's matrices. AdamW's is torch's fused one.
+    """
+
+    def __init__(self, groups: list[dict[str, Any]], betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
+                 momentum: float = 0.95, nesterov: bool = True) -> None:
+        super().__init__(groups, dict(betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, muon=False,
+                                      layout="linear", blocks=1, weight_decay=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon if group["muon"] else self._adamw)(group, params)
+        return loss
+
+    def _muon(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
+        lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
+        layout, blocks = group["layout"], group["blocks"]
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - m)
+            update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            mats = _as_matrices(update, layout, blocks)
+            fan_out, fan_in = mats.shape[-2:]
+            ortho = _from_matrices(orthogonalize(mats), p, layout, blocks)
+            p.mul_(1 - lr * wd)
+            p.add_(ortho.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, fan_out / fan_in)))
+
+    def _adamw(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
+        avgs, sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            avgs.append(state["exp_avg"])
+            sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], avgs, sqs, [], steps, fused=True, amsgrad=False,
+                beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=False)
+
+
+def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
+    """Hidden matrices: the attention projections, the dense SwiGLU, the shared and the routed experts."""
+    if p.dim() < 2 or name.startswith(("embed.", "lm_head.")):
+        return False
+    return ".attn." in name or (".ffn." in name and ".router." not in name and ".noise." not in name)
+
+
+def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer tc names: "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest).
+    The loop sets each group's lr from the schedule every step (`set_lr`)."""
+    named = list(model.named_parameters())
+    if tc.optimizer == "adamw":
+        # weight decay on matrices only: decaying norm gains toward 0 would fight the norm
+        groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": tc.weight_decay},
+                  {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+        # fused: one pass over each tensor instead of a kernel per operation
+        return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
+    hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p)]
+    linear = [p for n, p in hidden if p.dim() == 2]
+    gate_up = [p for n, p in hidden if p.dim() == 3 and n.endswith("gate_up")]
+    down = [p for n, p in hidden if p.dim() == 3 and not n.endswith("gate_up")]
+    taken = {id(p) for _, p in hidden}
+    rest = [(n, p) for n, p in named if id(p) not in taken]
+    muon = dict(muon=True, lr=tc.muon_lr, weight_decay=tc.muon_weight_decay)
+    groups = [{**muon, "params": linear, "layout": "linear", "blocks": 1},
+              {**muon, "params": gate_up, "layout": "experts", "blocks": 2},
+              {**muon, "params": down, "layout": "experts", "blocks": 1},
+              {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": tc.weight_decay},
+              {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    for g in groups:
+        g.setdefault("lr", tc.lr)
+    return MuonAdamW(groups, betas=(tc.beta1, tc.beta2), momentum=tc.muon_momentum)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, tc: TrainConfig, scale: float) -> None:
+    """Every group's learning rate at `scale` (the schedule's share) of its peak: tc.muon_lr for Muon's
+    groups, tc.lr for AdamW's. Read from tc, not from the saved groups, so a resume may change either."""
+    for group in optimizer.param_groups:
+        group["lr"] = scale * (tc.muon_lr if group.get("muon") else tc.lr)

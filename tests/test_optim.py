@@ -1,0 +1,106 @@
+"""Muon: each routed expert's matrices orthogonalised on their own, equal to torch.optim.Muon on that
+matrix; the parameter split (Muon for hidden matrices, AdamW for the rest); AdamW's part equal to torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanollama4.config import TrainConfig, preset
+from nanollama4.moe import Experts
+from nanollama4.ops import build_model
+from nanollama4.optim import MuonAdamW, make_optimizer, orthogonalize
+
+STEPS = 4
+
+
+def _grads(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(STEPS)]
+
+
+def test_orthogonalize_brings_singular_values_near_one():
+    g = torch.randn(3, 48, 96) * 5
+    s = torch.linalg.svdvals(orthogonalize(g).float())
+    assert s.shape == (3, 48) and s.min() > 0.5 and s.max() < 1.3  # Keller's quintic: roughly [0.7, 1.2]
+    tall = orthogonalize(g.mT).float()
+    assert torch.allclose(tall, orthogonalize(g).float().mT)  # transposition commutes with it
+
+
+def test_muon_on_each_expert_equals_torch_muon_on_that_matrix():
+    """Our batched step over a stack of 3 experts against torch.optim.Muon stepping each expert's gate,
+    up and down matrices as 2-D nn.Linear-style (out, in) parameters, over several steps with momentum,
+    Nesterov, weight decay and torch's default ("original") shape scaling."""
+    n, d, h, lr, wd = 3, 32, 48, 0.02, 0.1
+    torch.manual_seed(0)
+    experts = Experts(n, d, h)
+    torch.nn.init.normal_(experts.gate_up, std=0.02)
+    torch.nn.init.normal_(experts.down, std=0.02)
+    start = experts.down.detach().clone()
+    ours = MuonAdamW([
+        {"params": [experts.gate_up], "muon": True, "layout": "experts", "blocks": 2, "lr": lr, "weight_decay": wd},
+        {"params": [experts.down], "muon": True, "layout": "experts", "blocks": 1, "lr": lr, "weight_decay": wd}])
+    # torch's reference: one 2-D (out, in) parameter per expert matrix
+    ref = {}
+    for e in range(n):
+        ref[e, "gate"] = torch.nn.Parameter(experts.gate_up[e, :, :h].detach().T.clone())
+        ref[e, "up"] = torch.nn.Parameter(experts.gate_up[e, :, h:].detach().T.clone())
+        ref[e, "down"] = torch.nn.Parameter(experts.down[e].detach().T.clone())
+    theirs = torch.optim.Muon(list(ref.values()), lr=lr, weight_decay=wd, momentum=0.95, nesterov=True)
+    for g_gu, g_dn in zip(_grads((n, d, 2 * h), 1), _grads((n, h, d), 2), strict=True):
+        experts.gate_up.grad, experts.down.grad = g_gu.clone(), g_dn.clone()
+        for e in range(n):
+            ref[e, "gate"].grad = g_gu[e, :, :h].T.clone()
+            ref[e, "up"].grad = g_gu[e, :, h:].T.clone()
+            ref[e, "down"].grad = g_dn[e].T.clone()
+        ours.step()
+        theirs.step()
+    for e in range(n):
+        for name, got in (("gate", experts.gate_up[e, :, :h].T), ("up", experts.gate_up[e, :, h:].T),
+                          ("down", experts.down[e].T)):
+            # the same bf16 products in the same order: equal to the last bit
+            torch.testing.assert_close(got.detach(), ref[e, name].detach(), atol=0, rtol=0)
+    assert (experts.down.detach() - start).abs().mean() > 0.005  # four steps moved the weights by ~0.01 each
+
+
+def test_adamw_part_equals_torch_adamw():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    w2 = torch.nn.Parameter(w.detach().clone())
+    ours = MuonAdamW([{"params": [w], "lr": 1e-2, "weight_decay": 0.1}], betas=(0.9, 0.99))
+    theirs = torch.optim.AdamW([w2], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+    for g in _grads((16, 8), 3):
+        w.grad, w2.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(w.detach(), w2.detach())
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
+    model = build_model(preset("tutorial", vocab_size=64))  # learned router noise: a second router matrix
+    opt = make_optimizer(model, TrainConfig(optimizer="muon"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
+    assert len(muon) + len(adamw) == len(names) and not muon & adamw
+    assert {"embed.weight", "lm_head.weight", "norm.weight", "blocks.0.ffn.router.weight",
+            "blocks.0.ffn.noise.weight", "blocks.0.attn_norm.weight"} <= adamw
+    assert {"blocks.0.attn.q_proj.weight", "blocks.0.attn.o_proj.weight", "blocks.0.ffn.experts.gate_up",
+            "blocks.0.ffn.experts.down", "blocks.0.ffn.shared_expert.up_proj.weight"} <= muon
+    assert all(p.dim() >= 2 for g in opt.param_groups if g["muon"] for p in g["params"])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_training_step_lowers_the_loss(optimizer):
+    torch.manual_seed(0)
+    model = build_model(preset("tiny"))
+    opt = make_optimizer(model, TrainConfig(optimizer=optimizer, lr=3e-3))
+    x = torch.randint(0, 64, (4, 32))
+    first = None
+    for _ in range(5):
+        loss = model.loss(x[:, :-1], x[:, 1:]).total
+        first = first if first is not None else loss.item()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.loss(x[:, :-1], x[:, 1:]).total.item() < first - 0.1
