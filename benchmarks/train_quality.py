@@ -1,57 +1,90 @@
 """Validation loss reached in a fixed wall-clock budget: the shakespeare-char MoE vs a dense model of ours
-with the same active parameters (its FFN as wide as the routed top-1 expert plus the shared one).
+with the same active parameters (its FFN as wide as the routed top-1 expert plus the shared one), over
+several seeds, read pair by pair.
 
-Each model trains for --time on Shakespeare's works, then its full validation loss is measured (mean
-nats per character over every character of the held-out 10%, in non-overlapping windows of the
-training context). Runs go one after the other, never side by side.
+Each model trains for --time on Shakespeare's works with `make demo`'s settings (bf16, batch 16 x 256, and
+whatever --set adds), then its full validation loss is measured (mean nats per character over every
+character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
+other, never side by side, alternating the models within each seed (A B, A B, ...) so that a drift of the
+machine falls on every model alike.
 
-    python benchmarks/train_quality.py [--time 5m] [--models moe,dense] [--set key=value ...] [--repeat N]
+    python benchmarks/train_quality.py [--time 5m] [--models moe,dense] [--seeds 0,1,2] [--set key=value ...]
+
+Every finished run is appended to OUT/results.jsonl; the same command run again reads those back and
+trains only what is missing. The end is a table per run and, for each model against the last one named
+(`--models moe,dense`: MoE minus dense), the paired difference per seed with its mean and 95% t-interval,
+read as the experiments read theirs (`experiments.common.paired_test`: better / worse when the interval
+excludes 0, a tie inside +-0.01, undecided otherwise).
 
 Models: `moe` (the shakespeare-char preset), `dense` (its dense twin), and `moe-full` (the preset as it
-was before Learning II: no chunked attention, temperature floor 8,192, so the NoPE layer's temperature is
-1 everywhere in its 256-token context). --repeat N trains the list N times, alternating A B A B, so that
-a drift of the machine falls on every model alike.
+was before Learning II: no chunked attention, temperature floor 8,192).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 from nanollama4.cli import parse_duration, parse_overrides
 from nanollama4.config import TrainConfig, preset
 from nanollama4.evaluation import full_validation_loss_of_run
+from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
+
+DEMO = {"bf16": True, "seq_len": 256, "batch_size": 16}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", default="5m")
     ap.add_argument("--models", default="moe,dense")
+    ap.add_argument("--seeds", default="1337", help="comma-separated training seeds, e.g. 0,1,2")
     ap.add_argument("--out", default="runs/quality")
-    ap.add_argument("--set", action="append", default=[], help="TrainConfig overrides, e.g. lr=3e-3")
-    ap.add_argument("--repeat", type=int, default=1, help="train the list of models this many times, alternated")
+    ap.add_argument("--set", action="append", default=[], help="TrainConfig overrides, e.g. optimizer=muon")
+    ap.add_argument("--model-set", action="append", default=[], help="ModelConfig overrides for every model")
     args = ap.parse_args()
     tune_allocator()
     budget = parse_duration(args.time)
     moe = preset("shakespeare-char")
+    moe = moe.replace(**parse_overrides(args.model_set, type(moe))) if args.model_set else moe
     configs = {"moe": moe, "moe-full": moe.replace(attention_chunk_size=None, floor_scale=8192),
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
-    tc = TrainConfig(**{"bf16": True, "seq_len": 128, **parse_overrides(args.set, TrainConfig)}, max_time=budget)
-    rows = []
-    for name in args.models.split(",") * args.repeat:
-        run = Path(args.out) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = train(configs[name], tc, run, progress=False)
-        loss, n_tokens, window = full_validation_loss_of_run(run, prefer="last")
-        rows.append((name, result.step, result.tokens_per_s, loss, run))
-        print(f"{name}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation loss {loss:.4f} "
-              f"({n_tokens:,} tokens, windows of {window}) -> {run}", flush=True)
-    print(f"\nbudget {args.time} of training, bf16={tc.bf16}, batch {tc.batch_size} x {tc.seq_len}")
-    print(f"{'model':6} | {'steps':>6} | {'tokens/s':>9} | {'full val loss':>13}")
-    for name, steps, tps, loss, _ in rows:
-        print(f"{name:6} | {steps:>6} | {tps:>9,.0f} | {loss:>13.4f}")
+    models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
+    tc = TrainConfig(**{**DEMO, **parse_overrides(args.set, TrainConfig)}, max_time=budget)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done = {(r["model"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())} \
+        if results.exists() else {}
+    for seed in seeds:
+        for name in models:
+            if (name, seed) in done:
+                continue
+            run = out / f"{name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+            result = train(configs[name], tc.replace(seed=seed), run, progress=False)
+            loss, n_tokens, window = full_validation_loss_of_run(run, prefer="last")
+            row = {"model": name, "seed": seed, "steps": result.step, "tokens_per_s": round(result.tokens_per_s),
+                   "full_val_loss": loss, "run": str(run), "set": args.set, "model_set": args.model_set}
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            done[name, seed] = row
+            print(f"{name} seed {seed}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation "
+                  f"loss {loss:.4f} ({n_tokens:,} tokens, windows of {window}) -> {run}", flush=True)
+    print(f"\nbudget {args.time} of training, bf16={tc.bf16}, batch {tc.batch_size} x {tc.seq_len}, "
+          f"{' '.join(args.set + args.model_set) or 'defaults'}")
+    print("| model | seed | steps | tokens/s | full val loss |\n|---|---:|---:|---:|---:|")
+    for seed in seeds:
+        for name in models:
+            r = done[name, seed]
+            print(f"| {name} | {seed} | {r['steps']} | {r['tokens_per_s']:,} | {r['full_val_loss']:.4f} |")
+    base = models[-1]
+    for name in models[:-1]:
+        test = paired_test([done[name, s]["full_val_loss"] - done[base, s]["full_val_loss"] for s in seeds])
+        per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
+        print(f"{name} minus {base}, per seed {per_seed}: {test.interval} -> {test.reading}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from unittest import mock
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import nanollama4.ops.experts as experts_mod
 from nanollama4 import ops
 from nanollama4.attention import Attention, attention_mask
 from nanollama4.config import preset
@@ -94,10 +96,31 @@ def test_auto_in_bf16_on_the_cpu_takes_the_kernel_where_it_can(monkeypatch):
     from nanollama4.ops.experts import auto_product
 
     monkeypatch.setattr(kernels, "bf16_available", lambda: True)
-    assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "kernel"
+    monkeypatch.setattr(experts_mod, "faster_product", lambda names, *shape: f"timed{shape}")
+    assert auto_product(torch.zeros(4096, 256, dtype=torch.bfloat16), 384, 8) == "timed(256, 384, 8, 4096)"
+    assert auto_product(torch.zeros(2047, 256, dtype=torch.bfloat16), 384, 8) == "kernel"  # under 256 per expert
     assert auto_product(torch.zeros(0, 256, dtype=torch.bfloat16), 384, 128, rows=768) == "kernel"
     assert auto_product(torch.zeros(0, 6, dtype=torch.bfloat16), 5, 8, rows=4096) == "bucketed"  # widths it cannot take
     assert auto_product(torch.zeros(0, 48, dtype=torch.bfloat16), 64, 8, rows=4096) == "bucketed"
+
+
+@pytest.mark.skipif(not kernels.bf16_available(), reason="needs the kernel's bf16 products (AVX512_BF16)")
+def test_the_faster_product_is_timed_once_per_shape(monkeypatch):
+    """Between the kernel and the bucketed loop, the one that ran faster here, asked once per rounded shape."""
+    calls = []
+    real = dict(experts_mod.PRODUCTS)
+
+    def slow(x, *rest):
+        calls.append(x.shape[0])
+        time.sleep(0.02)
+        return real["kernel"](x, *rest)
+
+    monkeypatch.setattr(experts_mod, "_measured", {})
+    monkeypatch.setitem(experts_mod.PRODUCTS, "kernel", slow)
+    assert experts_mod.faster_product(("kernel", "bucketed"), 64, 32, 4, 1000) == "bucketed"
+    assert calls == [1024] * 4  # rounded up to a power of two; one warm-up run and the best of three
+    assert experts_mod.faster_product(("kernel", "bucketed"), 64, 32, 4, 900) == "bucketed"
+    assert len(calls) == 4  # the same rounded shape: not timed again
 
 
 def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones(monkeypatch):

@@ -124,6 +124,15 @@ def test_resume_is_exact(routing, optimizer, work, tmp_path):
     assert first.val_loss is not None and second.val_loss is not None
 
 
+def test_resume_refuses_another_optimizer(work, tmp_path):
+    run = tmp_path / "adamw"
+    run_train(run, cfg(max_steps=2), work["corpus"], work["cache"])
+    before = snapshot(run)
+    with pytest.raises(TrainingError, match="trained with optimizer=adamw, whose state muon cannot take over"):
+        resume(run, work["cache"], max_steps=4, optimizer="muon")
+    assert snapshot(run) == before
+
+
 def _cli_train_cmd(corpus: Path, out: Path, max_steps: int, model: dict | None = None) -> list[str]:
     sets = ["seq_len=32", "batch_size=4", "eval_batches=2", "eval_interval=100000", "warmup_steps=2",
             "lr=0.003", "min_lr=0.0003", "threads=1"] + [f"{k}={v}" for k, v in (model or {}).items()]

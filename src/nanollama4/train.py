@@ -424,8 +424,11 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
         if data is not None and not Path(data).exists():
             raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
                             "the same text")
-    tc = fit_world(fit_seq_len(tc, model.cfg), read_json(ckpt / "train_config.json"),
-                    int(state.get("world_size", 1)), world)
+    saved = read_json(ckpt / "train_config.json")
+    if saved.get("optimizer", "adamw") != tc.optimizer:
+        raise TrainingError(f"{run_dir} was trained with optimizer={saved.get('optimizer', 'adamw')}, whose state "
+                            f"{tc.optimizer} cannot take over; resume without --set optimizer, or train a new run")
+    tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     try:
         load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),

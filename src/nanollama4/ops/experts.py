@@ -20,6 +20,7 @@ handful of (token, expert) assignments, as in decoding, without sorting. `FastEx
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -293,7 +294,10 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
 
     - float32, CPU with AVX-512 (`kernels.fp32_pays`): our kernel; elsewhere grouped_mm where its strides allow,
       else the loop.
-    - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`).
+    - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`);
+      from BUCKETED_ROWS rows per expert, the faster of it and the bucketed loop, timed on this machine
+      (`faster_product`): on a CPU with AMX, torch's bf16 products in the bucketed loop beat the kernel's
+      dot-product instructions (benchmarks/RESULTS.md).
     - bfloat16, other CPUs: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
       moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
       demo's start); below that, grouped_mm where its strides allow, else the padded bmm (padding each of
@@ -307,6 +311,8 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
         if torch.compiler.is_compiling():
             return "padded"
         if kernel_bf16_ok(x, hidden) and kernels.bf16_available():
+            if rows >= BUCKETED_ROWS * n_experts:
+                return faster_product(("kernel", "bucketed"), x.shape[-1], hidden, n_experts, rows)
             return "kernel"
         if rows >= BUCKETED_ROWS * n_experts:
             return "bucketed"
@@ -318,6 +324,37 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     if torch.compiler.is_compiling():
         fast = torch.bfloat16
     return "grouped" if x.dtype == fast and grouped_mm_ok(x, hidden) else "loop"
+
+
+_measured: dict[tuple, str] = {}  # faster_product's answers, per shape
+
+
+def faster_product(names: tuple[str, ...], d_model: int, hidden: int, n_experts: int, rows: int) -> str:
+    """Which of `names` trains bf16 rows of this shape fastest here (forward and backward, the rows spread
+    evenly over the experts; the best of 3 timings each), measured once per shape and process, on random
+    data from a generator of its own. Rows are rounded up to a power of two: a training run asks about
+    one or two shapes, and its first step pays ~0.1-1 s for the answer."""
+    rows = 1 << max(0, rows - 1).bit_length()
+    key = (names, d_model, hidden, n_experts, rows)
+    if key not in _measured:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, d_model, generator=g).bfloat16().requires_grad_()
+        gate_up = (torch.randn(n_experts, d_model, 2 * hidden, generator=g) * 0.02).requires_grad_()
+        down = (torch.randn(n_experts, hidden, d_model, generator=g) * 0.02).requires_grad_()
+        counts = torch.full((n_experts,), rows // n_experts)
+        counts[: rows % n_experts] += 1
+        expert = torch.repeat_interleave(torch.arange(n_experts), counts)
+        times = {}
+        for name in names:
+            weights = (gate_up, down) if name in CASTS_WEIGHTS else (gate_up.bfloat16(), down.bfloat16())
+            best = float("inf")
+            for i in range(4):  # the first run warms up (a product's first use sets it up), then the best of 3
+                t = time.perf_counter()
+                PRODUCTS[name](x, *weights, counts, expert).float().sum().backward()
+                best = best if i == 0 else min(best, time.perf_counter() - t)
+            times[name] = best
+        _measured[key] = min(times, key=times.get)
+    return _measured[key]
 
 
 def kernel_bf16_ok(x: torch.Tensor, hidden: int) -> bool:
