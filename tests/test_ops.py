@@ -121,6 +121,9 @@ def test_the_faster_product_is_timed_once_per_shape(monkeypatch):
     assert calls == [1024] * 4  # rounded up to a power of two; one warm-up run and the best of three
     assert experts_mod.faster_product(("kernel", "bucketed"), 64, 32, 4, 900) == "bucketed"
     assert len(calls) == 4  # the same rounded shape: not timed again
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # as full validation asks
+        assert experts_mod.faster_product(("kernel", "bucketed"), 64, 32, 4, 3000) == "bucketed"
+    assert calls[4:] == [4096] * 4
 
 
 def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones(monkeypatch):
