@@ -2,22 +2,26 @@
 with the same active parameters (its FFN as wide as the routed top-1 expert plus the shared one), over
 several seeds, read pair by pair.
 
-Each model trains for --time on Shakespeare's works with `make demo`'s settings (bf16, batch 16 x 256, and
-whatever --set adds), then its full validation loss is measured (mean nats per character over every
+Each model trains for --time on Shakespeare's works with each recipe named (`--recipes`; default `demo`,
+`make demo`'s settings: bf16, batch 32 x 256, Muon at 0.02 with the AdamW part at 2e-3 decaying to 2e-4;
+`today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256), plus
+whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
-other, never side by side, alternating the models within each seed (A B, A B, ...) so that a drift of the
-machine falls on every model alike.
+other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
+machine falls on every arm alike.
 
-    python benchmarks/train_quality.py [--time 5m] [--models moe,dense] [--seeds 0,1,2] [--set key=value ...]
+    python benchmarks/train_quality.py [--time 5m] [--models moe,dense] [--recipes demo,today] [--seeds 0,1,2]
+                                       [--set key=value ...]
 
 Every finished run is appended to OUT/results.jsonl; the same command run again reads those back and
-trains only what is missing. The end is a table per run and, for each model against the last one named
-(`--models moe,dense`: MoE minus dense), the paired difference per seed with its mean and 95% t-interval,
+trains only what is missing. The end is a table per run and, for every pair of arms (the first named minus the second),
+the paired difference per seed with its mean and 95% t-interval,
 read as the experiments read theirs (`experiments.common.paired_test`: better / worse when the interval
 excludes 0, a tie inside +-0.01, undecided otherwise).
 
-Models: `moe` (the shakespeare-char preset), `dense` (its dense twin), and `moe-full` (the preset as it
-was before Learning II: no chunked attention, temperature floor 8,192).
+Models: `moe` (the shakespeare-char preset), `dense` (its dense twin), `moe-every2` (MoE on every second
+layer, as Llama 4 Maverick interleaves them; dense FFNs of the twin's width between) and `moe-full` (the
+preset as it was before Learning II: no chunked attention, temperature floor 8,192).
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
 
-DEMO = {"bf16": True, "seq_len": 256, "batch_size": 16}
+RECIPES = {  # TrainConfig settings; `demo` repeats the Makefile's `make demo` line
+    "demo": {"bf16": True, "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
+    "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", default="5m")
     ap.add_argument("--models", default="moe,dense")
+    ap.add_argument("--recipes", default="demo", help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--seeds", default="1337", help="comma-separated training seeds, e.g. 0,1,2")
     ap.add_argument("--out", default="runs/quality")
     ap.add_argument("--set", action="append", default=[], help="TrainConfig overrides, e.g. optimizer=muon")
@@ -51,40 +59,47 @@ def main() -> None:
     moe = preset("shakespeare-char")
     moe = moe.replace(**parse_overrides(args.model_set, type(moe))) if args.model_set else moe
     configs = {"moe": moe, "moe-full": moe.replace(attention_chunk_size=None, floor_scale=8192),
+               "moe-every2": moe.replace(moe_every=2),
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
-    tc = TrainConfig(**{**DEMO, **parse_overrides(args.set, TrainConfig)}, max_time=budget)
+    extra = parse_overrides(args.set, TrainConfig)
+    recipes = {r: TrainConfig(**{**RECIPES[r], **extra}, max_time=budget) for r in args.recipes.split(",")}
+    arms = [(m, r) for r in recipes for m in models]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = {(r["model"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())} \
+    done = {(r["arm"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())} \
         if results.exists() else {}
     for seed in seeds:
-        for name in models:
-            if (name, seed) in done:
+        for name, recipe in arms:
+            arm = f"{name}@{recipe}"
+            if (arm, seed) in done:
                 continue
-            run = out / f"{name}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-            result = train(configs[name], tc.replace(seed=seed), run, progress=False)
+            run = out / f"{name}-{recipe}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+            result = train(configs[name], recipes[recipe].replace(seed=seed), run, progress=False)
             loss, n_tokens, window = full_validation_loss_of_run(run, prefer="last")
-            row = {"model": name, "seed": seed, "steps": result.step, "tokens_per_s": round(result.tokens_per_s),
+            row = {"arm": arm, "model": name, "recipe": recipe, "seed": seed, "steps": result.step,
+                   "tokens_per_s": round(result.tokens_per_s),
                    "full_val_loss": loss, "run": str(run), "set": args.set, "model_set": args.model_set}
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            done[name, seed] = row
-            print(f"{name} seed {seed}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation "
+            done[arm, seed] = row
+            print(f"{arm} seed {seed}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation "
                   f"loss {loss:.4f} ({n_tokens:,} tokens, windows of {window}) -> {run}", flush=True)
-    print(f"\nbudget {args.time} of training, bf16={tc.bf16}, batch {tc.batch_size} x {tc.seq_len}, "
-          f"{' '.join(args.set + args.model_set) or 'defaults'}")
-    print("| model | seed | steps | tokens/s | full val loss |\n|---|---:|---:|---:|---:|")
+    print(f"\nbudget {args.time} of training; recipes: "
+          + "; ".join(f"{r} = {' '.join(f'{k}={v}' for k, v in RECIPES[r].items())}" for r in recipes)
+          + f"; also {' '.join(args.set + args.model_set) or 'nothing'}")
+    print("| arm | seed | steps | tokens/s | full val loss |\n|---|---:|---:|---:|---:|")
     for seed in seeds:
-        for name in models:
-            r = done[name, seed]
-            print(f"| {name} | {seed} | {r['steps']} | {r['tokens_per_s']:,} | {r['full_val_loss']:.4f} |")
-    base = models[-1]
-    for name in models[:-1]:
-        test = paired_test([done[name, s]["full_val_loss"] - done[base, s]["full_val_loss"] for s in seeds])
-        per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
-        print(f"{name} minus {base}, per seed {per_seed}: {test.interval} -> {test.reading}")
+        for name, recipe in arms:
+            r = done[f"{name}@{recipe}", seed]
+            print(f"| {name}@{recipe} | {seed} | {r['steps']} | {r['tokens_per_s']:,} | {r['full_val_loss']:.4f} |")
+    names = [f"{m}@{r}" for m, r in arms]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            test = paired_test([done[a, s]["full_val_loss"] - done[b, s]["full_val_loss"] for s in seeds])
+            per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
+            print(f"{a} minus {b}, per seed {per_seed}: {test.interval} -> {test.reading}")
 
 
 if __name__ == "__main__":
