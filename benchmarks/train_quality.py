@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--time", default="5m")
     ap.add_argument("--models", default="moe,dense")
     ap.add_argument("--recipes", default="demo", help=f"comma-separated, of {', '.join(RECIPES)}")
+    ap.add_argument("--arms", help="only these of the models x recipes, e.g. moe@demo,dense@demo,moe@today")
     ap.add_argument("--seeds", default="1337", help="comma-separated training seeds, e.g. 0,1,2")
     ap.add_argument("--out", default="runs/quality")
     ap.add_argument("--set", action="append", default=[], help="TrainConfig overrides, e.g. optimizer=muon")
@@ -64,7 +65,7 @@ def main() -> None:
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     extra = parse_overrides(args.set, TrainConfig)
     recipes = {r: TrainConfig(**{**RECIPES[r], **extra}, max_time=budget) for r in args.recipes.split(",")}
-    arms = [(m, r) for r in recipes for m in models]
+    arms = [(m, r) for r in recipes for m in models if not args.arms or f"{m}@{r}" in args.arms.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
