@@ -4,7 +4,8 @@ several seeds, read pair by pair.
 
 Each model trains for --time on Shakespeare's works with each recipe named (`--recipes`; default `demo`,
 `make demo`'s settings: bf16, batch 32 x 256, Muon at 0.02 with the AdamW part at 2e-3 decaying to 2e-4;
-`today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256), plus
+`today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256; `muon16`
+is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -41,12 +42,14 @@ from nanollama4.train import train
 RECIPES = {  # TrainConfig settings; `demo` repeats the Makefile's `make demo` line
     "demo": {"bf16": True, "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
+    "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", default="5m")
+    ap.add_argument("--steps", type=int, help="train each arm this many steps instead of for --time")
     ap.add_argument("--models", default="moe,dense")
     ap.add_argument("--recipes", default="demo", help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--arms", help="only these of the models x recipes, e.g. moe@demo,dense@demo,moe@today")
@@ -64,7 +67,8 @@ def main() -> None:
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     extra = parse_overrides(args.set, TrainConfig)
-    recipes = {r: TrainConfig(**{**RECIPES[r], **extra}, max_time=budget) for r in args.recipes.split(",")}
+    limit = {"max_steps": args.steps} if args.steps else {"max_time": budget}
+    recipes = {r: TrainConfig(**{**RECIPES[r], **extra}, **limit) for r in args.recipes.split(",")}
     arms = [(m, r) for r in recipes for m in models if not args.arms or f"{m}@{r}" in args.arms.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +91,7 @@ def main() -> None:
             done[arm, seed] = row
             print(f"{arm} seed {seed}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation "
                   f"loss {loss:.4f} ({n_tokens:,} tokens, windows of {window}) -> {run}", flush=True)
-    print(f"\nbudget {args.time} of training; recipes: "
+    print(f"\nbudget {f'{args.steps} steps' if args.steps else args.time} of training; recipes: "
           + "; ".join(f"{r} = {' '.join(f'{k}={v}' for k, v in RECIPES[r].items())}" for r in recipes)
           + f"; also {' '.join(args.set + args.model_set) or 'nothing'}")
     print("| arm | seed | steps | tokens/s | full val loss |\n|---|---:|---:|---:|---:|")

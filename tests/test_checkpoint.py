@@ -410,3 +410,72 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint_on_a_real_tmpfs(c
         _fill_disk_run(corpus, mount / "run", capsys)
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_save_that_failed_after_its_rename_is_never_adopted_on_resume(run_copy, capsys, monkeypatch):
+    """A save that fails between renaming step-N into place and moving `last` (a full disk, a kill) leaves
+    step-N behind. The resumed run used to reach step N, find the folder and point `last` at it: its own
+    training silently replaced by the old state."""
+    import nanollama4.checkpoint as checkpoint
+
+    real_point = checkpoint._point
+
+    def point_fails_for_last(link, target):
+        if link.name == "last":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_point(link, target)
+
+    monkeypatch.setattr(checkpoint, "_point", point_fails_for_last)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+    assert "step 6 not saved" in assert_cli_error(rc, err, "train")
+    orphan = run_copy / "step-0000006"
+    assert orphan.is_dir() and os.readlink(run_copy / "last") == "step-0000004"  # the injected failure's leftover
+    orphan_weights = load_file(orphan / "model.safetensors")
+    monkeypatch.setattr(checkpoint, "_point", real_point)
+
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--set", "lr=0.01", "--quiet"],
+                         capsys)
+    assert rc == 0, err
+    last = resolve_checkpoint(run_copy)
+    assert last.name == "step-0000006"
+    assert json.loads((last / "train_config.json").read_text())["lr"] == 0.01  # this run's state, not the orphan's
+    weights = load_file(last / "model.safetensors")
+    assert any(not torch.equal(weights[k], orphan_weights[k]) for k in weights)
+    assert not [p.name for p in run_copy.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_leftovers_of_a_killed_save_are_cleared_by_the_next_owner(run_copy, capsys):
+    """SIGKILL mid-save leaves a .tmp-step-* folder (model and optimizer state) that nothing removed."""
+    leftover = run_copy / ".tmp-step-0000005-abcdef"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "5", "--quiet"], capsys)
+    assert rc == 0, err
+    assert not leftover.exists()
+    assert os.readlink(run_copy / "last") == "step-0000005"
+    assert {p.name for p in run_copy.glob("step-*")} == {os.readlink(run_copy / n) for n in ("last", "best")}
+
+
+def test_a_reader_retries_when_the_training_run_prunes_its_checkpoint_meanwhile(run_copy, monkeypatch):
+    """generate/export/serve of a run that trains failed one time in nine with "model.safetensors is missing":
+    the run saved a newer step and pruned the folder between our resolving `last` and reading it."""
+    import shutil
+
+    import nanollama4.checkpoint as checkpoint
+
+    real, calls = checkpoint.load_model, []
+
+    def pruned_first(ckpt, **kw):
+        calls.append(ckpt.name)
+        if len(calls) == 1:  # the trainer saves step 5 and prunes step 4, just now
+            shutil.copytree(run_copy / "step-0000004", run_copy / "step-0000005")
+            for link in ("last", "best"):
+                os.replace(run_copy / link, run_copy / f"{link}.old")
+                os.symlink("step-0000005", run_copy / link)
+                os.unlink(run_copy / f"{link}.old")
+            shutil.rmtree(run_copy / "step-0000004")
+        return real(ckpt, **kw)
+
+    monkeypatch.setattr(checkpoint, "load_model", pruned_first)
+    model, tokenizer, tc = load_run(run_copy, prefer="last")
+    assert calls == ["step-0000004", "step-0000005"] and tc["max_steps"] == 4

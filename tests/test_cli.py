@@ -163,6 +163,9 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("serve", "--max-batch"): [["RUN", "--max-batch", "0"], ["RUN", "--max-batch", "2000"]],
     ("serve", "--max-queue"): [["RUN", "--max-queue", "-1"], ["RUN", "--max-queue", "many"]],
     ("serve", "--name"): [["RUN", "--name", ""]],
+    ("serve", "--allowed-host"): [["RUN", "--allowed-host", ""]],
+    ("serve", "--max-context"): [["RUN", "--max-context", "0"], ["RUN", "--max-context", "long"]],
+    ("serve", "--allow-origin"): [["RUN", "--allow-origin", ""]],
     ("serve", "--threads"): [["RUN", "--threads", "0"], ["RUN", "--threads", "two"]],
     ("export", "run_dir"): [["MISSING", "OUT"], ["EMPTY", "OUT"]],
     ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
@@ -207,6 +210,23 @@ def test_every_option_has_a_bad_value_case():
     options = {(name, (a.option_strings or [a.dest])[0]) for name, p in sub.choices.items() for a in p._actions
                if a.dest != "help"}
     assert options == set(CASES), sorted(options ^ set(CASES))
+
+
+LONG = "n" * 300  # one path component over the 255 bytes a file system allows
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", f"MISSING/{LONG}"], ["serve", LONG], ["eval", LONG], ["plot", f"EMPTY/{LONG}"],
+    ["export", "RUN", f"EMPTY/{LONG}"], ["train", "--out", f"EMPTY/{LONG}"], ["train", "--data", LONG],
+    ["train", "--resume", LONG], ["experiment", "gqa", "--out", LONG], ["explain", "RUN", "--prompt", "the",
+                                                                        "--html", f"EMPTY/{LONG}.html"],
+], ids=lambda argv: argv[0])
+def test_a_path_with_a_name_too_long_is_one_line(argv, places, capsys):
+    """Every such path was an OSError traceback (ENAMETOOLONG) from wherever it was first used."""
+    rc, _, err = run_cli([_fill(a, places) for a in argv], capsys)
+    line = assert_cli_error(rc, err, argv[0])
+    assert "is 300 bytes; a file or folder name may have at most 255" in line or \
+        "is 305 bytes; a file or folder name may have at most 255" in line, line
 
 
 # ------------------------------------------------------------------------------------------- values at the boundary

@@ -321,3 +321,36 @@ def test_a_latin1_corpus_is_an_error_unless_replacing_is_asked_for(tmp_path, cap
     assert "\ufffd" in load_run(tmp_path / "r")[1].chars
     rc, out, err = run_cli(["eval", str(tmp_path / "r")], capsys)  # eval reads it the same way
     assert rc == 0, err
+
+
+def test_a_cache_entry_with_an_id_past_the_vocabulary_is_rebuilt(corpus, tmp_path):
+    """Its header and checksum agree, yet it holds an id the tokenizer never made: train and eval used to
+    crash on it with an IndexError."""
+    import hashlib
+
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer(CharTokenizer.from_text(TEXT))
+    first = TokenDataset.build(corpus, tok, cache)
+    bin_path, header_path = first.cache_path, first.cache_path.with_suffix(".json")
+    ids = np.fromfile(bin_path, dtype=np.uint16)
+    ids[3] = tok.vocab_size + 7
+    bin_path.write_bytes(ids.tobytes())
+    header = json.loads(header_path.read_text())
+    header_path.write_text(json.dumps({**header, "tokens_sha256": hashlib.sha256(ids.tobytes()).hexdigest()}))
+    again = TokenDataset.build(corpus, tok, cache)
+    assert tok.calls == 2 and not again.from_cache
+    assert int(np.asarray(again.tokens).max()) < tok.vocab_size
+    np.testing.assert_array_equal(np.asarray(again.tokens), tok.inner.encode(TEXT))
+
+
+def test_a_corpus_too_large_for_memory_is_one_line_before_reading_it(tmp_path, capsys):
+    """A 30 GB (sparse) --data file was read whole: a MemoryError traceback."""
+    huge = tmp_path / "huge.txt"
+    with open(huge, "wb") as f:
+        f.truncate(30 * 2**30)
+    with pytest.raises(DataError, match=r"the corpus at .*huge\.txt is 30\.0 GiB; tokenizing it takes about 48x "
+                                        r"that in memory and this machine has .* GiB free: pass a corpus under"):
+        read_corpus([huge])
+    rc, _, err = train_cli(capsys, "--data", str(huge), "--out", str(tmp_path / "run"), "--max-steps", "2")
+    assert "is 30.0 GiB" in assert_cli_error(rc, err, "train")
+    assert not (tmp_path / "run").exists()

@@ -540,3 +540,14 @@ def test_sampling_settings_are_one_object_checked_once(char_setup):
     assert Sampling(stop="END").stop == ("END",) and Sampling(stop_ids=3).stop_ids == (3,)
     greedy = Sampling(temperature=0)
     assert generate(model, tok, "the ", 12, greedy) == generate(model, tok, "the ", 12, temperature=0)
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 5e-324])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p):
+    """float32 compares such a top_p as 0, and every token used to be dropped: sampling then crashed."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    kept = filter_logits(logits, top_p=top_p)
+    assert torch.equal(kept.isfinite(), logits == logits.max(-1, keepdim=True).values)
+    tokens = next_token(logits, Sampling(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))

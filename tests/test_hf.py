@@ -212,3 +212,36 @@ def test_export_command_writes_a_checkpoint_transformers_loads_and_our_commands_
     assert rc == 0 and "next token after the prompt" in stdout, err
     rc, _, err = run_cli(["export", str(tiny_run), str(out)], capsys)  # never over a folder with files in it
     assert rc == 2 and "not an empty folder" in err
+
+
+@pytest.mark.parametrize("empty_folder_first", [False, True])
+def test_a_failed_export_leaves_nothing_that_a_retry_refuses(tiny_run, tmp_path, capsys, monkeypatch,
+                                                           empty_folder_first):
+    """A full disk (or a kill) mid-export used to leave a half-written folder that the retry refused as
+    "not an empty folder"."""
+    import errno
+    import os
+
+    import nanollama4.hf as hf
+    from tests.helpers import assert_cli_error, run_cli
+
+    real = hf.save_file
+
+    def written_then_full(tensors, path, **kw):
+        real(tensors, path, **kw)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    out = tmp_path / "exported"
+    if empty_folder_first:
+        out.mkdir()
+    monkeypatch.setattr(hf, "save_file", written_then_full)
+    rc, _, err = run_cli(["export", str(tiny_run), str(out)], capsys)
+    assert "no space left on the device" in assert_cli_error(rc, err, "export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["exported"] if empty_folder_first else [])
+    assert not out.exists() or not any(out.iterdir())
+    monkeypatch.setattr(hf, "save_file", real)
+    rc, _, err = run_cli(["export", str(tiny_run), str(out)], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                      "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]

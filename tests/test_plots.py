@@ -111,3 +111,34 @@ def test_dense_run_only_loss(tmp_path: Path) -> None:
 def test_missing_metrics(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(tmp_path)
+
+
+CRAFTED = [
+    {"step": "7", "loss": 2.0},  # a string step
+    {"step": 8, "loss": "2.0"},  # a string loss
+    {"step": None, "loss": 2.0},  # a null step
+    {"step": True, "loss": 2.0},
+    {"step": 9, "val_loss": [1]},
+    {"step": 10, "loss": 2.0, "expert_load": [[0.5, 0.5], [1.0]]},  # ragged
+    {"step": 11, "loss": 2.0, "expert_load": [[0.25] * 4] * 3000},  # 3,000 "layers"
+    {"step": 12, "loss": 2.0, "expert_load": [["a", "b", "c", "d"]] * 2},
+    ["step", 13],
+]
+
+
+def test_crafted_lines_are_skipped_with_one_warning_and_sizes_are_bounded(tmp_path: Path, capsys) -> None:
+    """Such lines made `plot` (and the end of `train`) exit 1 with a TypeError, or kept it busy for minutes
+    at 1 GB."""
+    import time
+
+    _write_run(tmp_path)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write("\n" + "\n".join(json.dumps(c) for c in CRAFTED) + "\n")
+    started = time.time()
+    paths = plot_run(tmp_path)
+    assert time.time() - started < 30
+    assert [p.name for p in paths] == ["loss.png", "expert_load.png"]
+    _assert_overload_on_the_right(paths[1])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {len(CRAFTED) + 1} line(s) of {tmp_path / 'metrics.jsonl'} are not step records "
+                   "(cut short or edited) and were skipped"]

@@ -208,6 +208,21 @@ def test_a_planted_symlink_is_never_written_through(planted, message, corpus, tm
     assert victim.read_text() == "keep me"
 
 
+def test_a_planted_metrics_symlink_is_refused_on_resume(run_copy, tmp_path, capsys):
+    """--resume rewrote metrics.jsonl by replacing it: a planted link was silently replaced (docs/runs.md
+    says it is an error), after its target had been read."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    metrics = run_copy / "metrics.jsonl"
+    metrics.unlink()
+    metrics.symlink_to(victim)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+    assert assert_cli_error(rc, err, "train") == (
+        f"nanollama4 train: error: {metrics} is a symlink; nanollama4 writes only files it made: remove the link")
+    assert metrics.is_symlink() and victim.read_text() == "keep me\n"
+    assert os.readlink(run_copy / "last") == "step-0000004"
+
+
 # ---------------------------------------------------------------------------------------------- refused runs
 def test_a_refused_new_run_leaves_nothing_behind(tmp_path, capsys):
     """A run refused after its folder was made (here: a corpus too short for one window) used to leave the
@@ -229,3 +244,53 @@ def test_a_budget_that_ends_before_the_first_step_is_an_error_and_leaves_nothing
         "trained or saved: give a budget of at least one step")
     assert "generate" not in out_text
     assert not out.exists()
+
+
+def _race_owning(base: str, rounds: int, barrier, results) -> None:
+    """One of two racers (a spawned process): each round, open base/rN as a new run at the barrier's
+    release; the winner checks that its folder stays whole while it holds it."""
+    from pathlib import Path
+
+    from nanollama4.distributed import World
+    from nanollama4.errors import Nanollama4Error
+    from nanollama4.runs import owning
+
+    outcomes = []
+    for i in range(rounds):
+        run = Path(base) / f"r{i:03d}"
+        barrier.wait()
+        try:
+            with owning(run, False, World()):
+                (run / "marker").write_text(str(os.getpid()))
+                time.sleep(0.02)  # a loser that removes the folder does it now
+                intact = (run / "marker").read_text() == str(os.getpid()) and (run / "run.lock").is_file()
+                outcomes.append("won" if intact else "won, but the folder was removed under it")
+        except Nanollama4Error as e:
+            outcomes.append(f"refused: {e}")
+        except Exception as e:  # noqa: BLE001 - what the test must never see, reported rather than raised
+            outcomes.append(f"crashed: {type(e).__name__}: {e}")
+    results.put(outcomes)
+
+
+def test_two_trainings_racing_for_fresh_folders_never_remove_the_winners(tmp_path):
+    """The loser of the lock race used to remove the folder the winner was training in (it had created the
+    folder too, as both saw it missing), or crash with a FileNotFoundError traceback."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    rounds, barrier, results = 60, ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_race_owning, args=(str(tmp_path), rounds, barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    wins = 0
+    for a, b in zip(*outcomes, strict=True):
+        assert not any(o.startswith(("crashed", "won, but")) for o in (a, b)), (a, b)
+        wins += (a == "won") + (b == "won")
+        for o in (a, b):
+            if o.startswith("refused"):
+                assert "is in use by another training" in o or "was removed by another training" in o, o
+    assert wins >= rounds  # every round someone trained
+    assert not any(tmp_path.iterdir())  # and each winner, stopping before a checkpoint, left nothing

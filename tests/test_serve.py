@@ -35,15 +35,17 @@ from tests.helpers import randomize_
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "ROMEO.\nBut soft, what light through yonder window breaks?\n\nJULIET.\nAy me! USER ASSISTANT xyz qjk\n"
 NAME = "tiny-test"
+JSON = {"Content-Type": "application/json"}  # the server refuses bodies not declared as JSON (415)
 
 
 @contextmanager
-def running(engine: Engine, name: str = NAME):
+def running(engine: Engine, name: str = NAME, app_options: dict | None = None, **config):
     """The app over `engine` on uvicorn, on a free local port, in a thread; yields its base URL."""
     import uvicorn
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, **(app_options or {})), log_level="warning",
+                                           lifespan="off", **config))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -256,11 +258,12 @@ def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
     with running(engine) as url:
         ok = json.dumps(OK).encode()
         with httpx.Client(timeout=60) as http:
-            waiting = [http.stream("POST", f"{url}/v1/completions", content=json.dumps({**OK, "stream": True}))
+            waiting = [http.stream("POST", f"{url}/v1/completions", content=json.dumps({**OK, "stream": True}),
+                                   headers=JSON)
                        for _ in range(2)]
             responses = [w.__enter__() for w in waiting]  # a free row and the one queue place
             assert [r.status_code for r in responses] == [200, 200]
-            r = http.post(f"{url}/v1/completions", content=ok)
+            r = http.post(f"{url}/v1/completions", content=ok, headers=JSON)
             assert r.status_code == 429 and r.headers["Retry-After"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
             assert http.get(f"{url}/health").json()["waiting"] == 2
@@ -268,7 +271,7 @@ def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
             for response, w in zip(responses, waiting, strict=True):
                 assert response.read().decode().endswith("data: [DONE]\n\n")
                 w.__exit__(None, None, None)
-            assert http.post(f"{url}/v1/completions", content=ok).status_code == 200
+            assert http.post(f"{url}/v1/completions", content=ok, headers=JSON).status_code == 200
     engine.close(cancel=True, timeout=30)
 
 
@@ -293,7 +296,8 @@ def test_clients_that_hang_up_free_their_rows_at_once():
         with ExitStack() as streams:
             lines = []  # kept: an httpx line iterator closes its response when it is collected
             for _ in range(8):
-                response = streams.enter_context(http.stream("POST", f"{url}/v1/completions", content=body))
+                response = streams.enter_context(http.stream("POST", f"{url}/v1/completions", content=body,
+                                                             headers=JSON))
                 lines.append(response.iter_lines())
                 next(lines[-1])  # its first token has arrived
             deadline = time.time() + 10  # (sent from its prefill, just before it takes its row)
@@ -306,7 +310,8 @@ def test_clients_that_hang_up_free_their_rows_at_once():
             time.sleep(0.01)
         assert engine.busy == (0, 0) and engine.finished == {"cancelled": 8}
         started = time.time()
-        r = http.post(f"{url}/v1/completions", content=json.dumps({**OK, "max_tokens": 8}))  # max_queue 0: a free row
+        r = http.post(f"{url}/v1/completions", content=json.dumps({**OK, "max_tokens": 8}),
+                      headers=JSON)  # max_queue 0: a free row
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert time.time() - started < 5
     engine.close(cancel=True, timeout=30)
@@ -449,3 +454,231 @@ def test_serve_refuses_a_port_in_use_in_one_line(tiny_run, capsys):
         assert "pick another --port" in assert_cli_error(rc, err, "serve")
     finally:
         sock.close()
+
+
+# ---------------------------------------------------------------------------------------------- who may use it
+def test_a_page_reaching_the_server_by_another_name_is_refused(served):
+    """DNS rebinding: a page whose own name now points at 127.0.0.1 sends its name as Host."""
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example"):
+        r = httpx.post(f"{served.url}/v1/completions", json=OK, headers={"Host": host})
+        assert r.status_code == 400, (host, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "host" and "--allowed-host" in error["message"] and repr(host) in error["message"]
+    port = served.url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+        assert httpx.get(f"{served.url}/health", headers={"Host": host}).status_code == 200, host
+
+
+def test_an_allowed_host_is_answered():
+    from nanollama4.serve.guard import HostRule
+
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    with running(engine, app_options={"hosts": HostRule("127.0.0.1", ["my-box.lan"])}) as url:
+        assert httpx.post(f"{url}/v1/completions", json=OK, headers={"Host": "my-box.lan:80"}).status_code == 200
+        assert httpx.get(f"{url}/health", headers={"Host": "other.lan"}).status_code == 400
+    engine.close(cancel=True, timeout=30)
+    wide = HostRule("0.0.0.0")
+    assert wide.allows("192.168.1.20:8000") and wide.allows("[fe80::1]:8000") and not wide.allows("evil.example")
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x", None])
+def test_a_body_not_declared_as_json_is_415(served, kind):
+    """A web page may POST text/plain or a form to any site without a preflight; JSON it may not."""
+    headers = {"Content-Type": kind} if kind else {}
+    r = httpx.post(f"{served.url}/v1/completions", content=json.dumps(OK), headers=headers)
+    assert r.status_code == 415 and r.json()["error"]["param"] == "content-type"
+    assert served.engine.busy == (0, 0)
+    r = httpx.post(f"{served.url}/v1/completions", content=json.dumps(OK),
+                   headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_a_foreign_origin_is_refused_and_only_an_allowed_one_gets_cors(served):
+    for origin in ("http://evil.example", "null", "http://localhost:3000"):
+        r = httpx.post(f"{served.url}/v1/completions", json=OK, headers={"Origin": origin})
+        assert r.status_code == 403 and "--allow-origin" in r.json()["error"]["message"], origin
+        assert "access-control-allow-origin" not in r.headers
+        pre = httpx.options(f"{served.url}/v1/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 403 and "access-control-allow-origin" not in pre.headers
+    r = httpx.post(f"{served.url}/v1/completions", json=OK, headers={"Origin": served.url})  # its own page
+    assert r.status_code == 200
+
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    with running(engine, app_options={"origins": ["http://localhost:3000"]}) as url:
+        pre = httpx.options(f"{url}/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "content-type" in pre.headers["access-control-allow-headers"]
+        r = httpx.post(f"{url}/v1/completions", json=OK, headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert httpx.post(f"{url}/v1/completions", json=OK, headers={"Origin": "http://evil.example"}
+                          ).status_code == 403
+    engine.close(cancel=True, timeout=30)
+
+
+def test_half_sent_requests_are_closed_in_bounded_time_and_connections_are_bounded():
+    """Idle connections that never finish their request used to be held forever: ~1,000 of them exhausted
+    the descriptors and /health stopped answering."""
+    import socket
+
+    from nanollama4.serve.guard import guarded_protocol
+
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    with running(engine, http=guarded_protocol(request_timeout=1.0, max_connections=24)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        stalled = []
+        for i in range(20):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" if i % 2 else
+                      b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\":")  # half the headers, or half the body
+            stalled.append(s)
+        started = time.time()
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # answered beside them
+        extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]  # past the bound
+        answers = []
+        for s in extra:
+            s.settimeout(5)
+            answers.append(s.recv(200))
+        assert sum(a.startswith(b"HTTP/1.1 503") for a in answers) >= 4, answers  # refused at once, not queued
+        for s in stalled:
+            s.settimeout(10)
+            while s.recv(4096):  # whatever comes, then the end: the server closed it
+                pass
+        assert time.time() - started < 8
+        for s in stalled + extra:
+            s.close()
+        assert httpx.post(f"{url}/v1/completions", json=OK, timeout=30).status_code == 200
+    engine.close(cancel=True, timeout=30)
+
+
+def test_a_cache_that_cannot_fit_is_one_line_and_max_context_bounds_it(tmp_path, capsys):
+    """A run whose max_seq_len is 2^27 (within the config's bounds) allocated every KV slot up front: a
+    256 GiB allocation traceback."""
+    from nanollama4.errors import ConfigError
+
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, max_seq_len=2**27)
+    model = nanollama4.build_model(cfg).eval()
+    with pytest.raises(ConfigError, match=r"^the KV cache for 16 rows of 134,217,728 tokens needs [\d,.]+ GiB and "
+                                          r"[\d,.]+ GiB is free; pass --max-context [\d,]+ or less \(or a smaller "
+                                          r"--max-batch\)$"):
+        Engine(model, tok, max_batch=16)
+    engine = Engine(model, tok, max_batch=2, max_context=128).start()
+    with running(engine) as url:
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["max_model_len"] == 128
+        r = httpx.post(f"{url}/v1/completions", json={**OK, "max_tokens": 200})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert httpx.post(f"{url}/v1/completions", json=OK).status_code == 200
+    engine.close(cancel=True, timeout=30)
+
+
+def test_a_padded_vocabulary_is_served_and_generated_without_its_padding():
+    """A model whose vocabulary is larger than its tokenizer's (padded reference checkpoints): one traced
+    request ended every stream in the batch with "generation failed: IndexError", scoring a prompt was a
+    500, a streamed request with logprobs stopped with no error and no [DONE], and generate failed. Here the
+    padding ids are made the most likely ones, so any of them sampled or shown would show."""
+    tok = CharTokenizer.from_text(TEXT)
+    V = tok.vocab_size
+    torch.manual_seed(0)
+    model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=V + 20, max_seq_len=64)).eval()
+    randomize_(model, seed=7)
+    model.lm_head.register_forward_hook(lambda m, i, out: torch.cat([out[..., :V], out[..., V:] + 100.0], -1))
+    text = generate(model, tok, "But soft", max_new_tokens=12, temperature=0)
+    assert len(text) == 12
+    assert "".join(nanollama4.generation.stream(model, tok, "But soft", max_new_tokens=12, temperature=0.9,
+                                                seed=1))
+    engine = Engine(model, tok, max_batch=8, max_queue=8).start()
+    with running(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        results = {}
+
+        def call(name, **kw):
+            results[name] = client.completions.create(model=NAME, prompt="But soft", **kw)
+
+        def streamed():
+            chunks = list(client.completions.create(model=NAME, prompt="But soft", max_tokens=10, stream=True,
+                                                    logprobs=3, temperature=0.8, seed=3))
+            results["streamed"] = chunks
+
+        def traced():
+            r = httpx.post(f"{url}/v1/completions", json={**OK, "max_tokens": 10, "nanollama4_trace": True,
+                                                          "stream": True}, timeout=60)
+            results["traced"] = r
+
+        threads = [threading.Thread(target=traced), threading.Thread(target=streamed),
+                   threading.Thread(target=call, args=("plain",), kwargs={"max_tokens": 10, "temperature": 0}),
+                   threading.Thread(target=call, args=("sampled",), kwargs={"max_tokens": 10, "temperature": 1.0,
+                                                                            "seed": 5}),
+                   threading.Thread(target=call, args=("scored",), kwargs={"max_tokens": 0, "echo": True,
+                                                                           "logprobs": 2})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results["plain"].choices[0].text == text[:10]
+        assert results["plain"].choices[0].finish_reason == "length"
+        assert len(results["sampled"].choices[0].text) == 10
+        scored = results["scored"].choices[0].logprobs
+        assert scored.tokens == list("But soft") and all(len(t) == 2 for t in scored.top_logprobs[1:])
+        assert results["streamed"][-1].choices[0].finish_reason == "length" or \
+            results["streamed"][-2].choices[0].finish_reason == "length"
+        assert results["traced"].status_code == 200 and results["traced"].text.rstrip().endswith("data: [DONE]")
+        assert "error" not in results["traced"].text
+        assert engine.finished.get("error", 0) == 0
+    engine.close(cancel=True, timeout=30)
+
+
+def test_byte_level_tokens_carry_their_own_bytes_and_alternatives_do_not_collide():
+    """Every byte token of a byte-level BPE reported token "\ufffd" with the same bytes, and the completions'
+    top_logprobs keys collided, so fewer alternatives came back than asked."""
+    from nanollama4.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train("naïve café — déjà vu, 東京 ✓ " * 40, vocab_size=300)
+    torch.manual_seed(0)
+    model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=tok.vocab_size, max_seq_len=64)).eval()
+    randomize_(model, seed=3)
+    engine = Engine(model, tok, max_batch=2, max_queue=2).start()
+    with running(engine) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create(model=NAME, prompt="café", max_tokens=20, temperature=0, logprobs=5)
+        tops = done.choices[0].logprobs.top_logprobs
+        assert all(len(top) == 5 for top in tops), [len(t) for t in tops]
+        labels = [label for top in tops for label in top]
+        assert any(label.startswith("bytes:\\x") for label in labels)  # pieces of characters were among them
+        chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "déjà"}],
+                                              max_tokens=20, temperature=0, logprobs=True, top_logprobs=5)
+        for entry in chat.choices[0].logprobs.content:
+            for item in (entry, *entry.top_logprobs):
+                raw = bytes(item.bytes)
+                assert item.token == (raw.decode("utf-8") if not item.token.startswith("bytes:") else
+                                      "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
+            assert len({bytes(t.bytes) for t in entry.top_logprobs}) == 5
+    engine.close(cancel=True, timeout=30)
+
+
+def test_a_client_that_hangs_up_mid_body_is_one_log_line(served, caplog):
+    """Each such client wrote a 30-line "Exception in ASGI application" traceback to the log."""
+    import logging
+    import socket
+
+    caplog.set_level(logging.INFO)
+    port = int(served.url.rsplit(":", 1)[1])
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\":")
+            time.sleep(0.2)
+    deadline = time.time() + 10
+    while caplog.text.count("the client left before its request arrived whole") < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert caplog.text.count("the client left before its request arrived whole") == 3, caplog.text
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
+    assert httpx.get(f"{served.url}/health").status_code == 200

@@ -212,10 +212,12 @@ def save_checkpoint(run_dir: Path, step: int, model: Transformer, optimizer: tor
 def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer, tokenizer_save: Callable[[Path], Any],
                       tensors: dict[str, torch.Tensor], opt_tensors: dict[str, torch.Tensor], opt_meta: dict[str, Any],
                       train_config: dict[str, Any], train_state: dict[str, Any], rng: dict[str, torch.Tensor]) -> None:
-    """Every file of a checkpoint into a temporary folder, fsynced, renamed to `final` (removed on failure)."""
+    """Every file of a checkpoint into a temporary folder, fsynced, renamed to `final` (removed on failure).
+
+    A `final` already there is never adopted: it is a leftover of a save that failed after its rename and
+    before `last` moved (a full disk, a kill), holding an older run's state; it is moved aside and replaced.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        return
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
     tmp.chmod(0o755)
     try:
@@ -231,10 +233,22 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
             f.chmod(0o644)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        if final.exists() or final.is_symlink():
+            stale = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-stale-"))
+            os.replace(final, stale / final.name)
         os.rename(tmp, final)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, *(run_dir.glob(f".tmp-step-{step:07d}-stale-*"))):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def clear_leftovers(run_dir: Path) -> None:
+    """Remove what interrupted saves left in a run: temporary folders, and step folders that neither `last`
+    nor `best` points at (a save that failed after its rename). Called by the run's owner, under its lock."""
+    for tmp in run_dir.glob(".tmp-step-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    _prune(run_dir)
 
 
 def _point(link: Path, target: str) -> None:
@@ -308,12 +322,25 @@ def check_vocab(tokenizer: Tokenizer, cfg: ModelConfig, where: Path) -> None:
 def load_run(path: str | Path, prefer: str = "best", fast: bool = True
              ) -> tuple[Transformer, Tokenizer, dict[str, Any]]:
     """Model, tokenizer and train config of a run directory (its best checkpoint by default); the model as
-    `load_model` gives it."""
-    ckpt = resolve_checkpoint(path, prefer=prefer)
-    try:
-        tc = read_json(ckpt / "train_config.json")
-    except CheckpointError:
-        tc = {}
-    model, tokenizer = load_model(ckpt, fast=fast), load_tokenizer(ckpt / "tokenizer.json")
-    check_vocab(tokenizer, model.cfg, ckpt)
-    return model, tokenizer, tc
+    `load_model` gives it.
+
+    A run that is training meanwhile may prune the checkpoint between finding it and reading it (a newer
+    one took its place): then the newer one is read, a few times over at most."""
+    for attempt in range(READ_ATTEMPTS):
+        ckpt = resolve_checkpoint(path, prefer=prefer)
+        try:
+            try:
+                tc = read_json(ckpt / "train_config.json")
+            except CheckpointError:
+                tc = {}
+            model, tokenizer = load_model(ckpt, fast=fast), load_tokenizer(ckpt / "tokenizer.json")
+        except (CheckpointError, OSError):
+            if ckpt.exists() or attempt == READ_ATTEMPTS - 1:
+                raise
+            continue  # pruned under us: resolve the run's link again
+        check_vocab(tokenizer, model.cfg, ckpt)
+        return model, tokenizer, tc
+    raise AssertionError("unreachable")
+
+
+READ_ATTEMPTS = 5

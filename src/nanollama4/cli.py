@@ -156,6 +156,20 @@ def _text(text: str) -> str:
     return text
 
 
+NAME_MAX = 255  # bytes in one path component, on the file systems Linux and macOS use
+
+
+def _path(text: str) -> str:
+    """A path argument: not empty, and no component longer than the file system allows (which would be an
+    OSError traceback from wherever the path is first used)."""
+    _text(text)
+    long = next((part for part in Path(text).parts if len(os.fsencode(part)) > NAME_MAX), None)
+    if long is not None:
+        raise argparse.ArgumentTypeError(f"the name {long[:40]!r}... is {len(os.fsencode(long))} bytes; a file or "
+                                         f"folder name may have at most {NAME_MAX}")
+    return text
+
+
 def _check_text(prompt: str) -> None:
     """An empty prompt, or one the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
     if not prompt:
@@ -427,20 +441,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     model, tokenizer = load_any(args.path)
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
-          max_queue=args.max_queue, announce=lambda line: print(line, flush=True))
+          max_queue=args.max_queue, announce=lambda line: print(line, flush=True),
+          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .checkpoint import load_run
-    from .files import atomic_write
     from .hf import export_hf
 
     out = Path(args.out)
     if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder; export into a new or empty folder")
     model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    export_hf(model, out)
-    atomic_write(out / "tokenizer.json", tokenizer.save)
+    export_hf(model, out, tokenizer.save)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
           "generation_config.json, tokenizer.json")
 
@@ -493,21 +506,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
     add_preset(p, default=None)
-    p.add_argument("--data", type=_text,
+    p.add_argument("--data", type=_path,
                    help="a text file or a folder of .txt files (default: Shakespeare's works); with --resume, the "
                         "run's corpus at a new path")
-    p.add_argument("--out", type=_text, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
+    p.add_argument("--out", type=_path, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps (of the whole run)")
     budget.add_argument("--max-time", type=_duration,
                         help="stop after this long, e.g. 300, 5m, 1.5h (of the whole run)")
-    p.add_argument("--resume", metavar="RUN_DIR", type=_text,
+    p.add_argument("--resume", metavar="RUN_DIR", type=_path,
                    help="continue the run in RUN_DIR exactly where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
-    p.add_argument("path", help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
+    p.add_argument("path", type=_path,
+                   help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=_new_tokens, default=300)
     p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy; higher = more random")
@@ -526,10 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("explain", help="walk a prompt through the model: shapes, attention, routing, next tokens")
-    p.add_argument("path", type=_text, help="a run directory, a checkpoint folder, or a transformers checkpoint")
+    p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
     p.add_argument("--prompt", required=True, help="text to explain")
     p.add_argument("--trace", action="store_true", help="also list every module's input and output shapes")
-    p.add_argument("--html", type=_text, metavar="FILE", help="also write the trace as one self-contained page")
+    p.add_argument("--html", type=_path, metavar="FILE", help="also write the trace as one self-contained page")
     p.add_argument("--mode", choices=["eval", "train"], default="eval",
                    help="eval: the pass generation makes (default); train: the pass training makes, with router "
                         "noise and expert capacity acting where the model has them")
@@ -544,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
                        "each streamed token's route")
-    p.add_argument("path", type=_text, help="a run directory, a checkpoint folder, or a transformers checkpoint")
+    p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
     p.add_argument("--host", type=_text, default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; the server has no authentication)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (0 = any free one; the address is printed)")
@@ -552,24 +566,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_queue, default=64,
                    help="requests that may wait for a free batch row; more are answered 429 with Retry-After")
     p.add_argument("--name", type=_text, help="the model id clients pass (default: the folder's name)")
+    p.add_argument("--max-context", type=_positive_int, metavar="TOKENS",
+                   help="prompt + answer at most this long (default: the model's max_seq_len); the KV cache for "
+                   "--max-batch rows of it is allocated at start, and refused in one line if it cannot fit")
+    p.add_argument("--allowed-host", type=_text, action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (by default only the names the server is "
+                   "bound to: a web page that reaches it by another name is refused); repeatable")
+    p.add_argument("--allow-origin", type=_text, action="append", default=[], metavar="ORIGIN",
+                   help="let the web page at ORIGIN (e.g. http://localhost:3000) call the API, CORS preflights "
+                   "included (by default only the server's own page may); repeatable")
     p.add_argument("--threads", type=_batch, help="threads for the model's arithmetic (default: the CPU's cores "
                    "less one, which is left to the HTTP side and the clients)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")
-    p.add_argument("run_dir", type=_text)
-    p.add_argument("out", type=_text, help="a new or empty folder")
+    p.add_argument("run_dir", type=_path)
+    p.add_argument("out", type=_path, help="a new or empty folder")
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
-    p.add_argument("run_dir", type=_text)
+    p.add_argument("run_dir", type=_path)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
-    p.add_argument("--data", type=_text, help="the run's corpus, if it has moved since training (the same text)")
+    p.add_argument("--data", type=_path, help="the run's corpus, if it has moved since training (the same text)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
-    p.add_argument("run_dir", type=_text)
+    p.add_argument("run_dir", type=_path)
     p.set_defaults(func=cmd_plot)
 
     from .experiments import EXPERIMENTS
@@ -577,11 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("experiment", help="run one of the experiments of docs/experiments.md",
                        description="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items()))
     p.add_argument("name", choices=list(EXPERIMENTS))
-    p.add_argument("--out", type=_text, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
+    p.add_argument("--out", type=_path, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
     p.add_argument("--seeds", type=_seeds, help="comma-separated seeds (default 0,1,2); at least 3 are "
                                                 "needed for an interval on each difference")
-    p.add_argument("--data", type=_text, help="a text file or folder of .txt files (default: Shakespeare's works)")
+    p.add_argument("--data", type=_path, help="a text file or folder of .txt files (default: Shakespeare's works)")
     p.add_argument("--tiny", action="store_true", help="a smoke test of a few seconds (tiny models, 3 steps)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_experiment)

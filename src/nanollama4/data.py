@@ -75,6 +75,7 @@ def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
         raise DataError("no corpus files given; pass a text file or a folder of .txt files")
     if invalid_utf8 not in ("error", "replace"):
         raise DataError(f"invalid_utf8 ({invalid_utf8!r}) must be 'error' or 'replace'")
+    check_fits_in_memory(files)
     parts = []
     for f in files:
         raw = Path(f).read_bytes()
@@ -111,6 +112,35 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[B
 
 
 # ---------------------------------------------------------------------------------------------- the cache
+BYTES_PER_CHARACTER = 48  # peak memory per corpus byte: the text, its ids as Python ints, then as int64
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (MemAvailable on Linux, else its physical memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_memory(files: Sequence[Path]) -> None:
+    """A corpus is read and tokenized whole: refuse one whose tokenizing would not fit in memory, before
+    reading a byte of it (a MemoryError traceback half an hour in helps nobody)."""
+    size = sum(Path(f).stat().st_size for f in files)
+    free = available_memory()
+    if free is not None and size * BYTES_PER_CHARACTER > free:
+        where = files[0] if len(files) == 1 else Path(files[0]).parent
+        raise DataError(f"the corpus at {where} is {size / 2**30:.1f} GiB; tokenizing it takes about "
+                        f"{BYTES_PER_CHARACTER}x that in memory and this machine has {free / 2**30:.1f} GiB free: "
+                        f"pass a corpus under {free / BYTES_PER_CHARACTER / 2**20:,.0f} MiB")
+
+
 def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
     """The cached header if it matches `expected` and the binary file is exactly the tokens it describes (their
     count and their sha256); else None: a missing, foreign, stale or damaged entry is simply rebuilt."""
@@ -126,6 +156,10 @@ def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) ->
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     return None
+
+
+def _ids_below(bin_path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> bool:
+    return int(np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,)).max()) < vocab_size
 
 
 def _sha256_of(path: Path) -> str:
@@ -177,6 +211,8 @@ class TokenDataset:
         expected = {"content_sha256": content_sha, "tokenizer": fingerprint, "dtype": dtype.name}
 
         header = _read_header(header_path, bin_path, expected)
+        if header is not None and not _ids_below(bin_path, dtype, header["n_tokens"], tokenizer.vocab_size):
+            header = None  # an entry whose checksum agrees but whose ids the tokenizer never made: rebuilt
         from_cache = header is not None
         if header is None:
             ids = np.asarray(tokenizer.encode(text), dtype=np.int64)

@@ -79,7 +79,9 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         ahead = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
-        drop = torch.zeros_like(ahead, dtype=torch.bool).scatter(-1, order, ahead >= top_p)
+        beyond = ahead >= top_p
+        beyond[..., 0] = False  # the most likely token, even for a top_p that float32 rounds to 0
+        drop = torch.zeros_like(ahead, dtype=torch.bool).scatter(-1, order, beyond)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
@@ -99,7 +101,7 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 @torch.no_grad()
 def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
-                **settings: Any) -> Iterator[torch.Tensor]:
+                vocab: int | None = None, **settings: Any) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt (B,) at each step, max_new_tokens times.
 
     The prompts are prefilled in one forward pass (left-padded to the longest), then each step feeds
@@ -114,6 +116,9 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     call for a model and batch size compiles for a while (2-30 s here), then each step is much cheaper
     for small models, whose decoding is bound by the cost of launching hundreds of tiny operations
     rather than by arithmetic. MoE batches with more assignments than experts decode eagerly.
+
+    `vocab` (the tokenizer's size) keeps ids at or past it from being sampled: a model whose vocabulary
+    is padded beyond its tokenizer's would otherwise, now and then, produce an id nothing can decode.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise GenerationError("every prompt needs at least one token")
@@ -132,7 +137,7 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     remaining = max_new_tokens
     while remaining > 0:
         steps = min(remaining, limit - max(len(r) for r in rows))
-        for tok in _decode_window(model, rows, steps, sampling, generator, compile):
+        for tok in _decode_window(model, rows, steps, sampling, generator, compile, vocab):
             for row, t in zip(rows, tok.tolist(), strict=True):
                 row.append(t)
             yield tok
@@ -169,7 +174,8 @@ def _compiles_well(model: Transformer, batch: int) -> bool:
 
 
 def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, sampling: Sampling,
-                   generator: torch.Generator | None, compile: bool = False) -> Iterator[torch.Tensor]:
+                   generator: torch.Generator | None, compile: bool = False, vocab: int | None = None
+                   ) -> Iterator[torch.Tensor]:
     """Prefill prompts (left-padded, per-row positions) into a fresh cache and decode `steps` tokens."""
     device, dtype = _device(model), next(model.parameters()).dtype
     B, longest = len(prompts), max(len(p) for p in prompts)
@@ -183,7 +189,7 @@ def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, sam
     next_pos = positions[:, -1:] + 1  # (B, 1)
     decode = compiled_decoder(model) if compile and _compiles_well(model, B) else model
     for step in range(steps):
-        tok = next_token(logits, sampling, generator)
+        tok = next_token(logits[..., :vocab], sampling, generator)
         yield tok
         if step + 1 < steps:
             logits = decode(tok[:, None], cache=cache, positions=next_pos, last_only=True)[:, -1]
@@ -192,12 +198,12 @@ def _decode_window(model: Transformer, prompts: list[list[int]], steps: int, sam
 
 def generate_ids(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  sampling: Sampling | None = None, *, slide: bool = False, compile: bool = False,
-                 **settings: Any) -> list[list[int]]:
+                 vocab: int | None = None, **settings: Any) -> list[list[int]]:
     """New token ids for each prompt; a row ends at (and keeps) its first stop id."""
     sampling = _sampling(sampling, settings)
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, prompts, max_new_tokens, sampling, slide=slide, compile=compile):
+    for tok in iter_tokens(model, prompts, max_new_tokens, sampling, slide=slide, compile=compile, vocab=vocab):
         for b, t in enumerate(tok.tolist()):
             if not done[b]:
                 out[b].append(t)
@@ -222,7 +228,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: str | Sequence[st
     texts = ["" for _ in prompts]
     ids: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for tok in iter_tokens(model, encoded, max_new_tokens, sampling, slide=slide, compile=compile):
+    for tok in iter_tokens(model, encoded, max_new_tokens, sampling, slide=slide, compile=compile,
+                           vocab=tokenizer.vocab_size):
         for b, t in enumerate(tok.tolist()):
             if done[b]:
                 continue
@@ -244,7 +251,7 @@ def stream(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens
     sampling = _sampling(sampling, settings)
     text = TextStream(tokenizer, sampling.stop)
     for tok in iter_tokens(model, [tokenizer.encode(prompt)], max_new_tokens, sampling, slide=slide,
-                           compile=compile):
+                           compile=compile, vocab=tokenizer.vocab_size):
         if int(tok[0]) in sampling.stop_ids:
             break
         piece = text.add(int(tok[0]))

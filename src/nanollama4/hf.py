@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .checkpoint import check_shapes
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import atomic_write, read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
+from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
 from .model import Transformer
 from .ops import install
 
@@ -232,8 +236,14 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     return install(model) if fast else model
 
 
-def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
-    """Write `model` as a reference checkpoint directory that transformers' from_pretrained loads."""
+def export_hf(model: Transformer, path: str | os.PathLike[str],
+              tokenizer_save: Callable[[Path], Any] | None = None) -> Path:
+    """Write `model` (and the tokenizer, through `tokenizer_save(file)`) as a reference checkpoint directory
+    that transformers' from_pretrained loads.
+
+    Everything is written into a temporary folder beside `path` that is renamed into place at the end (over
+    `path` when that is an empty folder): a failed export (a full disk, a kill) leaves no half-written folder
+    that a retry would refuse."""
     path = Path(path)
     hf_config = config_to_hf(model.cfg)
     tensors = {}
@@ -247,13 +257,26 @@ def export_hf(model: Transformer, path: str | os.PathLike[str]) -> Path:
             continue
         tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_failed(path, e, "pass a folder you can write to") from None
     generation = {"bos_token_id": 1, "eos_token_id": 2, "_from_model_config": True}
-    atomic_write(path / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    atomic_write(path / "config.json", lambda p: Path(p).write_text(json.dumps(hf_config, indent=2) + "\n"))
-    atomic_write(path / "generation_config.json", lambda p: Path(p).write_text(json.dumps(generation, indent=2)))
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        if tokenizer_save is not None:
+            tokenizer_save(tmp / "tokenizer.json")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        tmp.chmod(0o755)
+        os.rename(tmp, path)  # replaces an empty folder; a folder with files in it stays (ENOTEMPTY)
+    except (OSError, SafetensorError) as e:
+        raise write_failed(path, e, "make room or pass a folder you can write to, then export again") from None
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 

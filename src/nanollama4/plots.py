@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in 
 
 
 def _parse_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
-    """Split metrics lines into (train, val, n_unparsable); a run killed mid-write leaves a truncated last line."""
+    """Split metrics lines into (train, val, n_skipped). A run killed mid-write leaves a truncated last line,
+    and a line may have been edited by hand: a line is kept only if its fields have the types the plots
+    read (`_record`), and an expert-load table only within MAX_LAYERS x MAX_EXPERTS."""
     train: list[dict] = []
     val: list[dict] = []
     bad = 0
@@ -31,17 +34,39 @@ def _parse_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = _record(json.loads(line))
             except (json.JSONDecodeError, RecursionError):
-                bad += 1
-                continue
-            if not isinstance(rec, dict) or "step" not in rec:
+                rec = None
+            if rec is None:
                 bad += 1
             elif "loss" in rec:
                 train.append(rec)
             elif "val_loss" in rec:
                 val.append(rec)
     return train, val, bad
+
+
+MAX_LAYERS, MAX_EXPERTS = 256, 1024  # an expert-load table larger than this is not one of ours
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _record(rec: object) -> dict | None:
+    """The line as the plots read it, or None when it is not a step's record of ours."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
+        return None
+    if "loss" in rec and not _number(rec["loss"]) or "val_loss" in rec and not _number(rec["val_loss"]):
+        return None
+    load = rec.get("expert_load")
+    if load is not None:
+        ok = isinstance(load, list) and 0 < len(load) <= MAX_LAYERS and all(
+            isinstance(row, list) and 0 < len(row) <= MAX_EXPERTS and len(row) == len(load[0])
+            and all(_number(v) for v in row) for row in load)
+        if not ok:
+            return None
+    return rec
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
@@ -154,8 +179,12 @@ def plot_expert_load(run_dir: str | os.PathLike) -> Path | None:
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """Write every plot that applies to this run; dense runs get only the loss plot."""
-    _metrics_path(run_dir)
+    """Write every plot that applies to this run; dense runs get only the loss plot. Lines of metrics.jsonl
+    that are not records of ours are skipped, with one warning on stderr."""
+    _, _, bad = _parse_metrics(_metrics_path(run_dir))
+    if bad:
+        print(f"warning: {bad} line(s) of {Path(run_dir) / 'metrics.jsonl'} are not step records (cut short or "
+              "edited) and were skipped", file=sys.stderr)
     paths = [plot_losses(run_dir)]
     expert = plot_expert_load(run_dir)
     if expert is not None:

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import LOCK_NAME, resolve_checkpoint
+from .checkpoint import LOCK_NAME, clear_leftovers, resolve_checkpoint
 from .config import ModelConfig, TrainConfig
-from .errors import CheckpointError, TrainingError
+from .errors import CheckpointError, TrainingError, WriteError
 from .files import atomic_write, read_json
 
 if TYPE_CHECKING:  # only for annotations: distributed is the training loop's, not the run directory's
@@ -55,6 +55,8 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise CheckpointError(f"{path} is a symlink; a run's lock file is its own: remove the link") from None
+        if e.errno == errno.ENOENT:
+            raise _removed_meanwhile(run_dir) from None
         raise CheckpointError(f"cannot open the lock file {path} ({e.strerror}); the run directory must be "
                               "writable") from None
     try:
@@ -64,12 +66,23 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
             raise CheckpointError(f"{run_dir} is in use by another training ({holder}); wait for it to finish, "
                                   "or stop it, or train in another --out") from None
+        try:  # the lock is only ours if the file we locked is still the run's (its owner may have removed it)
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            raise _removed_meanwhile(run_dir) from None
+        if (current.st_dev, current.st_ino) != (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+            raise _removed_meanwhile(run_dir)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
                   .encode(), 0)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _removed_meanwhile(run_dir: Path) -> CheckpointError:
+    return CheckpointError(f"{run_dir} was removed by another training that gave it up as this one started; "
+                           "run the command again")
 
 
 def is_run_dir(path: Path) -> bool:
@@ -112,21 +125,24 @@ def owning(run_dir: Path, resume: bool, world: World) -> Iterator[None]:
             torch.distributed.barrier()
         yield
         return
-    created = not run_dir.exists()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+    try:  # mkdir itself decides who created the folder: of two processes racing here, one does
+        run_dir.mkdir(parents=True)
+        created = True
+    except FileExistsError:
+        created = False
     except OSError as e:
         raise TrainingError(f"cannot create the run directory {run_dir} ({e.strerror}); pass another --out") from None
-    try:
-        with run_lock(run_dir):
+    with run_lock(run_dir):  # a process that does not get the lock leaves the folder alone, even its own
+        try:
             if not resume and holds_run(run_dir):  # another process may have saved here since the check above
                 raise _already_a_run(run_dir)
+            clear_leftovers(run_dir)
             if world.distributed:
                 torch.distributed.barrier()
             yield
-    finally:
-        if created and not holds_run(run_dir):  # refused or stopped before its first checkpoint: leave nothing
-            shutil.rmtree(run_dir, ignore_errors=True)
+        finally:
+            if created and not holds_run(run_dir):  # refused or stopped before its first checkpoint: leave nothing
+                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def check_new_run_dir(run_dir: Path) -> None:
@@ -154,6 +170,8 @@ def _already_a_run(run_dir: Path) -> TrainingError:
 def truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone (and
     lines that are not a step's record, such as a line cut short by a crash, go too)."""
+    if path.is_symlink():  # rewriting it would silently replace the link (or read what it points at)
+        raise WriteError(f"{path} is a symlink; nanollama4 writes only files it made: remove the link")
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()

@@ -203,6 +203,36 @@ class BPETokenizer(_SavedAsJson):
         return f"BPETokenizer(vocab_size={self.vocab_size})"
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's spelling of bytes as characters, reversed: printable Latin-1 bytes stand for
+    themselves, and the other bytes, in order, for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(0x100 + n): b for n, b in enumerate(moved)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The bytes one token stands for. A byte-level BPE token may be part of a character (its decoding
+    alone is then U+FFFD, the same for all of them): its own bytes are read from its spelling."""
+    if isinstance(tokenizer, BPETokenizer) and type(tokenizer.tokenizer.decoder).__name__ == "ByteLevel":
+        piece = tokenizer.tokenizer.id_to_token(token_id)
+        if piece is not None and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
+def token_label(raw: bytes) -> str:
+    """A token's text as the API names it: its text when its bytes are whole UTF-8, else `bytes:\\xNN...`
+    (as OpenAI names such tokens), so that no two tokens of different bytes share a name."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def _chunks(text: str, lines_per_chunk: int = 1000) -> Iterator[str]:
     """Split one long training string at line ends, so the trainer can work on the pieces in parallel."""
     lines = text.splitlines(keepends=True)

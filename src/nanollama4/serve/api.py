@@ -14,13 +14,15 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -28,6 +30,7 @@ from starlette.routing import Route
 from ..errors import TokenizerError
 from ..generation import Sampling
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
+from .guard import Guard, HostRule
 
 BODY_LIMIT = 1 << 20  # bytes of JSON a request may send
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
@@ -170,11 +173,11 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
         echo = False
         field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = body.get(field)
-        if max_tokens is None and len(prompts[0]) < engine.cfg.max_seq_len:
-            max_tokens = engine.cfg.max_seq_len - len(prompts[0])  # the rest of the context
+        if max_tokens is None and len(prompts[0]) < engine.context:
+            max_tokens = engine.context - len(prompts[0])  # the rest of the context
         elif max_tokens is None:
             max_tokens = 1  # the check below names the messages as too long
-    limit = engine.cfg.max_seq_len
+    limit = engine.context
     if max_tokens is None:  # scoring only
         max_tokens = 0
     elif not _is_int(max_tokens) or max_tokens < 1:
@@ -315,23 +318,29 @@ class Session:
             r.cancel()
 
 
-def _logprob_entry(engine: Engine, event: TokenEvent) -> tuple[str, float | None, dict[str, float] | None]:
-    text = engine.token_text
-    top = None if event.top is None else {text[i]: lp for i, lp in event.top}
-    return text[event.token_id], event.logprob, top
+def _logprob_entry(engine: Engine, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+                   ) -> tuple[int, float | None, dict[str, float] | None]:
+    """(id, its log-probability, the alternatives by name): names are `Engine.token_label`s, which differ
+    for tokens of different bytes, so no alternative is lost to a colliding key."""
+    label = engine.token_label
+    return token_id, logprob, None if top is None else {label[i]: lp for i, lp in top}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def create_app(engine: Engine, model_name: str) -> Starlette:
-    """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /."""
+def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = ()
+               ) -> Starlette:
+    """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /.
+
+    Requests pass `guard.Guard` first: a Host that `hosts` allows (default: a server bound to 127.0.0.1),
+    an Origin that is the server's own or in `origins`, and JSON bodies declared as such."""
     created = int(time.time())
     page = _page(engine, model_name)
 
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "nanollama4",
-            "max_model_len": engine.cfg.max_seq_len}
+            "max_model_len": engine.context}
 
     async def models(_: HttpRequest) -> Response:
         return JSONResponse({"object": "list", "data": [card]})
@@ -362,6 +371,9 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
             except ApiError as e:
                 log.info("refused %s %s: %d %s", http.method, http.url.path, e.status, e.message)
                 return e.response()
+            except ClientDisconnect:  # nobody is left to answer: one line in the log, not a traceback
+                log.info("%s %s: the client left before its request arrived whole", http.method, http.url.path)
+                return Response(status_code=400)
             respond = _stream if params.stream else _whole
             return await respond(kind, http, session, params, engine, model_name)
         return handle
@@ -383,7 +395,8 @@ def create_app(engine: Engine, model_name: str) -> Starlette:
               Route("/v1/models/{name:path}", model),
               Route("/v1/completions", endpoint("completions"), methods=["POST"]),
               Route("/v1/chat/completions", endpoint("chat"), methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: failed})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: failed},
+                     middleware=[Middleware(Guard, hosts=hosts or HostRule(), origins=origins)])
 
 
 async def _read_json(http: HttpRequest) -> Any:
@@ -453,27 +466,24 @@ def _completion_logprobs(engine: Engine, events: list[TokenEvent], prompt: tuple
     """The completions logprobs object: tokens, their log-probabilities, the top alternatives, offsets into
     the choice's text (from `start`); the prompt's tokens first when it is echoed (`prompt`: its ids,
     log-probabilities and top ones)."""
-    entries = [_logprob_entry(engine, e) for e in events]
+    entries = [_logprob_entry(engine, e.token_id, e.logprob, e.top) for e in events]
     if prompt is not None:
         ids, prompt_lp, prompt_top = prompt
         prompt_top = prompt_top or [None] * len(ids)
-        text = engine.token_text
-        entries = [(text[t], lp, None if top is None else {text[j]: v for j, v in top})
+        entries = [_logprob_entry(engine, t, lp, top)
                    for t, lp, top in zip(ids, prompt_lp, prompt_top, strict=True)] + entries
     offsets, at = [], start
-    for token, _, _ in entries:
+    for token_id, _, _ in entries:
         offsets.append(at)
-        at += len(token)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+        at += len(engine.token_text[token_id])
+    return {"tokens": [engine.token_label[t] for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
 
 
 def _chat_logprob(engine: Engine, event: TokenEvent) -> dict:
-    text = engine.token_text
-    token = text[event.token_id]
-    return {"token": token, "logprob": event.logprob, "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [{"token": text[i], "logprob": lp, "bytes": list(text[i].encode("utf-8"))}
-                             for i, lp in (event.top or [])]}
+    label, raw = engine.token_label, engine.token_bytes
+    return {"token": label[event.token_id], "logprob": event.logprob, "bytes": list(raw[event.token_id]),
+            "top_logprobs": [{"token": label[i], "logprob": lp, "bytes": list(raw[i])} for i, lp in (event.top or [])]}
 
 
 def _id(kind: str) -> str:
@@ -546,7 +556,7 @@ async def _stream(kind: str, http: HttpRequest, session: Session, params: Params
 def _page(engine: Engine, model_name: str) -> str:
     """The page with this model's layout written into it (the page fetches nothing but the API)."""
     cfg = engine.cfg
-    info = {"model": model_name, "max_seq_len": cfg.max_seq_len, "experts_per_token": cfg.experts_per_token,
+    info = {"model": model_name, "max_seq_len": engine.context, "experts_per_token": cfg.experts_per_token,
             "layers": [{"index": i, "kind": "rope" if cfg.uses_rope(i) else "nope", "chunk": cfg.chunk_size(i),
                         "moe": cfg.is_moe(i), "n_experts": cfg.n_experts if cfg.is_moe(i) else 0}
                        for i in range(cfg.n_layers)]}

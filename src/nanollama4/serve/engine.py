@@ -28,11 +28,11 @@ import torch
 
 from ..attention import KVCache, LayerCache, MaskMemo
 from ..config import ModelConfig
-from ..errors import Nanollama4Error
+from ..errors import ConfigError, Nanollama4Error
 from ..explain.tracing import describe_slots, observe
 from ..generation import GREEDY_BELOW, Sampling, TextStream, next_token
 from ..model import Transformer
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, token_bytes, token_label
 
 log = logging.getLogger("nanollama4.serve")
 TOP_ODDS = 8  # next tokens a traced step lists
@@ -149,17 +149,30 @@ class SlotLayer(LayerCache):
 
 
 class SlotCache:
-    """The per-layer slot caches of a model: `rows` sequences of up to max_seq_len tokens, each its own."""
+    """The per-layer slot caches of a model: `rows` sequences of up to `context` tokens, each its own."""
 
-    def __init__(self, cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device,
+                 context: int | None = None) -> None:
         self.masks: MaskMemo = {}
-        self.layers = []
+        self.layers = [SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device, self.masks)
+                       for slots, window in self.shapes(cfg, context or cfg.max_seq_len)]
+
+    @staticmethod
+    def shapes(cfg: ModelConfig, context: int) -> list[tuple[int, bool]]:
+        """(slots, ring or not) per layer: chunked layers keep a ring of chunk - 1 slots, the others one slot
+        per position of the context."""
+        out = []
         for i in range(cfg.n_layers):
             chunk = cfg.chunk_size(i)
-            window = chunk is not None and chunk - 1 < cfg.max_seq_len
-            slots = chunk - 1 if window else cfg.max_seq_len
-            self.layers.append(SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device,
-                                         self.masks))
+            window = chunk is not None and chunk - 1 < context
+            out.append((chunk - 1 if window else context, window))
+        return out
+
+    @classmethod
+    def nbytes(cls, cfg: ModelConfig, rows: int, dtype: torch.dtype, context: int) -> int:
+        """The bytes the cache takes: keys and values in `dtype`, and a position (int64) per slot."""
+        per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize + 8
+        return rows * per_slot * sum(slots for slots, _ in cls.shapes(cfg, context))
 
     def new_step(self) -> None:
         self.masks.clear()
@@ -178,20 +191,44 @@ class SlotCache:
             layer.move(src, dst)
 
 
+def check_cache_fits(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device, context: int) -> None:
+    """Refuse, in one line saying what fits, a slot cache larger than the memory free for it (on the CPU:
+    what the machine has available; on a GPU: its free memory), before allocating any of it."""
+    from ..data import available_memory
+
+    need = SlotCache.nbytes(cfg, rows, dtype, context)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free is None or need <= CACHE_SHARE * free:
+        return
+    per_token = SlotCache.nbytes(cfg, rows, dtype, context + 1) - need or 1
+    fits = max(0, int((CACHE_SHARE * free - SlotCache.nbytes(cfg, rows, dtype, 1)) // per_token) + 1)
+    raise ConfigError(f"the KV cache for {rows} rows of {context:,} tokens needs {need / 2**30:,.1f} GiB and "
+                      f"{free / 2**30:,.1f} GiB is free; pass --max-context {fits:,} or less (or a smaller "
+                      "--max-batch)" if fits else f"the KV cache for {rows} rows needs more than the "
+                      f"{free / 2**30:,.1f} GiB free even for a short context; pass a smaller --max-batch")
+
+
+CACHE_SHARE = 0.8  # of the free memory, at most, for the slot cache (the model's activations need the rest)
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 class Engine:
     """The model, its slot cache and the loop that decodes every admitted request together, on a thread
     of its own. `submit` from any thread; events come back through each request's `emit`."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 16, max_queue: int = 64,
+                 max_context: int | None = None) -> None:
         if max_batch < 1 or max_queue < 0:
             raise ValueError(f"max_batch ({max_batch}) must be >= 1 and max_queue ({max_queue}) >= 0")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.cfg = model.cfg
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.context = min(self.cfg.max_seq_len, max_context or self.cfg.max_seq_len)  # prompt + answer, at most
+        self.vocab = min(self.cfg.vocab_size, tokenizer.vocab_size)  # the ids that can be sampled and shown
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.cache = SlotCache(self.cfg, max_batch, self.dtype, self.device)
+        check_cache_fits(self.cfg, max_batch, self.dtype, self.device, self.context)
+        self.cache = SlotCache(self.cfg, max_batch, self.dtype, self.device, self.context)
         self.rows: list[Request] = []  # request i decodes in cache row i
         self.waiting: deque[Request] = deque()
         self._lock = threading.Condition()
@@ -201,6 +238,9 @@ class Engine:
         self.steps = 0  # batched decode steps run
         self.finished: Counter[str] = Counter()  # requests ended, by reason
         self.token_text = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+        # what the API names each token (`bytes:\\xNN` for a piece of a character) and its bytes
+        self.token_bytes = [token_bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
+        self.token_label = [token_label(b) for b in self.token_bytes]
         if model.cfg.n_experts and model.cfg.capacity_factor is not None and model.cfg.capacity_in_eval:
             log.warning("this model limits expert capacity at inference (capacity_in_eval): the tokens of a "
                         "batch compete for expert slots, so a request's output can depend on the others")
@@ -313,7 +353,8 @@ class Engine:
         ids = torch.tensor([r.prompt_ids], device=self.device)
         positions = torch.arange(L, device=self.device)[None]
         with self._observing(r.trace) as seen:
-            logits = self.model(ids, cache=cache, positions=positions, last_only=not r.prompt_logprobs)[0].float()
+            logits = self.model(ids, cache=cache, positions=positions, last_only=not r.prompt_logprobs)[0]
+        logits = logits[..., :self.vocab].float()  # ids past the tokenizer's (a padded vocabulary) never come out
         prompt_lp = prompt_top = None
         if r.prompt_logprobs:
             logp = logits[:-1].log_softmax(-1)
@@ -340,7 +381,8 @@ class Engine:
         positions = torch.tensor([[r.position] for r in self.rows], device=self.device)
         self.cache.prepare(n, max(r.position for r in self.rows) + 1)
         with self._observing(any(r.trace for r in self.rows)) as seen:
-            logits = self.model(ids, cache=self.cache, positions=positions, last_only=True)[:, -1].float()
+            logits = self.model(ids, cache=self.cache, positions=positions, last_only=True)[:, -1]
+        logits = logits[..., :self.vocab].float()
         self.steps += 1
         # what every row needs, in one op each: finiteness, and the greedy rows' tokens (argmax is exact
         # whatever the batch); sampled rows draw one by one, each from its own generator
@@ -349,9 +391,9 @@ class Engine:
         done = []
         for b, r in enumerate(self.rows):
             r.position += 1
-            trace = self._step_trace(seen, row=b, query=0, flat=b, logits=logits[b], position=r.position - 1,
-                                     token=r.last) if r.trace else None
             try:
+                trace = self._step_trace(seen, row=b, query=0, flat=b, logits=logits[b], position=r.position - 1,
+                                         token=r.last) if r.trace else None
                 going = self._emit_next(r, logits[b:b + 1], trace, finite[b], greedy[b])
             except Exception as e:  # sampling or sending failed for this row alone: it ends, the others go on
                 log.exception("%s: a step failed", r.id)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import errno
 import logging
+import resource
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..errors import ConfigError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
+from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, guarded_protocol
 
 GRACE = 30  # seconds in-flight requests get to finish after SIGTERM
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -47,8 +49,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print) -> None:
-    """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens."""
+          max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print,
+          allowed_hosts: Iterable[str] = (), allow_origins: Iterable[str] = (),
+          request_timeout: float = REQUEST_TIMEOUT, max_connections: int | None = None,
+          max_context: int | None = None) -> None:
+    """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens.
+
+    Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`;
+    a request must arrive whole within `request_timeout` s, and at most `max_connections` are open (default:
+    512, or fewer when the process may open fewer files). `max_context` bounds prompt + answer below the
+    model's max_seq_len, and with it the KV cache allocated up front (refused in one line if it cannot fit)."""
     try:
         import uvicorn
 
@@ -63,10 +73,13 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     if host not in LOCAL_HOSTS:
         print(f"warning: --host {host} makes the server reachable from other machines, and it has no "
               "authentication: anyone who can connect can use it", file=sys.stderr)
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue).start()
-    app = create_app(engine, name)
+    if max_connections is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        max_connections = MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS, soft - 64))
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, max_context=max_context).start()
+    app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
-                            access_log=False)
+                            access_log=False, http=guarded_protocol(request_timeout, max_connections))
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:  # the signal: new requests get 503 from now on
             engine.stop_accepting()
