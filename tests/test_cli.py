@@ -295,8 +295,11 @@ def test_a_signal_while_the_command_starts_is_status_130_and_one_line(sig, tiny_
     """SIGINT while torch was being imported used to be a traceback, SIGTERM while loading a silent 143. The
     signal comes as soon as the command has started (its SIGTERM handler is in place, as /proc shows), while
     it loads torch and the run, which takes seconds."""
+    # SIGINT at its default in the child even when pytest runs as a background job, whose shell ignores
+    # SIGINT for it (an ignored SIGINT is inherited, and Python then installs no handler of its own)
     proc = subprocess.Popen([sys.executable, "-m", "nanollama4.cli", "eval", str(tiny_run)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not _catches(proc.pid, signal.SIGTERM):
         assert proc.poll() is None and time.monotonic() < deadline, "the command never started"
