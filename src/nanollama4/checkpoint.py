@@ -220,6 +220,7 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-"))
     tmp.chmod(0o755)
+    stale = None
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
@@ -238,8 +239,8 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
             os.replace(final, stale / final.name)
         os.rename(tmp, final)
     finally:
-        for leftover in (tmp, *(run_dir.glob(f".tmp-step-{step:07d}-stale-*"))):
-            if leftover.exists():
+        for leftover in (tmp, stale):
+            if leftover is not None and leftover.exists():
                 shutil.rmtree(leftover, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .errors import DataError
 from .files import atomic_write
+from .runtime import available_memory
 from .tokenizer import Tokenizer
 
 Split = Literal["train", "val"]
@@ -113,20 +114,6 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[B
 
 # ---------------------------------------------------------------------------------------------- the cache
 BYTES_PER_CHARACTER = 48  # peak memory per corpus byte: the text, its ids as Python ints, then as int64
-
-
-def available_memory() -> int | None:
-    """Bytes this machine can still give a process (MemAvailable on Linux, else its physical memory)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def check_fits_in_memory(files: Sequence[Path]) -> None:

@@ -1,5 +1,6 @@
 """Process-level settings: the allocator tuning that makes CPU training faster (applied by the CLI and the
-benchmarks), and the device a config names.
+benchmarks), the device a config names, and the memory the machine can still give (what a corpus or a
+KV cache is checked against before it is allocated).
 
 glibc serves every allocation above 32 MiB with a fresh mmap and returns it to the OS on free, so a
 large-expert model that allocates its expert gradients every step pays the page faults of touching that
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +36,20 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         _applied = False
     return _applied
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (MemAvailable on Linux, else its physical memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def pick_device(name: str) -> torch.device:

@@ -32,6 +32,7 @@ from ..errors import ConfigError, Nanollama4Error
 from ..explain.tracing import describe_slots, observe
 from ..generation import GREEDY_BELOW, Sampling, TextStream, next_token
 from ..model import Transformer
+from ..runtime import available_memory
 from ..tokenizer import Tokenizer, token_bytes, token_label
 
 log = logging.getLogger("nanollama4.serve")
@@ -194,8 +195,6 @@ class SlotCache:
 def check_cache_fits(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device, context: int) -> None:
     """Refuse, in one line saying what fits, a slot cache larger than the memory free for it (on the CPU:
     what the machine has available; on a GPU: its free memory), before allocating any of it."""
-    from ..data import available_memory
-
     need = SlotCache.nbytes(cfg, rows, dtype, context)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     if free is None or need <= CACHE_SHARE * free:
