@@ -295,9 +295,9 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     - float32, CPU with AVX-512 (`kernels.fp32_pays`): our kernel; elsewhere grouped_mm where its strides allow,
       else the loop.
     - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`);
-      from BUCKETED_ROWS rows per expert, the faster of it and the bucketed loop, timed on this machine
-      (`faster_product`): on a CPU with AMX, torch's bf16 products in the bucketed loop beat the kernel's
-      dot-product instructions (benchmarks/RESULTS.md).
+      from BUCKETED_ROWS rows per expert, the fastest of it, the bucketed loop and the padded bmm, timed on
+      this machine (`faster_product`): on a CPU with AMX, torch's bf16 products beat the kernel's
+      dot-product instructions, and one padded bmm beats a product per expert (benchmarks/RESULTS.md).
     - bfloat16, other CPUs: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
       moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
       demo's start); below that, grouped_mm where its strides allow, else the padded bmm (padding each of
@@ -312,7 +312,7 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
             return "padded"
         if kernel_bf16_ok(x, hidden) and kernels.bf16_available():
             if rows >= BUCKETED_ROWS * n_experts:
-                return faster_product(("kernel", "bucketed"), x.shape[-1], hidden, n_experts, rows)
+                return faster_product(("kernel", "bucketed", "padded"), x.shape[-1], hidden, n_experts, rows)
             return "kernel"
         if rows >= BUCKETED_ROWS * n_experts:
             return "bucketed"
@@ -331,9 +331,10 @@ _measured: dict[tuple, str] = {}  # faster_product's answers, per shape
 
 def faster_product(names: tuple[str, ...], d_model: int, hidden: int, n_experts: int, rows: int) -> str:
     """Which of `names` trains bf16 rows of this shape fastest here (forward and backward, the rows spread
-    evenly over the experts; the best of 3 timings each), measured once per shape and process, on random
-    data from a generator of its own. Rows are rounded up to a power of two: a training run asks about
-    one or two shapes, and its first step pays ~0.1-1 s for the answer."""
+    unevenly over the experts as a balanced router's are, the fullest with 1.5x the mean; the best of 3
+    timings each), measured once per shape and process, on random data from a generator of its own. Rows
+    are rounded up to a power of two: a training run asks about one or two shapes, and its first step pays
+    ~0.1-1 s for the answer."""
     rows = 1 << max(0, rows - 1).bit_length()
     key = (names, d_model, hidden, n_experts, rows)
     if key not in _measured:
@@ -348,8 +349,8 @@ def _time_products(names: tuple[str, ...], d_model: int, hidden: int, n_experts:
     x = torch.randn(rows, d_model, generator=g).bfloat16().requires_grad_()
     gate_up = (torch.randn(n_experts, d_model, 2 * hidden, generator=g) * 0.02).requires_grad_()
     down = (torch.randn(n_experts, hidden, d_model, generator=g) * 0.02).requires_grad_()
-    counts = torch.full((n_experts,), rows // n_experts)
-    counts[: rows % n_experts] += 1
+    counts = (torch.linspace(0.5, 1.5, n_experts) * rows / n_experts).long()  # the padded bmm pays for the spread
+    counts[0] += rows - counts.sum()
     expert = torch.repeat_interleave(torch.arange(n_experts), counts)
     times = {}
     for name in names:
