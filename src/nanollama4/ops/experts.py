@@ -295,9 +295,10 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
     - float32, CPU with AVX-512 (`kernels.fp32_pays`): our kernel; elsewhere grouped_mm where its strides allow,
       else the loop.
     - bfloat16, CPU with AVX512_BF16: our kernel's bf16 products, for widths they take (`kernel_bf16_ok`);
-      from BUCKETED_ROWS rows per expert, the fastest of it, the bucketed loop and the padded bmm, timed on
-      this machine (`faster_product`): on a CPU with AMX, torch's bf16 products beat the kernel's
-      dot-product instructions, and one padded bmm beats a product per expert (benchmarks/RESULTS.md).
+      from BUCKETED_ROWS rows per expert, the faster of it and the bucketed loop, timed on this machine
+      (`faster_product`): on a CPU with AMX, torch's bf16 products in the bucketed loop beat the kernel's
+      dot-product instructions (benchmarks/RESULTS.md). The padded bmm, faster on one layer's fixed
+      routing, trained the demo 5% slower than the bucketed loop (its buffer grows with the fullest expert).
     - bfloat16, other CPUs: the bucketed loop from BUCKETED_ROWS rows per expert on average (training the demo,
       moe_cost.py: the padded bmm pays for the imbalance between experts, 2x the routed products at the
       demo's start); below that, grouped_mm where its strides allow, else the padded bmm (padding each of
@@ -312,7 +313,7 @@ def auto_product(x: torch.Tensor, hidden: int, n_experts: int, rows: int | None 
             return "padded"
         if kernel_bf16_ok(x, hidden) and kernels.bf16_available():
             if rows >= BUCKETED_ROWS * n_experts:
-                return faster_product(("kernel", "bucketed", "padded"), x.shape[-1], hidden, n_experts, rows)
+                return faster_product(("kernel", "bucketed"), x.shape[-1], hidden, n_experts, rows)
             return "kernel"
         if rows >= BUCKETED_ROWS * n_experts:
             return "bucketed"
