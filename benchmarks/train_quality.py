@@ -42,7 +42,7 @@ from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
 
 RECIPES = {  # TrainConfig settings; `demo` repeats the Makefile's `make demo` line
-    "demo": {"bf16": True, "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
+    "demo": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
     "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
 }

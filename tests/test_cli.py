@@ -122,9 +122,11 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("generate", "--prompt"): [["RUN", "--prompt", ""], ["RUN", "--prompt", "THE"]],
     ("generate", "--max-new-tokens"): [["RUN", "--max-new-tokens", "0"], ["RUN", "--max-new-tokens", "-5"],
                                        ["RUN", "--max-new-tokens", "100001"]],
-    ("generate", "--temperature"): [["RUN", "--temperature", "inf"], ["RUN", "--temperature", "-1"]],
+    ("generate", "--temperature"): [["RUN", "--temperature", "inf"], ["RUN", "--temperature", "-1"],
+                                    ["RUN", "--temperature", "2.5"]],
     ("generate", "--top-k"): [["RUN", "--top-k", "-3"], ["RUN", "--top-k", "0"]],
     ("generate", "--top-p"): [["RUN", "--top-p", "1.5"], ["RUN", "--top-p", "0"], ["RUN", "--top-p", "nan"]],
+    ("generate", "--min-p"): [["RUN", "--min-p", "1.5"], ["RUN", "--min-p", "-0.1"], ["RUN", "--min-p", "nan"]],
     ("generate", "--seed"): [["RUN", "--seed", "1.5"], ["RUN", "--seed", str(2**64)], ["RUN", "--seed", "-1"]],
     ("generate", "--replace-unknown"): [["RUN", "--replace-unknown", "ab"], ["RUN", "--prompt", "THE",
                                                                             "--replace-unknown", "#"]],
@@ -230,22 +232,30 @@ def test_a_path_with_a_name_too_long_is_one_line(argv, places, capsys):
 
 
 # ------------------------------------------------------------------------------------------- values at the boundary
+# Sampling values: the limits are engine.Sampling's, the same sentence the API and the Python API give
+# (tests/test_engine.py); no argparse usage hint after them
+SAMPLING = [(["generate", "RUN", "--top-p", "0"], "top_p (0.0) must be a number in (0, 1]"),
+            (["generate", "RUN", "--top-p", "-0.5"], "top_p (-0.5) must be a number in (0, 1]"),
+            (["generate", "RUN", "--top-p", "2"], "top_p (2.0) must be a number in (0, 1]"),
+            (["generate", "RUN", "--temperature", "-1"], "temperature (-1.0) must be a number from 0 (greedy) to 2"),
+            (["generate", "RUN", "--temperature", "2.5"], "temperature (2.5) must be a number from 0 (greedy) to 2"),
+            (["generate", "RUN", "--min-p", "1.5"], "min_p (1.5) must be a number in [0, 1]"),
+            (["generate", "RUN", "--seed", str(2**64)], f"seed ({2**64}) must be an integer from 0 to 2^63 - 1"),
+            (["generate", "RUN", "--top-k", "0"], "top_k (0) must be a positive integer")]
+
+
+@pytest.mark.parametrize(("argv", "message"), SAMPLING)
+def test_sampling_values_are_refused_with_samplings_own_limits(argv, message, tiny_run, capsys):
+    rc, _, err = run_cli([str(tiny_run) if a == "RUN" else a for a in argv], capsys)
+    assert rc == 2 and err.strip() == f"nanollama4 generate: error: {message}"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
-    (["generate", "RUN", "--top-p", "0"],
-     "argument --top-p: '0' must be in (0, 1]: the probability mass to sample from"),
-    (["generate", "RUN", "--top-p", "-0.5"],
-     "argument --top-p: '-0.5' must be in (0, 1]: the probability mass to sample from"),
-    (["generate", "RUN", "--top-p", "2"],
-     "argument --top-p: '2' must be in (0, 1]: the probability mass to sample from"),
     (["generate", "RUN", "--temperature", "nan"], "argument --temperature: 'nan' is not a finite number"),
-    (["generate", "RUN", "--temperature", "-1"], "argument --temperature: '-1' must be 0 (greedy) or more"),
     (["generate", "RUN", "--max-new-tokens", "-5"], "argument --max-new-tokens: '-5' must be from 1 to 100,000"),
     (["generate", "RUN", "--max-new-tokens", "10**9"], "argument --max-new-tokens: '10**9' is not a whole number"),
     (["generate", "RUN", "--max-new-tokens", "1000000"],
      "argument --max-new-tokens: '1000000' must be from 1 to 100,000"),
-    (["generate", "RUN", "--seed", str(2**64)],
-     f"argument --seed: '{2**64}' must be a seed from 0 to 2^63 - 1 ({2**63 - 1})"),
-    (["generate", "RUN", "--top-k", "0"], "argument --top-k: '0' must be at least 1"),
     (["train", "--max-time", "nan", "--out", "X"],
      "argument --max-time: duration 'nan' must be a positive time such as 300, 300s, 10m or 1.5h"),
 ])

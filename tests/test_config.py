@@ -170,3 +170,17 @@ def test_the_demo_is_a_miniature_of_llama4_attention():
     assert any(not cfg.uses_rope(i) for i in range(cfg.n_layers)) and cfg.attn_temperature_tuning
     temperature = temperature_scale(torch.arange(cfg.max_seq_len), cfg.floor_scale, cfg.attn_scale)
     assert len(set(temperature.tolist())) >= 4 and temperature.max() > 1.1
+
+
+def test_bf16_takes_true_false_or_auto():
+    from nanollama4.config import TrainConfig
+    from nanollama4.errors import ConfigError
+
+    assert parse_overrides(["bf16=auto", "lr=1e-3"], TrainConfig) == {"bf16": "auto", "lr": 1e-3}
+    assert parse_overrides(["bf16=off"], TrainConfig) == {"bf16": False}
+    assert TrainConfig(bf16="auto").bf16 == "auto"
+    for bad in ("yes", 1, 2.0, None):
+        with pytest.raises(ConfigError, match=r"bf16 .* must be true, false or 'auto'"):
+            TrainConfig(bf16=bad)
+    with pytest.raises(ConfigError, match="bf16='sometimes': expected true, false or auto"):
+        parse_overrides(["bf16=sometimes"], TrainConfig)

@@ -222,6 +222,29 @@ def test_bad_requests_get_the_apis_error_object_and_the_server_goes_on(served, b
     assert served.client.completions.create(**OK).choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", 0.0), ("min_p", 1.5), ("top_k", 0),
+                                             ("seed", -1)])
+def test_the_api_refuses_a_sampling_value_with_the_limit_python_and_the_cli_use(served, field, value):
+    """The error object's message is the Python API's SamplingError, word for word (tests/test_engine.py checks
+    the command line prints it too)."""
+    from nanollama4.engine import Sampling, SamplingError
+
+    with pytest.raises(SamplingError) as e:
+        Sampling(**{field: value})
+    r = httpx.post(f"{served.url}/v1/completions", json={**OK, field: value})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"] == str(e.value)
+
+
+def test_min_p_reaches_the_api(served):
+    """min_p 1 keeps only the most likely token: sampled at temperature 1 the reply is the greedy one."""
+    ask = dict(model=NAME, prompt="But soft", max_tokens=12)
+    greedy = served.client.completions.create(**ask, temperature=0).choices[0].text
+    got = served.client.completions.create(**ask, temperature=1, seed=3, extra_body={"min_p": 1.0}).choices[0].text
+    assert got == greedy
+    assert served.client.completions.create(**ask, temperature=1, seed=3).choices[0].text != greedy
+
+
 def test_scoring_a_prompt_token_ids_a_tiny_temperature_and_the_model_card(served):
     """What scoring harnesses and other clients send: max_tokens 0 with echo and logprobs, a prompt of token
     ids longer than 64, a temperature too small to divide by."""

@@ -591,3 +591,35 @@ def test_a_metrics_write_that_fails_is_one_write_error(tmp_path):
         metrics.flush()
     assert str(info.value) == (f"cannot write /dev/full (no space left on the device); the last checkpoint in "
                                f"{tmp_path} is kept: make room and continue with --resume {tmp_path}")
+
+
+# ---------------------------------------------------------------------------------------------- bf16=auto
+@pytest.mark.parametrize("speedup,chosen", [(3.0, True), (0.6, False)])
+def test_bf16_auto_is_decided_by_the_measured_speedup_and_saved(speedup, chosen, work, tmp_path, monkeypatch,
+                                                                capsys):
+    """bf16=auto turns into what the timing says (bf16 only where its products are BF16_PAYS times faster),
+    says so in one line, and the run saves the decision, so a resumed run keeps its precision."""
+    asked = []
+
+    def timed(device, rows, d_in, d_out):
+        asked.append((rows, d_in, d_out))
+        return speedup
+
+    monkeypatch.setattr(train_mod, "bf16_speedup", timed)
+    run = tmp_path / "run"
+    run_train(run, cfg(max_steps=2, bf16="auto"), work["corpus"], work["cache"])
+    tiny = preset("tiny")
+    assert asked == [(4 * 32, tiny.d_model, 2 * tiny.expert_dim)]  # the run's rows, the widest FFN product
+    assert f"measured {speedup:.1f}x float32's here -> {'bf16 autocast' if chosen else 'float32'}" \
+        in capsys.readouterr().out
+    assert json.loads((run / "last" / "train_config.json").read_text())["bf16"] is chosen
+    resume(run, work["cache"], max_steps=3)
+    assert len(asked) == 1  # a resumed run keeps the saved choice: nothing timed again
+    assert json.loads((run / "last" / "train_config.json").read_text())["bf16"] is chosen
+
+
+def test_bf16_speedup_is_measured_on_this_cpu():
+    from nanollama4.runtime import bf16_speedup
+
+    speedup = bf16_speedup(torch.device("cpu"), 256, 64, 128)
+    assert math.isfinite(speedup) and speedup > 0

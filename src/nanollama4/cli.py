@@ -80,6 +80,8 @@ def _parse_value(key: str, raw: str, type_name: str) -> Any:
         return None
     try:
         if type_name.startswith("bool"):
+            if "str" in type_name and raw.lower() == "auto":  # bf16=auto
+                return "auto"
             if raw.lower() in ("1", "true", "yes", "on"):
                 return True
             if raw.lower() in ("0", "false", "no", "off"):
@@ -90,7 +92,7 @@ def _parse_value(key: str, raw: str, type_name: str) -> Any:
         if type_name.startswith("float"):
             return float(raw)
     except ValueError:
-        kind = type_name.split(" ")[0].split("|")[0]
+        kind = "true, false or auto" if type_name == "bool | str" else type_name.split(" ")[0].split("|")[0]
         raise ConfigError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
     return raw
 
@@ -135,8 +137,6 @@ def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) 
 _positive_int = _checked(_whole, lambda v: v >= 1, "must be at least 1")
 _seed = _checked(_whole, lambda v: 0 <= v < SEED_LIMIT, f"must be a seed from 0 to 2^63 - 1 ({SEED_LIMIT - 1})")
 _new_tokens = _checked(_whole, lambda v: 1 <= v <= MAX_NEW_TOKENS, f"must be from 1 to {MAX_NEW_TOKENS:,}")
-_temperature = _checked(_finite, lambda v: v >= 0, "must be 0 (greedy) or more")
-_top_p = _checked(_finite, lambda v: 0 < v <= 1, "must be in (0, 1]: the probability mass to sample from")
 _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
 _port = _checked(_whole, lambda v: 0 <= v <= 65535, "must be a TCP port from 0 (any free one) to 65535")
 _queue = _checked(_whole, lambda v: 0 <= v <= 100_000, "must be from 0 to 100,000")
@@ -348,9 +348,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .generation import Sampling, generate, stream
 
     _check_text(args.prompt)
-    model, tokenizer = _model_for_prompt(args)
+    # the limits of every sampling value are Sampling's, the same for the API and the Python API
     sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        seed=args.seed, stop=tuple(args.stop or ()))
+                        min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()))
+    model, tokenizer = _model_for_prompt(args)
     options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, slide=not args.no_slide,
                    compile=args.compile)
     tokenizer.encode(args.prompt)  # unknown characters fail here, before any output
@@ -524,10 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=_new_tokens, default=300)
-    p.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy; higher = more random")
-    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=_top_p, default=None, help="sample among the most likely tokens holding this mass")
-    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy, up to 2; higher = more random")
+    p.add_argument("--top-k", type=_whole, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=_finite, default=None,
+                   help="sample among the most likely tokens holding this probability mass, in (0, 1]")
+    p.add_argument("--min-p", type=_finite, default=None,
+                   help="drop tokens less likely than this share of the most likely one's probability, in [0, 1]")
+    p.add_argument("--seed", type=_whole, default=0)
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")

@@ -199,7 +199,7 @@ class ModelConfig(_JsonConfig):
 class TrainConfig(_JsonConfig):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
-    The defaults are a plain AdamW recipe; `make demo` also sets bf16=true, seq_len=256, batch_size=32,
+    The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
     optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU.
     """
 
@@ -223,7 +223,7 @@ class TrainConfig(_JsonConfig):
     decay_steps: int | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
     eval_interval: int = 250  # validate (and checkpoint) every this many steps
     eval_batches: int = 16  # fixed validation batches per evaluation
-    bf16: bool = False  # autocast matrix products to bfloat16 (weights and optimizer stay float32)
+    bf16: bool | str = False  # autocast products to bfloat16 (weights, optimizer stay float32); "auto": if it pays
     compile: bool = False  # torch.compile the model
     seed: int = 1337  # seeds initialisation, batch sampling and router noise
     tokenizer: str = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
@@ -282,6 +282,9 @@ class TrainConfig(_JsonConfig):
         if not (isinstance(self.dist_timeout, (int, float)) and math.isfinite(self.dist_timeout)
                 and self.dist_timeout > 0):
             raise ConfigError(f"dist_timeout ({self.dist_timeout}) must be a positive, finite number of seconds")
+        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
+            raise ConfigError(f"bf16 ({self.bf16!r}) must be true, false or 'auto' (bf16 autocast where its "
+                              "products measure faster than float32's at the start of the run)")
         if self.invalid_utf8 not in ("error", "replace"):
             raise ConfigError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
                              "offset) or 'replace' (read bad bytes as U+FFFD)")

@@ -1,6 +1,6 @@
 """Process-level settings: the allocator tuning that makes CPU training faster (applied by the CLI and the
-benchmarks), the device a config names, and the memory the machine can still give (what a corpus or a
-KV cache is checked against before it is allocated).
+benchmarks), the device a config names, whether bf16 products pay on it (measured), and the memory the
+machine can still give (what a corpus or a KV cache is checked against before it is allocated).
 
 glibc serves every allocation above 32 MiB with a fresh mmap and returns it to the OS on free, so a
 large-expert model that allocates its expert gradients every step pays the page faults of touching that
@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,3 +69,38 @@ def pick_device(name: str) -> torch.device:
     if name != "cpu" and not name.startswith("cuda") and (backend is None or not backend.is_available()):
         raise TrainingError(f"device {name!r} is not available on this machine; use --set device=cpu (or auto)")
     return torch.device(name)
+
+
+BF16_PAYS = 1.25  # bf16 autocast is chosen when its products run at least this many times float32's speed
+
+
+def bf16_speedup(device: torch.device, rows: int, d_in: int, d_out: int) -> float:
+    """How many times faster a training product of this shape runs under bf16 autocast than in float32 here
+    (forward and both gradients, the best of 3 each after a warm-up), for `TrainConfig.bf16 = "auto"`.
+
+    CPUs differ most: with AMX or AVX512_BF16 bf16 products run 2-5x float32's, without them torch
+    emulates bf16 and they run slower. The casts and the elementwise work a bf16 step adds are not in
+    the product, hence the margin `BF16_PAYS`. CUDA GPUs that support bf16 count as paying without a
+    timing (their tensor cores); other devices as not (autocast's bf16 there is not measured here).
+    """
+    if device.type == "cuda":
+        return 2.0 if torch.cuda.is_bf16_supported() else 0.0
+    if device.type != "cpu":
+        return 0.0
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, d_in, generator=g).requires_grad_()
+    w = (torch.randn(d_in, d_out, generator=g) * d_in ** -0.5).requires_grad_()
+
+    def best(bf16: bool) -> float:
+        times = []
+        for _ in range(4):
+            t = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                y = x @ w
+            y.float().sum().backward()
+            times.append(time.perf_counter() - t)
+        x.grad = w.grad = None
+        return min(times[1:])
+
+    with torch.enable_grad():
+        return best(False) / best(True)

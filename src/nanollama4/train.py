@@ -63,7 +63,7 @@ from .runs import (
     owning,
     truncate_metrics,
 )
-from .runtime import pick_device
+from .runtime import BF16_PAYS, bf16_speedup, pick_device
 from .tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -455,9 +455,27 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
     device = device or pick_device(tc.device)
     model.to(device).train()
     spread = distributed.spread(model, world, tc, device)  # before the optimizer: it may replace parameters
+    tc = _choose_precision(tc, model.cfg, device, world, spread)
     return Run(dir=run_dir, tc=tc, model=model, tokenizer=tokenizer, optimizer=make_optimizer(model, tc),
                dataset=dataset, val_batches=val_batches, batches=torch.Generator().manual_seed(tc.seed),
                device=device, data=_corpus_path(data), world=world, parallel=spread)
+
+
+def _choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device, world: World,
+                      spread: distributed.Parallel) -> TrainConfig:
+    """bf16=auto made true or false by timing the model's widest product at the run's batch here
+    (`runtime.bf16_speedup`); every rank takes the slowest rank's answer. The choice is what the run
+    saves, so a resumed run keeps it."""
+    if tc.bf16 != "auto":
+        return tc
+    width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim)
+    rows = min(tc.batch_size * tc.seq_len, 8192)
+    speedup = -spread.max_over_ranks([-bf16_speedup(device, rows, cfg.d_model, 2 * width)])[0]
+    chosen = speedup >= BF16_PAYS
+    if world.main:
+        print(f"bf16=auto: bf16 products measured {speedup:.1f}x float32's here -> "
+              f"{'bf16 autocast' if chosen else 'float32'}", flush=True)
+    return tc.replace(bf16=chosen)
 
 
 def _set_threads(tc: TrainConfig) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import Attention, KVCache, attention_mask, temperature_scale
+from ..attention import Attention, attention_mask, temperature_scale
 from ..errors import GenerationError
 from ..model import Transformer
 from ..moe import MoE, Routing
@@ -340,9 +340,11 @@ class GenerationStep:
 
 def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int
                      ) -> list[GenerationStep]:
-    """Greedy generation of `max_new_tokens` after `prompt`, pass by pass, observed as `trace` observes
-    one pass: a prefill, then one decode pass per new token with the KV cache. The tokens are those
-    `generation.generate` picks with temperature 0."""
+    """Greedy generation of `max_new_tokens` after `prompt` by the engine (`nanollama4.engine`), pass by
+    pass: its prefill, then one decode pass per new token, each as the engine's step trace recorded it.
+    The tokens are those `generation.generate` picks with temperature 0, because it is the same engine."""
+    from ..engine import Engine, Request, Sampling, TokenEvent
+
     ids = tokenizer.encode(prompt) if prompt else []
     if not ids:
         raise GenerationError("the prompt is empty; give some text to explain")
@@ -350,39 +352,27 @@ def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_
         raise GenerationError(f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the model's "
                               f"max_seq_len ({model.cfg.max_seq_len}); shorten the prompt or generate fewer")
     modes = {m: m.training for m in model.modules()}
-    model.eval()
-    device = next(model.parameters()).device
-    cache = KVCache(model.cfg, 1, len(ids) + max_new_tokens, dtype=next(model.parameters()).dtype, device=device)
-    steps, fed, start = [], list(ids), 0
+    events: list = []
     try:
-        for step in range(max_new_tokens):
-            x = torch.tensor([fed], device=device)
-            positions = torch.arange(start, start + len(fed), device=device)[None]
-            with torch.no_grad(), _observed(model) as seen:
-                logits = model(x, cache=cache, positions=positions, last_only=True)[0, -1].float()
-            probs = logits.softmax(-1)
-            top = probs.topk(min(TOP_NEXT, probs.numel()))
-            chosen = int(logits.argmax())
-            routes: list[list[tuple[int, float]] | None] = []
-            for block in model.blocks:
-                r = seen["routing"].get(block.ffn) if isinstance(block.ffn, MoE) else None
-                if r is None:
-                    routes.append(None)
-                    continue
-                valid = [True] * r.experts_TK.shape[1] if r.valid_TK is None else r.valid_TK[-1].tolist()
-                routes.append([(int(e), float(w)) for e, w, ok in zip(r.experts_TK[-1].tolist(),
-                                                                     r.weights_TK[-1].tolist(), valid, strict=True)
-                               if ok])
-            lengths = [layer.length if not layer.window else int((layer.pos[0] >= 0).sum()) for layer in cache.layers]
-            steps.append(GenerationStep(
-                kind="prefill" if step == 0 else "decode", positions=(start, start + len(fed) - 1),
-                fed=[tokenizer.decode([i]) for i in fed], cache_lengths=lengths, routes=routes,
-                next_tokens=[(tokenizer.decode([int(i)]), float(p)) for p, i in zip(top.values, top.indices,
-                                                                                    strict=True)],
-                chosen=tokenizer.decode([chosen])))
-            start += len(fed)
-            fed = [chosen]
+        engine = Engine(model, tokenizer, max_batch=1)
+        engine.fail_fast = True
+        engine.add(Request(ids, max_new_tokens, Sampling(temperature=0), events.append, trace=True))
+        engine.run()
     finally:
         for m, training in modes.items():
             m.training = training
+    steps = []
+    for e in events:
+        if not isinstance(e, TokenEvent):
+            continue
+        t = e.trace
+        by_layer = {r["layer"]: r for r in t["routes"]}
+        routes = [None if i not in by_layer else
+                  [(x, w) for x, w, kind in zip(by_layer[i]["experts"], by_layer[i]["weights"], by_layer[i]["kinds"],
+                                               strict=True) if kind != "dropped"]
+                  for i in range(model.cfg.n_layers)]
+        first = 0 if t["kind"] == "prefill" else t["position"]
+        steps.append(GenerationStep(kind=t["kind"], positions=(first, t["position"]), fed=t["fed"],
+                                    cache_lengths=t["cache"], routes=routes, next_tokens=[tuple(o) for o in t["odds"]],
+                                    chosen=t["chosen"]))
     return steps

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
@@ -27,8 +27,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..engine.sampling import Sampling, SamplingError
 from ..errors import TokenizerError
-from ..generation import Sampling
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 
@@ -56,31 +56,102 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- the fields
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-           "user", "frequency_penalty", "presence_penalty", "logit_bias", "nanollama4_trace"}
-FIELDS = {"completions": _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"},
-          "chat": _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class _Body(BaseModel):
+    """The fields both endpoints take, with their JSON types; values are checked after (`Sampling` holds the
+    limits of the sampling values, shared with the command line and the Python API)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictInt | StrictFloat | None = None
+    top_p: StrictInt | StrictFloat | None = None
+    top_k: StrictInt | None = None  # ours (vLLM's too); -1 or null: all tokens
+    min_p: StrictInt | StrictFloat | None = None  # ours (vLLM's and llama.cpp's too)
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = None
+    stream_options: _StreamOptions | None = None
+    n: StrictInt | None = None
+    user: StrictStr | None = None
+    frequency_penalty: StrictInt | StrictFloat | None = None
+    presence_penalty: StrictInt | StrictFloat | None = None
+    logit_bias: dict[str, Any] | None = None
+    nanollama4_trace: StrictBool | None = None  # ours: each streamed token with the step that chose it
+
+
+class CompletionBody(_Body):
+    """POST /v1/completions."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: StrictStr
+    content: StrictStr | list[_TextPart]
+    name: StrictStr | None = None
+
+
+class ChatBody(_Body):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+
+
+BODIES: dict[str, type[_Body]] = {"completions": CompletionBody, "chat": ChatBody}
 _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "best_of": (1,), "n": (1,),
             "logit_bias": ({},), "suffix": ("",)}  # accepted at their no-op values only
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    """A finite JSON number (an integer too large for a float is not)."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
+_RULES = {"prompt": f"must be a string, a list of up to {MAX_PROMPTS} strings, or token ids (a list, or a list "
+                    "of lists)", "stop": f"must be a non-empty string or a list of up to {MAX_STOPS} of them",
+          "stream_options": 'must be {"include_usage": true|false}',
+          "messages": "must be a non-empty list of {role, content} objects"}  # fields whose JSON type is a union
 
 
 def _bad(param: str, rule: str, value: Any) -> ApiError:
     shown = json.dumps(value)[:80] if not isinstance(value, float) else repr(value)
     return ApiError(400, f"{param} ({shown}) {rule}", param=param)
+
+
+def _refusal(error: dict, body: dict) -> ApiError:
+    """The API's error object for pydantic's first complaint about `body`, naming the field it is about."""
+    loc = error["loc"]
+    path, value = "", body
+    for part in loc:  # union members are named in loc too ("str", "list[int]", ...): not part of the path
+        if isinstance(part, int) and isinstance(value, list) and part < len(value):
+            path, value = f"{path}[{part}]", value[part]
+        elif isinstance(part, str) and isinstance(value, dict) and part in value:
+            path, value = f"{path}.{part}" if path else part, value[part]
+    if error["type"] == "missing":
+        return _bad(path, f"needs {loc[-1]!r}", value)
+    top = str(loc[0])
+    if top in ("prompt", "stop", "stream_options") or top == "messages" and path == top:
+        return _bad(top, _RULES[top], body.get(top))
+    rule = {"int_type": "must be an integer", "bool_type": "must be true or false", "string_type": "must be a string",
+            "float_type": "must be a number", "literal_error": "must be text parts ({type: text, text})",
+            "extra_forbidden": "is not a field here", "missing": "is required"}.get(error["type"], error["msg"])
+    if error["type"] in ("int_type", "float_type") and top in ("temperature", "top_p", "min_p", "frequency_penalty",
+                                                                "presence_penalty"):
+        rule = "must be a number"
+    return _bad(path or top, rule, value)
 
 
 @dataclass
@@ -102,77 +173,61 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
     """The fields of a completions (`kind` "completions") or chat ("chat") request body, checked."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS[kind])
+    fields = BODIES[kind].model_fields
+    unknown = sorted(set(body) - set(fields))  # named before pydantic reads them (it cannot name a lone surrogate)
     if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r}; this server accepts: {', '.join(sorted(FIELDS[kind]))}",
+        raise ApiError(400, f"unknown field {unknown[0]!r}; this server accepts: {', '.join(sorted(fields))}",
                        param=unknown[0])
+    try:
+        req = BODIES[kind].model_validate(body)
+    except ValidationError as e:
+        raise _refusal(e.errors()[0], body) from None
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) is not None and body[name] not in neutral:
+        if getattr(req, name, None) is not None and getattr(req, name) not in neutral:
             raise _bad(name, f"is not supported here; leave it out (or {json.dumps(neutral[0])})", body[name])
-    model = body.get("model")
-    if not isinstance(model, str):
+    if req.model is None:
         raise ApiError(400, f"model is required: {model_name!r} (see GET /v1/models)", param="model")
-    if model != model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", param="model",
-                       code="model_not_found")
-    temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise _bad("temperature", "must be a number from 0 (greedy) to 2", temperature)
-    top_p = body.get("top_p")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):  # NaN fails the range too
-        raise _bad("top_p", "must be a number in (0, 1]", top_p)
-    top_k = body.get("top_k")
-    if top_k is not None and top_k != -1 and (not _is_int(top_k) or top_k < 1):
-        raise _bad("top_k", "must be a positive integer (or -1 / null for all tokens)", top_k)
-    seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise _bad("seed", "must be an integer from 0 to 2^63 - 1", seed)
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", f"must be a non-empty string or a list of up to {MAX_STOPS} of them", body.get("stop"))
-    stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise _bad("stream_options", 'must be {"include_usage": true|false}', options)
-    if options is not None and not stream:
-        raise _bad("stream_options", "is only allowed with stream: true", options)
-    include_usage = bool(options and options.get("include_usage"))
-    trace = _flag(body, "nanollama4_trace")
+    if req.model != model_name:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
+    if len(stop) > MAX_STOPS or not all(stop):
+        raise _bad("stop", _RULES["stop"], body.get("stop"))
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise _bad("stream_options", "is only allowed with stream: true", body["stream_options"])
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    trace = bool(req.nanollama4_trace)
     if trace and not stream:
         raise _bad("nanollama4_trace", "needs stream: true (the page's stream of steps)", True)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise _bad("user", "must be a string", body["user"])
 
     if kind == "completions":
-        texts, prompts = _prompts(body.get("prompt"), engine)
+        texts, prompts = _prompts(req.prompt, engine)
         if trace and len(prompts) > 1:
             raise _bad("nanollama4_trace", "takes one prompt at a time", True)
-        logprobs = body.get("logprobs")
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS[kind]):
+        logprobs = req.logprobs
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS[kind]:
             raise _bad("logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", logprobs)
-        echo = _flag(body, "echo")
-        max_tokens, field = body.get("max_tokens", 16), "max_tokens"
-        max_tokens = 16 if max_tokens is None else max_tokens
-        if max_tokens == 0 and echo and logprobs is not None and _is_int(max_tokens):
+        echo = bool(req.echo)
+        max_tokens, field = (16 if req.max_tokens is None else req.max_tokens), "max_tokens"
+        if max_tokens == 0 and echo and logprobs is not None:
             max_tokens = None  # scoring the prompt alone: allowed, as OpenAI's legacy API allowed it
     else:
-        text = chat_prompt(body.get("messages"))
+        if not req.messages:
+            raise _bad("messages", _RULES["messages"], body.get("messages"))
+        text = chat_prompt([m.model_dump(exclude_none=True) for m in req.messages])
         prompts = [_encode(text, engine, "messages")]
         texts = [text]
         stop = [*stop, END_OF_TURN]
-        want = _flag(body, "logprobs")
-        top = body.get("top_logprobs")
-        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS[kind]):
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS[kind]:
             raise _bad("top_logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", top)
-        if top is not None and not want:
+        if top is not None and not req.logprobs:
             raise _bad("top_logprobs", "needs logprobs: true", top)
-        logprobs = (top or 0) if want else None
+        logprobs = (top or 0) if req.logprobs else None
         echo = False
-        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(field)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, field)
         if max_tokens is None and len(prompts[0]) < engine.context:
             max_tokens = engine.context - len(prompts[0])  # the rest of the context
         elif max_tokens is None:
@@ -180,7 +235,7 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
     limit = engine.context
     if max_tokens is None:  # scoring only
         max_tokens = 0
-    elif not _is_int(max_tokens) or max_tokens < 1:
+    elif max_tokens < 1:
         raise _bad(field, f"must be a positive integer (at most the context, {limit} tokens, minus the prompt)",
                    max_tokens)
     if len(prompts) > engine.max_batch + engine.max_queue:
@@ -193,29 +248,26 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
                            f"{field} asks for {max_tokens} more ({len(ids) + max_tokens}); shorten the {what} or "
                            f"lower {field}", param=field if len(ids) < limit else what,
                            code="context_length_exceeded")
-    sampling = Sampling(temperature=float(temperature), top_p=None if top_p is None or top_p >= 1 else float(top_p),
-                        top_k=None if top_k in (None, -1) else top_k, seed=seed, stop=tuple(stop))
+    try:
+        sampling = Sampling(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
+                            top_k=None if req.top_k == -1 else req.top_k, min_p=req.min_p, seed=req.seed,
+                            stop=tuple(stop))
+    except SamplingError as e:
+        raise ApiError(400, str(e), param=e.field) from None
     return Params(prompts, texts, max_tokens, sampling, stream, include_usage, logprobs, echo, trace)
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise _bad(name, "must be true or false", value)
-    return bool(value)
-
-
 def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
-    """A completions prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+    """A completions prompt (its JSON type already checked): a string, a list of strings, a list of token
+    ids or a list of such lists."""
     vocab = engine.tokenizer.vocab_size
     if isinstance(prompt, str):
         return [prompt], [_encode(prompt, engine, "prompt")]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt) and len(prompt) <= MAX_PROMPTS:
+    if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
+        if all(isinstance(p, str) for p in prompt):
             return list(prompt), [_encode(p, engine, "prompt") for p in prompt]
-        lists = [prompt] if all(_is_int(t) for t in prompt) else prompt  # one id list, or a list of them
-        if len(lists) <= MAX_PROMPTS and all(isinstance(ids, list) and ids and all(_is_int(t) and 0 <= t < vocab
-                                                                                  for t in ids) for ids in lists):
+        lists = [prompt] if all(isinstance(t, int) for t in prompt) else prompt  # one id list, or a list of them
+        if all(ids and all(0 <= t < vocab for t in ids) for ids in lists):
             return [engine.tokenizer.decode(ids) for ids in lists], [list(ids) for ids in lists]
     raise _bad("prompt", f"must be a string, a list of up to {MAX_PROMPTS} strings, or token ids in "
                f"[0, {vocab}) (a list, or a list of lists)", prompt)

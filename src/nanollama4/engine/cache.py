@@ -1,0 +1,129 @@
+"""The engine's cache manager: one KV cache of `rows` slots, each row a sequence of its own.
+
+A request owns one row from its prefill to its last token; rows advance independently (each at its own
+position) and a finished row's slot is reused by the next request. `check_cache_fits` refuses, before
+anything is allocated, a cache larger than the memory free for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import KVCache, LayerCache, MaskMemo
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..runtime import available_memory
+
+
+class SlotLayer(LayerCache):
+    """One layer's keys and values for `rows` independent sequences: an `attention.LayerCache` whose rows
+    each advance on their own (the mask memo, built from positions, is the parent's).
+
+    Full-attention layers keep position p of a row in slot p. Chunked layers keep a ring of chunk - 1
+    slots, position p in slot p mod (chunk - 1): a query never looks further back than the start of its
+    chunk, so the ring always holds every key it may see. Empty slots have position -1; the mask is
+    built from positions, so stale keys of a row's previous request are invisible once the row is reset.
+    """
+
+    def __init__(self, rows: int, slots: int, kv_heads: int, head_dim: int, window: bool, dtype: torch.dtype,
+                 device: torch.device, masks: MaskMemo) -> None:
+        super().__init__(rows, slots, kv_heads, head_dim, window, dtype, device, masks)
+        self.active = 0  # rows [0, active) take part in the current step
+        self.span = 0  # full layers: slots [0, span) hold every position the step needs
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store one new key/value per active row, (n, 1, KV, Dh) at positions (n, 1); return what the
+        rows may attend to: keys and values (n, S, KV, Dh) and their positions (n, S)."""
+        n = self.active
+        rows, p = torch.arange(n, device=pos.device), pos[:, 0]
+        if not self.window:
+            self.k[rows, p], self.v[rows, p], self.pos[rows, p] = k[:, 0], v[:, 0], p
+            return self.k[:n, :self.span], self.v[:n, :self.span], self.pos[:n, :self.span]
+        k_all, v_all = torch.cat([self.k[:n], k], 1), torch.cat([self.v[:n], v], 1)
+        pos_all = torch.cat([self.pos[:n], pos], 1)
+        slot = p % self.k.shape[1]
+        self.k[rows, slot], self.v[rows, slot], self.pos[rows, slot] = k[:, 0], v[:, 0], p
+        return k_all, v_all, pos_all
+
+    def load(self, row: int, layer) -> None:
+        """Put a prefilled one-sequence `attention.LayerCache` into `row`, forgetting what the row held."""
+        self.pos[row] = -1
+        keep = layer.pos[0] >= 0
+        p = layer.pos[0][keep]
+        slot = p % self.k.shape[1] if self.window else p
+        self.k[row, slot], self.v[row, slot], self.pos[row, slot] = layer.k[0][keep], layer.v[0][keep], p
+
+    def move(self, src: int, dst: int) -> None:
+        self.k[dst], self.v[dst], self.pos[dst] = self.k[src], self.v[src], self.pos[src]
+
+
+class SlotCache:
+    """The per-layer slot caches of a model: `rows` sequences of up to `context` tokens, each its own."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device,
+                 context: int | None = None) -> None:
+        self.masks: MaskMemo = {}
+        self.layers = [SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device, self.masks)
+                       for slots, window in self.shapes(cfg, context or cfg.max_seq_len)]
+
+    @staticmethod
+    def shapes(cfg: ModelConfig, context: int) -> list[tuple[int, bool]]:
+        """(slots, ring or not) per layer: chunked layers keep a ring of chunk - 1 slots, the others one slot
+        per position of the context."""
+        out = []
+        for i in range(cfg.n_layers):
+            chunk = cfg.chunk_size(i)
+            window = chunk is not None and chunk - 1 < context
+            out.append((chunk - 1 if window else context, window))
+        return out
+
+    @classmethod
+    def nbytes(cls, cfg: ModelConfig, rows: int, dtype: torch.dtype, context: int) -> int:
+        """The bytes the cache takes: keys and values in `dtype`, and a position (int64) per slot."""
+        per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize + 8
+        return rows * per_slot * sum(slots for slots, _ in cls.shapes(cfg, context))
+
+    def new_step(self) -> None:
+        self.masks.clear()
+
+    def prepare(self, active: int, span: int) -> None:
+        """The next step runs rows [0, active), whose newest positions are all below `span`."""
+        for layer in self.layers:
+            layer.active, layer.span = active, span
+
+    def load(self, row: int, cache: KVCache) -> None:
+        for mine, theirs in zip(self.layers, cache.layers, strict=True):
+            mine.load(row, theirs)
+
+    def move(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            layer.move(src, dst)
+
+    def clear(self, row: int) -> None:
+        """Forget what `row` holds (its slots become empty)."""
+        for layer in self.layers:
+            layer.pos[row] = -1
+
+
+def check_cache_fits(cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device, context: int) -> None:
+    """Refuse, in one line saying what fits, a slot cache larger than the memory free for it (on the CPU:
+    what the machine has available; on a GPU: its free memory), before allocating any of it."""
+    need = SlotCache.nbytes(cfg, rows, dtype, context)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free is None or need <= CACHE_SHARE * free:
+        return
+    per_token = SlotCache.nbytes(cfg, rows, dtype, context + 1) - need or 1
+    fits = max(0, int((CACHE_SHARE * free - SlotCache.nbytes(cfg, rows, dtype, 1)) // per_token) + 1)
+    raise ConfigError(f"the KV cache for {rows} rows of {context:,} tokens needs {need / 2**30:,.1f} GiB and "
+                      f"{free / 2**30:,.1f} GiB is free; pass --max-context {fits:,} or less (or a smaller "
+                      "--max-batch)" if fits else f"the KV cache for {rows} rows needs more than the "
+                      f"{free / 2**30:,.1f} GiB free even for a short context; pass a smaller --max-batch")
+
+
+CACHE_SHARE = 0.8  # of the free memory, at most, for the slot cache (the model's activations need the rest)
+
+
+def held(layer: LayerCache, row: int) -> int:
+    """Positions a layer's cache holds for one row (a chunked layer: at most chunk - 1)."""
+    return int((layer.pos[row] >= 0).sum())

@@ -1,0 +1,197 @@
+"""The one sampling and stopping contract: what the next token may be, and where a continuation ends.
+
+`Sampling` holds and checks every setting once, with the limits every caller shares (the command line
+reports a bad value as one line, the API as an error object naming the field, the Python API raises
+the `SamplingError`). `choose` picks the next token of one row from its logits; `TextStream` turns a
+row's tokens into text and decides where it stops, holding back what could still become a stop string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+
+MAX_TEMPERATURE = 2.0  # OpenAI's limit; past it the distribution is close to uniform noise anyway
+GREEDY_BELOW = 1e-6  # temperatures below this are greedy: dividing the logits by them would overflow
+SEED_LIMIT = 2**63
+
+
+class SamplingError(GenerationError):
+    """A sampling value outside its limits; `field` names it (the API's error object names it too)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _number(v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen and where a row stops: one object, checked once, passed whole.
+
+    The filters apply in this order to the logits divided by the temperature: top_k, top_p, min_p. The
+    generation functions also take these fields as keywords (`generate(..., temperature=0)`).
+    """
+
+    temperature: float = 1.0  # 0 = greedy (always the most likely token), up to 2; higher = more random
+    top_k: int | None = None  # sample among the k most likely tokens only
+    top_p: float | None = None  # sample among the most likely tokens holding this probability mass, (0, 1]
+    min_p: float | None = None  # drop tokens less likely than min_p x the most likely one's probability, [0, 1]
+    seed: int | None = None  # seeds the row's own generator; None = torch's global RNG
+    stop: tuple[str, ...] = ()  # text: a row ends right before the first of these (not returned)
+    stop_ids: tuple[int, ...] = ()  # token ids: a row ends at the first of these
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_ids", (self.stop_ids,) if isinstance(self.stop_ids, int)
+                           else tuple(self.stop_ids))
+        if not (_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise SamplingError("temperature", f"temperature ({self.temperature!r}) must be a number from 0 "
+                                f"(greedy) to {MAX_TEMPERATURE:g}")
+        if self.top_k is not None and not (_integer(self.top_k) and self.top_k >= 1):
+            raise SamplingError("top_k", f"top_k ({self.top_k!r}) must be a positive integer")
+        if self.top_p is not None and not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise SamplingError("top_p", f"top_p ({self.top_p!r}) must be a number in (0, 1]")
+        if self.min_p is not None and not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise SamplingError("min_p", f"min_p ({self.min_p!r}) must be a number in [0, 1]")
+        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise SamplingError("seed", f"seed ({self.seed!r}) must be an integer from 0 to 2^63 - 1")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingError("stop", f"stop ({self.stop!r}) must hold non-empty strings")
+        if not all(_integer(i) and i >= 0 for i in self.stop_ids):
+            raise SamplingError("stop_ids", f"stop_ids ({self.stop_ids!r}) must hold token ids (integers >= 0)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A generator of the row's own, seeded with `seed` (None: torch's global RNG draws)."""
+        return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
+
+
+def sampling_with(sampling: Sampling | None, changes: dict[str, Any]) -> Sampling:
+    """`sampling` with the keyword settings applied (a default Sampling when None)."""
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise GenerationError(f"sampling must be a Sampling (got {sampling!r}); pass its fields as keywords, "
+                              "e.g. temperature=0.8")
+    names = [f.name for f in dataclasses.fields(Sampling)]
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise GenerationError(f"unknown sampling settings {unknown}; valid: {', '.join(names)}")
+    return dataclasses.replace(sampling or Sampling(), **changes)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
+                  min_p: float | None = None) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, outside the smallest set whose probability reaches top_p,
+    and below min_p times the most likely token's probability.
+
+    Ties at the k-th value are kept (they are equally likely). top_p keeps a token when the probability of
+    the tokens strictly more likely than it is still below top_p, so the most likely token always stays;
+    min_p keeps it too (its probability is the maximum).
+    """
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        ahead = probs.cumsum(-1) - probs  # probability mass strictly ahead of each token
+        beyond = ahead >= top_p
+        beyond[..., 0] = False  # the most likely token, even for a top_p that float32 rounds to 0
+        drop = torch.zeros_like(ahead, dtype=torch.bool).scatter(-1, order, beyond)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed
+        floor = logits.max(-1, keepdim=True).values + math.log(min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row from logits (B, vocab): argmax when greedy (temperature below GREEDY_BELOW,
+    where the sharpened distribution is the argmax's anyway), else sample from the filtered distribution."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
+                          sampling.min_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class TextStream:
+    """A row's token ids in, its text out as soon as it is safe to show, and where it stops: the one place
+    that applies stop ids, stop strings and the text held back before them.
+
+    All ids are decoded each time and only the new suffix is given out, so a multi-byte character split
+    across BPE tokens appears once it is complete; the last len(longest stop) - 1 characters are held back
+    while they could still grow into a stop string. A stop id ends the row without adding text.
+    """
+
+    def __init__(self, tokenizer: Any | None, sampling: Sampling) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(s for s in sampling.stop if s)
+        self.stop_ids = frozenset(sampling.stop_ids)
+        if self.stop and tokenizer is None:
+            raise GenerationError("stop strings need a tokenizer to read the text; give stop_ids instead")
+        self.ids: list[int] = []
+        self.shown = 0  # characters already given out
+        self.stopped = False  # a stop id or string has appeared; nothing more will be given out
+        self.stop_id: int | None = None  # the stop id that ended the row
+        self._hold = max((len(s) - 1 for s in self.stop), default=0)
+
+    def add(self, token_id: int) -> str:
+        """Take the next token; return the text that became safe to show ("" if none)."""
+        if self.stopped:
+            return ""
+        if token_id in self.stop_ids:
+            self.stopped, self.stop_id = True, token_id
+            return ""
+        self.ids.append(token_id)
+        if self.tokenizer is None:
+            return ""
+        text, self.stopped = cut_at_stop(self.tokenizer.decode(self.ids), self.stop)
+        safe = len(text) if self.stopped else len(text) - self._hold
+        while safe > self.shown and text[safe - 1] == "\ufffd" and not self.stopped:
+            safe -= 1  # a character whose bytes are not all here yet
+        if safe <= self.shown:
+            return ""
+        piece, self.shown = text[self.shown:safe], safe
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the row."""
+        text = self.text
+        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        return piece
+
+    @property
+    def text(self) -> str:
+        """The whole continuation so far, cut before a stop string."""
+        if self.tokenizer is None:
+            return ""
+        return cut_at_stop(self.tokenizer.decode(self.ids), self.stop)[0]
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Text up to the first stop string, and whether one was found."""
+    cuts = [text.find(s) for s in stop if s and s in text]
+    return (text[:min(cuts)], True) if cuts else (text, False)

@@ -1,0 +1,131 @@
+"""The one engine (`nanollama4.engine`): several prompts together equal each alone, a prompt admitted mid-stream
+changes no other row, one sampling contract with the same limits everywhere, and min_p through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanollama4.config import ModelConfig
+from nanollama4.engine import Engine, Finished, Request, Sampling, SamplingError, TokenEvent, filter_logits
+from nanollama4.generation import generate_ids, sample
+from nanollama4.ops import build_model
+from tests.helpers import assert_cli_error, randomize_, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# chunked RoPE layers (chunk 4), a NoPE layer with temperature, MoE top-2 of 4: every path of a step
+CFG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=96,
+           attention_chunk_size=4, nope_interval=2, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+           ffn_dim=48, n_experts=4, experts_per_token=2, expert_dim=24)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(**CFG)).eval()
+    randomize_(m, seed=3, gain=1.5)
+    return m
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [ids(3, 1), ids(17, 2), ids(8, 3), ids(40, 4)]
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0), dict(temperature=1.0, top_k=20, seed=5),
+                                      dict(temperature=0.9, min_p=0.05, top_p=0.95, seed=6)])
+def test_several_prompts_together_equal_each_alone(model, settings):
+    together = generate_ids(model, PROMPTS, 24, **settings)
+    alone = [generate_ids(model, [p], 24, **settings)[0] for p in PROMPTS]
+    assert together == alone
+    assert all(len(row) == 24 for row in together) and len({tuple(r) for r in together}) == len(PROMPTS)
+
+
+def test_greedy_engine_equals_the_cacheless_reference(model):
+    """`sample` recomputes the whole context per token: the engine's cached steps pick the same tokens."""
+    for p in PROMPTS[:2]:
+        want = sample(model, torch.tensor([p]), 20, temperature=0)[0, len(p):].tolist()
+        assert generate_ids(model, [p], 20, temperature=0)[0] == want
+
+
+def test_a_long_prompt_admitted_mid_stream_changes_no_other_row(model):
+    """Rows decode while a 60-token prompt is admitted into the batch: their tokens are those they make alone."""
+    engine = Engine(model, max_batch=4)
+    events: dict[str, list] = {"a": [], "b": [], "late": []}
+    requests = {"a": Request(PROMPTS[0], 30, Sampling(temperature=0), events["a"].append),
+                "b": Request(PROMPTS[2], 30, Sampling(temperature=1.0, seed=9), events["b"].append)}
+    engine.add(requests["a"])
+    engine.add(requests["b"])
+    for _ in range(5):
+        engine.step()
+    assert len(engine.rows) == 2
+    engine.add(Request(ids(60, 7), 10, Sampling(temperature=0), events["late"].append))
+    engine.run()
+    got = {k: [e.token_id for e in v if isinstance(e, TokenEvent)] for k, v in events.items()}
+    assert got["a"] == generate_ids(model, [PROMPTS[0]], 30, temperature=0)[0]
+    assert got["b"] == generate_ids(model, [PROMPTS[2]], 30, temperature=1.0, seed=9)[0]
+    assert got["late"] == generate_ids(model, [ids(60, 7)], 10, temperature=0)[0]
+    assert all(isinstance(v[-1], Finished) and v[-1].reason == "length" for v in events.values())
+
+
+def test_a_stop_id_ends_the_row_and_is_kept_by_generate_ids(model):
+    free = generate_ids(model, [PROMPTS[1]], 20, temperature=0)[0]
+    stop = free[6]
+    out = generate_ids(model, [PROMPTS[1]], 20, temperature=0, stop_ids=(stop,))[0]
+    assert out == free[:free.index(stop) + 1]
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+BAD = [("temperature", 2.5), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.5), ("top_k", 0),
+       ("seed", -1)]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD)
+def test_an_invalid_sampling_value_is_refused_with_the_same_limit_by_the_cli_and_python(field, value, tmp_path,
+                                                                                     capsys):
+    """The Python API raises SamplingError naming the field; the command line prints the same sentence as its
+    one line and exits 2 (before loading any model). The API's test is tests/test_serve.py."""
+    with pytest.raises(SamplingError) as e:
+        Sampling(**{field: value})
+    assert e.value.field == field and str(e.value).startswith(f"{field} ({value!r}) must be")
+    with pytest.raises(SamplingError, match=field):
+        generate_ids(build_model(ModelConfig(**CFG)), [[1, 2]], 3, **{field: value})
+    option = f"--{field.replace('_', '-')}"
+    rc, _, err = run_cli(["generate", str(tmp_path), option, str(value)], capsys)
+    line = assert_cli_error(rc, err, "generate")
+    assert line.endswith(str(e.value)), line
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_best():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = filter_logits(probs.log(), min_p=0.25).isfinite()[0].tolist()  # keeps p >= 0.125
+    assert kept == [True, True, True, False]
+    assert filter_logits(probs.log(), min_p=0.0).isfinite().all()
+    assert filter_logits(probs.log(), min_p=1.0).isfinite()[0].tolist() == [True, False, False, False]
+
+
+def test_min_p_reaches_the_python_api_and_the_cli(model, tmp_path, capsys):
+    """min_p = 1 keeps only the most likely token: sampling at temperature 1 is then greedy decoding."""
+    greedy = generate_ids(model, PROMPTS[:2], 20, temperature=0)
+    assert generate_ids(model, PROMPTS[:2], 20, temperature=1.0, min_p=1.0, seed=1) == greedy
+    assert generate_ids(model, PROMPTS[:2], 20, temperature=1.0, seed=1) != greedy  # it did act
+
+    from nanollama4.config import TrainConfig, preset
+    from nanollama4.train import train
+    from tests.helpers import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    train(preset("tiny", max_seq_len=64), TrainConfig(max_steps=1, eval_interval=1, seq_len=32, batch_size=4,
+                                                      eval_batches=1, warmup_steps=1),
+          tmp_path / "run", data=str(corpus), progress=False, cache_dir=tmp_path / "cache")
+    base = ["generate", str(tmp_path / "run"), "--prompt", "the cat", "--max-new-tokens", "12"]
+    rc, want, err = run_cli([*base, "--greedy"], capsys)
+    assert rc == 0, err
+    rc, got, err = run_cli([*base, "--temperature", "1", "--min-p", "1", "--seed", "3"], capsys)
+    assert rc == 0, err
+    assert got == want
+    rc, other, err = run_cli([*base, "--temperature", "1", "--seed", "3"], capsys)
+    assert rc == 0 and other != want  # without min_p the same seed samples other tokens
