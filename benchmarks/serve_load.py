@@ -9,6 +9,9 @@ throughput over one client's.
 
     python benchmarks/serve_load.py [--path RUN_OR_HF_DIR] [--dense-peer] [--levels 1,4,16,32]
 
+After each server's levels, offline `generate` of one client's requests (same prompts, lengths, seeds and
+thread count as the server) gives the reference for one served stream.
+
 Without --path it serves a freshly initialised demo-preset (shakespeare-char) model, exported to a
 temporary folder: the cost of a step does not depend on what the weights learned. --dense-peer
 also loads a fresh dense twin of the same active size (FFN 768 = top-1 expert + shared expert) the
@@ -97,6 +100,30 @@ def demo_model_folder(folder: Path, dense: bool = False) -> Path:
     return folder
 
 
+def offline(path: str, args: argparse.Namespace) -> float:
+    """Tokens/s of offline `generate` (the same engine, no HTTP) for one client's requests in turn, on the
+    server's thread count (cores less one), the same prompts, lengths and seeds as one served client."""
+    import torch
+
+    from nanollama4.cli import load_any
+    from nanollama4.generation import generate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    try:
+        model, tok = load_any(path)
+        generate(model, tok, PROMPTS[0], 16, temperature=0.8, seed=0)  # warm-up, as the served level has
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            for r in range(args.requests):
+                generate(model, tok, PROMPTS[r % len(PROMPTS)], args.max_tokens, temperature=0.8, seed=r)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return args.requests * args.max_tokens / best
+
+
 def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
     """The load levels against one `nanollama4 serve PATH` process."""
     server = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", path, "--port", "0",
@@ -140,12 +167,15 @@ def main() -> None:
           f"{args.max_batch}; CPU: {cpu}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}\n")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.path or str(demo_model_folder(Path(tmp) / "demo"))
-        print(table(f"MoE: {args.path or 'fresh demo-preset model (8 experts, top-1 + shared)'}",
-                    sweep(path, levels, args)), flush=True)
+        rows = sweep(path, levels, args)
+        print(table(f"MoE: {args.path or 'fresh demo-preset model (8 experts, top-1 + shared)'}", rows))
+        print(f"\noffline generate, same prompts and settings: {offline(path, args):.0f} tokens/s", flush=True)
         if args.dense_peer:
             dense = str(demo_model_folder(Path(tmp) / "dense", dense=True))
+            rows = sweep(dense, levels, args)
             print()
-            print(table("dense twin of the same active size (FFN 768), fresh", sweep(dense, levels, args)))
+            print(table("dense twin of the same active size (FFN 768), fresh", rows))
+            print(f"\noffline generate, same prompts and settings: {offline(dense, args):.0f} tokens/s", flush=True)
 
 
 if __name__ == "__main__":

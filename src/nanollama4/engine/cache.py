@@ -30,21 +30,22 @@ class SlotLayer(LayerCache):
         super().__init__(rows, slots, kv_heads, head_dim, window, dtype, device, masks)
         self.active = 0  # rows [0, active) take part in the current step
         self.span = 0  # full layers: slots [0, span) hold every position the step needs
+        self.slot: torch.Tensor | None = None  # each active row's slot for its new key, flat (row * slots + slot)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store one new key/value per active row, (n, 1, KV, Dh) at positions (n, 1); return what the
         rows may attend to: keys and values (n, S, KV, Dh) and their positions (n, S)."""
-        n = self.active
-        rows, p = torch.arange(n, device=pos.device), pos[:, 0]
-        if not self.window:
-            self.k[rows, p], self.v[rows, p], self.pos[rows, p] = k[:, 0], v[:, 0], p
-            return self.k[:n, :self.span], self.v[:n, :self.span], self.pos[:n, :self.span]
-        k_all, v_all = torch.cat([self.k[:n], k], 1), torch.cat([self.v[:n], v], 1)
-        pos_all = torch.cat([self.pos[:n], pos], 1)
-        slot = p % self.k.shape[1]
-        self.k[rows, slot], self.v[rows, slot], self.pos[rows, slot] = k[:, 0], v[:, 0], p
-        return k_all, v_all, pos_all
+        n, (R, S, KV, Dh) = self.active, self.k.shape
+        if self.window:  # what the rows see: the ring before this write, and the new key
+            seen = torch.cat([self.k[:n], k], 1), torch.cat([self.v[:n], v], 1), torch.cat([self.pos[:n], pos], 1)
+        # one flat index per row, computed once per step for every layer of this shape (`SlotCache.prepare`)
+        self.k.view(R * S, KV, Dh).index_copy_(0, self.slot, k[:, 0])
+        self.v.view(R * S, KV, Dh).index_copy_(0, self.slot, v[:, 0])
+        self.pos.view(R * S).index_copy_(0, self.slot, pos[:, 0])
+        if self.window:
+            return seen
+        return self.k[:n, :self.span], self.v[:n, :self.span], self.pos[:n, :self.span]
 
     def load(self, row: int, layer) -> None:
         """Put a prefilled one-sequence `attention.LayerCache` into `row`, forgetting what the row held."""
@@ -87,10 +88,17 @@ class SlotCache:
     def new_step(self) -> None:
         self.masks.clear()
 
-    def prepare(self, active: int, span: int) -> None:
-        """The next step runs rows [0, active), whose newest positions are all below `span`."""
+    def prepare(self, active: int, span: int, positions: torch.Tensor) -> None:
+        """The next step runs rows [0, active) at positions (active, 1), all below `span`: each layer's flat
+        slot for every row's new key, one index per slot count (full layers: the position; rings: the
+        position modulo the ring)."""
+        rows, p = torch.arange(active, device=positions.device), positions[:, 0]
+        slots: dict[tuple[int, bool], torch.Tensor] = {}
         for layer in self.layers:
-            layer.active, layer.span = active, span
+            S = layer.k.shape[1]
+            if (S, layer.window) not in slots:
+                slots[S, layer.window] = rows * S + (p % S if layer.window else p)
+            layer.active, layer.span, layer.slot = active, span, slots[S, layer.window]
 
     def load(self, row: int, cache: KVCache) -> None:
         for mine, theirs in zip(self.layers, cache.layers, strict=True):

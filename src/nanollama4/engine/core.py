@@ -32,8 +32,8 @@ import torch
 
 from ..attention import KVCache
 from ..errors import GenerationError
-from ..explain.tracing import describe_slots, observe
 from ..model import Transformer
+from ..observe import describe_slots, observe
 from ..tokenizer import Tokenizer, token_bytes, token_label
 from .cache import SlotCache, check_cache_fits, held
 from .runner import Runner

@@ -44,7 +44,7 @@ class Runner:
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
         """Logits (rows, vocab) of each row's newest token ids (rows, 1) at positions (rows, 1), whose
         positions are all below `span`."""
-        self.cache.prepare(rows, span)
+        self.cache.prepare(rows, span, positions)
         forward = compiled_decoder(self.model) if self.compile and compiles_well(self.model, rows) else self.model
         step = functools.partial(forward, ids, cache=self.cache, positions=positions, last_only=True)
         most = torch.get_num_threads()
