@@ -7,7 +7,8 @@ step runs through torch.compile where it stays one graph.
 On the CPU a decode step of a few rows is hundreds of small operations, and splitting each over several
 threads can cost more than it saves (each parallel region wakes and joins the other threads). So the
 runner times its own first steps of each size with one thread and with all, alternately, and keeps the
-faster for that size (`Runner.threads`): no extra work, the trial steps are the real ones.
+faster for that size (`Runner.threads`): no extra work, the trial steps are the real ones. Compiled steps
+keep the process's thread count (a graph is specialised to it).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ class Runner:
         """Logits (rows, vocab) of each row's newest token ids (rows, 1) at positions (rows, 1), whose
         positions are all below `span`."""
         self.cache.prepare(rows, span, positions)
-        forward = compiled_decoder(self.model) if self.compile and compiles_well(self.model, rows) else self.model
+        compiled = self.compile and compiles_well(self.model, rows)
+        forward = compiled_decoder(self.model) if compiled else self.model
         step = functools.partial(forward, ids, cache=self.cache, positions=positions, last_only=True)
         most = torch.get_num_threads()
         size = 1 << (rows - 1).bit_length()
         chosen = self.threads.get(size)
-        if self.device.type != "cpu" or most == 1 or chosen == most:
+        # a compiled graph is specialised to the thread count: changing it would compile another
+        if self.device.type != "cpu" or most == 1 or chosen == most or compiled:
             return step()[:, -1]
         trial = None if chosen else self._trials.setdefault(size, {1: [], most: []})
         n = chosen or min(trial, key=lambda k: len(trial[k]))  # while trying: the count tried less so far
