@@ -88,16 +88,17 @@ class SlotCache:
     def new_step(self) -> None:
         self.masks.clear()
 
-    def prepare(self, active: int, span: int, positions: torch.Tensor) -> None:
-        """The next step runs rows [0, active) at positions (active, 1), all below `span`: each layer's flat
-        slot for every row's new key, one index per slot count (full layers: the position; rings: the
-        position modulo the ring)."""
-        rows, p = torch.arange(active, device=positions.device), positions[:, 0]
+    def prepare(self, positions: list[int]) -> None:
+        """The next step runs rows [0, len(positions)), each at its position: each layer's flat slot for every
+        row's new key (full layers: the position; rings: the position modulo the ring), one index tensor
+        per slot count, built from the host's numbers in one op."""
+        active, span = len(positions), max(positions) + 1
         slots: dict[tuple[int, bool], torch.Tensor] = {}
         for layer in self.layers:
             S = layer.k.shape[1]
             if (S, layer.window) not in slots:
-                slots[S, layer.window] = rows * S + (p % S if layer.window else p)
+                flat = [b * S + (p % S if layer.window else p) for b, p in enumerate(positions)]
+                slots[S, layer.window] = torch.tensor(flat, device=layer.k.device)
             layer.active, layer.span, layer.slot = active, span, slots[S, layer.window]
 
     def load(self, row: int, cache: KVCache) -> None:

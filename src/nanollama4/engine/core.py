@@ -261,17 +261,15 @@ class Engine:
             for b, r in enumerate(self.rows):
                 if r.position >= self.context - 1:
                     self._slide(b, r)
-        n = len(self.rows)
-        ids = torch.tensor([[r.last] for r in self.rows], device=self.device)
-        positions = torch.tensor([[r.position] for r in self.rows], device=self.device)
         with self._observing(any(r.trace for r in self.rows)) as seen:
-            logits = self.runner.decode(ids, positions, n, max(r.position for r in self.rows) + 1)
+            logits = self.runner.decode([r.last for r in self.rows], [r.position for r in self.rows])
         logits = logits[..., :self.vocab].float()
         self.steps += 1
-        # what every row needs, in one op each: finiteness, and the greedy rows' tokens (argmax is exact
-        # whatever the batch); sampled rows draw one by one, each from its own generator
-        finite = torch.isfinite(logits).all(-1).tolist()
-        greedy = logits.argmax(-1).tolist()
+        # what every row needs, in one op: the greedy rows' tokens (argmax is exact whatever the batch) and
+        # finiteness (max propagates NaN, and a row with +inf or only -inf has no finite maximum); sampled
+        # rows draw one by one, each from its own generator
+        top, greedy = logits.max(-1)
+        finite, greedy = top.isfinite().tolist(), greedy.tolist()
         done = []
         for b, r in enumerate(self.rows):
             r.position += 1

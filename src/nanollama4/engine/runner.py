@@ -42,10 +42,12 @@ class Runner:
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
         return self.model(ids, cache=cache, positions=positions, last_only=last_only)
 
-    def decode(self, ids: torch.Tensor, positions: torch.Tensor, rows: int, span: int) -> torch.Tensor:
-        """Logits (rows, vocab) of each row's newest token ids (rows, 1) at positions (rows, 1), whose
-        positions are all below `span`."""
-        self.cache.prepare(rows, span, positions)
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits (rows, vocab) of each row's newest token at its position."""
+        rows = len(tokens)
+        self.cache.prepare(positions)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        positions = torch.tensor(positions, device=self.device)[:, None]
         compiled = self.compile and compiles_well(self.model, rows)
         forward = compiled_decoder(self.model) if compiled else self.model
         step = functools.partial(forward, ids, cache=self.cache, positions=positions, last_only=True)
