@@ -129,3 +129,28 @@ def test_min_p_reaches_the_python_api_and_the_cli(model, tmp_path, capsys):
     assert got == want
     rc, other, err = run_cli([*base, "--temperature", "1", "--seed", "3"], capsys)
     assert rc == 0 and other != want  # without min_p the same seed samples other tokens
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_rows_decode(model):
+    """With chunks of 16, a 60-token prompt takes 4 steps to prefill; the decoding row gets a token at each
+    of them, and the chunked prompt's tokens are those of a prompt prefilled in one pass."""
+    engine = Engine(model, max_batch=2)
+    engine.prefill_chunk = 16
+    first: list = []
+    late: list = []
+    engine.add(Request(PROMPTS[0], 20, Sampling(temperature=0), first.append))
+    engine.step()
+    engine.add(Request(ids(60, 11), 8, Sampling(temperature=0), late.append))
+    for step in range(4):
+        before = len(first)
+        engine.step()
+        assert len(first) == before + 1, step  # the row decoded this step too
+        assert (len(late) == 0) == (step < 3), step  # the first token once the 4th chunk is in
+    engine.run()
+    whole = Engine(model, max_batch=1)
+    whole.prefill_chunk = 10_000
+    alone: list = []
+    whole.add(Request(ids(60, 11), 8, Sampling(temperature=0), alone.append))
+    whole.run()
+    tokens = [[e.token_id for e in x if isinstance(e, TokenEvent)] for x in (late, alone)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8

@@ -77,15 +77,18 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     events = _requests(engine, prompts, max_new_tokens, sampling)
     if max_new_tokens == 0:
         return
-    while engine.rows or engine.waiting:
+    ready: list[list[int]] = [[] for _ in prompts]  # each row's tokens not yet yielded (long prompts start later)
+    while engine.has_work:
         engine.step()
-        for e in events:
-            if e and isinstance(e[-1], Finished):
-                _failed(e[-1])
-        tokens = [next(ev.token_id for ev in reversed(e) if isinstance(ev, TokenEvent)) for e in events]
-        for e in events:
+        for row, e in zip(ready, events, strict=True):
+            for ev in e:
+                if isinstance(ev, Finished):
+                    _failed(ev)
+                else:
+                    row.append(ev.token_id)
             e.clear()
-        yield torch.tensor(tokens, device=engine.device)
+        while all(ready):
+            yield torch.tensor([row.pop(0) for row in ready], device=engine.device)
 
 
 @torch.no_grad()
@@ -137,7 +140,7 @@ def stream(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens
     sampling = sampling_with(sampling, settings)
     engine = _engine(model, 1, tokenizer, None, slide, compile)
     (events,) = _requests(engine, [tokenizer.encode(prompt)], max_new_tokens, sampling)
-    while engine.rows or engine.waiting:
+    while engine.has_work:
         engine.step()
         for e in events:
             if isinstance(e, Finished):

@@ -4,7 +4,7 @@
        | add(Request) ...                      each Request: prompt ids, max_tokens, Sampling, emit
        v
     step():  1. scheduler  retire cancelled rows; admit waiting requests into free rows
-             2. prefill    each new prompt alone into a one-row cache, copied into its row
+             2. prefill    each new prompt alone into a one-row cache, a chunk per step, then into its row
              3. runner     every row's newest token through the model in one batched pass
              4. sampler    each row's next token by its own Sampling; TextStream decides where it stops
              5. retire     finished rows leave; the last row moves into the gap
@@ -41,6 +41,7 @@ from .sampling import Sampling, TextStream, next_token
 
 log = logging.getLogger("nanollama4.engine")
 TOP_ODDS = 8  # next tokens a traced step lists
+PREFILL_CHUNK = 64  # prompt tokens a step prefills per request (longer prompts take several steps)
 ATTENTION_FLOOR = 0.002  # a traced step lists the keys a token attended to with at least this probability
 
 
@@ -92,6 +93,8 @@ class Request:
     generator: torch.Generator | None = field(default=None, repr=False)
     text: TextStream | None = field(default=None, repr=False)
     tokens: list[int] = field(default_factory=list, repr=False)  # the prompt and every token so far
+    prefill_cache: KVCache | None = field(default=None, repr=False)  # while the prompt is prefilled in chunks
+    prefilled: int = 0  # prompt tokens already in prefill_cache
     generated: int = 0
     position: int = 0  # where the newest token goes
     last: int = 0  # the newest token, fed at the next step
@@ -133,7 +136,9 @@ class Engine:
         self.cache = SlotCache(self.cfg, max_batch, self.dtype, self.device, self.context)
         self.runner = Runner(model, self.cache, compile)
         self.rows: list[Request] = []  # request i decodes in cache row i
+        self.prefilling: list[Request] = []  # admitted, their prompts prefilled a chunk per step; each holds a row
         self.waiting: deque[Request] = deque()
+        self.prefill_chunk = PREFILL_CHUNK
         self.steps = 0  # batched decode steps run
         self.finished: Counter[str] = Counter()  # requests ended, by reason
         self.fail_fast = False  # True: an exception in a request's prefill or sampling propagates (offline use)
@@ -179,47 +184,78 @@ class Engine:
         self.check(request)
         self.waiting.append(request)
 
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is decoding, being prefilled or waiting."""
+        return bool(self.rows or self.prefilling or self.waiting)
+
+    @property
+    def free_rows(self) -> int:
+        return self.max_batch - len(self.rows) - len(self.prefilling)
+
     def run(self) -> None:
         """Step until every request has finished."""
-        while self.rows or self.waiting:
+        while self.has_work:
             self.step()
 
     @torch.no_grad()
     def step(self, new: list[Request] | None = None) -> None:
-        """One step: admit `new` (default: waiting requests, as many as there are free rows), prefilling
-        each, then decode every row by one token."""
+        """One step: admit `new` (default: waiting requests, as many as there are free rows), advance every
+        prompt being prefilled by one chunk (a prompt that is done samples its first token and takes its
+        row), then decode every row by one token.
+
+        Prefilling long prompts a chunk per step (`prefill_chunk` tokens) keeps a long prompt admitted
+        mid-stream from stalling the rows that are decoding for its whole length."""
         for r in [r for r in self.rows if r.cancelled]:
             self._retire(r, "cancelled")
+        for r in [r for r in self.prefilling if r.cancelled]:
+            self.prefilling.remove(r)
+            self._finish(r, "cancelled")
         if new is None:
-            new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+            new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.free_rows))]
         for r in new:
             if r.cancelled:
                 self._finish(r, "cancelled")
                 continue
+            self._start(r)
+            self.prefilling.append(r)
+        for r in list(self.prefilling):
             try:
                 self._prefill(r)
             except Exception as e:  # this request alone fails (the rows are untouched)
                 if self.fail_fast:
                     raise
                 log.exception("%s: the prefill failed", r.id)
+                self.prefilling.remove(r)
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
         if self.rows:
             self._decode()
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, r: Request) -> None:
-        """The prompt alone through the model into a fresh one-row cache, then into a free row of the slot
-        cache; samples the first token."""
+    def _start(self, r: Request) -> None:
+        """A request's own state at admission: its generator, its text, its one-row prefill cache."""
         if self.slide and len(r.prompt_ids) >= self.context:  # a full prompt slides first
             r.prompt_ids = r.prompt_ids[-max(1, self.context // 2):]
         r.generator = r.sampling.generator(self.device)
         r.text = TextStream(self.tokenizer, r.sampling)
         r.tokens = list(r.prompt_ids)
-        L = len(r.prompt_ids)
-        cache = KVCache(self.cfg, 1, L, dtype=self.dtype, device=self.device)
-        ids = torch.tensor([r.prompt_ids], device=self.device)
+        r.prefill_cache, r.prefilled = KVCache(self.cfg, 1, len(r.prompt_ids), dtype=self.dtype, device=self.device), 0
+
+    def _prefill(self, r: Request) -> None:
+        """The next chunk of r's prompt into its one-row cache; after the last, its first token is sampled and
+        the cache copied into a free row of the slot cache. A traced or scored prompt (every position's
+        observations or logits are kept) goes through in one pass."""
+        L, cache = len(r.prompt_ids), r.prefill_cache
+        whole = r.trace or r.prompt_logprobs
+        end = L if whole else min(L, r.prefilled + self.prefill_chunk)
+        ids = torch.tensor([r.prompt_ids[r.prefilled:end]], device=self.device)
         with self._observing(r.trace) as seen:
-            logits = self.runner.prefill(ids, cache, last_only=not r.prompt_logprobs)[0]
+            logits = self.runner.prefill(ids, cache, start=r.prefilled, last_only=not r.prompt_logprobs)[0]
+        r.prefilled = end
+        if end < L:
+            return
+        self.prefilling.remove(r)
+        r.prefill_cache = None
         logits = logits[..., :self.vocab].float()  # ids past the tokenizer's (a padded vocabulary) never come out
         prompt_lp = prompt_top = None
         if r.prompt_logprobs:
@@ -249,7 +285,7 @@ class Engine:
         keep = r.tokens[-max(1, self.context // 2):]
         if len(keep) > 1:
             cache = KVCache(self.cfg, 1, len(keep) - 1, dtype=self.dtype, device=self.device)
-            self.runner.prefill(torch.tensor([keep[:-1]], device=self.device), cache, last_only=True)
+            self.runner.prefill(torch.tensor([keep[:-1]], device=self.device), cache)
             self.cache.load(b, cache)
         else:
             self.cache.clear(b)

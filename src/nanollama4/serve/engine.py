@@ -68,7 +68,7 @@ class Engine(StepEngine):
             if self._closing:
                 raise Closing("the server is shutting down")
             self._forget_cancelled()
-            room = self.max_queue + max(0, self.max_batch - len(self.rows)) - len(self.waiting)
+            room = self.max_queue + max(0, self.free_rows) - len(self.waiting)
             if len(requests) > room:
                 raise QueueFull(f"{len(self.rows)} requests are decoding and {len(self.waiting)} waiting "
                                 f"(--max-batch {self.max_batch}, --max-queue {self.max_queue})")
@@ -86,7 +86,7 @@ class Engine(StepEngine):
         with self._lock:
             self._closing = True
             if cancel:
-                for r in (*self.rows, *self.waiting, *self._admitting):
+                for r in (*self.rows, *self.prefilling, *self.waiting, *self._admitting):
                     r.cancel()
             self._lock.notify()
         if self._thread.is_alive():
@@ -96,7 +96,7 @@ class Engine(StepEngine):
     def busy(self) -> tuple[int, int]:
         """(requests admitted: decoding or being prefilled, requests waiting)."""
         with self._lock:
-            return len({*self.rows, *self._admitting}), len(self.waiting)
+            return len({*self.rows, *self.prefilling, *self._admitting}), len(self.waiting)
 
     @property
     def closing(self) -> bool:
@@ -120,19 +120,19 @@ class Engine(StepEngine):
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                while not self.rows and not self.waiting and not self._closing:
+                while not self.has_work and not self._closing:
                     self._lock.wait()
-                if self._closing and not self.rows and not self.waiting:
+                if self._closing and not self.has_work:
                     return
                 self._forget_cancelled()
-                new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+                new = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.free_rows))]
                 self._admitting = new
             try:
                 self.step(new)
             except Exception as e:  # a bug in the batched pass: end what is in flight, keep serving
                 log.exception("a step failed")
-                for r in [*self.rows, *new]:
+                for r in [*self.rows, *self.prefilling, *new]:
                     self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-                self.rows = []
+                self.rows, self.prefilling = [], []
             with self._lock:
                 self._admitting = []
