@@ -107,13 +107,15 @@ class Transformer(nn.Module):
         return self._inv_freq[device]
 
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                positions: torch.Tensor | None = None, last_only: bool = False, head: bool = True) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab), in the model's dtype; (B, 1, vocab) with last_only.
 
         Tokens sit at positions start_pos, start_pos+1, ...; or pass `positions` (B, T) per row, where
         -1 marks left padding. With a KVCache the keys/values are kept for the next call (decoding).
         `last_only` runs the LM head on the last position alone, all that sampling needs (a long prompt
         with a large vocabulary would otherwise build a (B, T, vocab) tensor to read one row of).
+        `head=False` stops before the final norm and the LM head, returning the residual stream (B, T, d):
+        for a chunk of a prompt that only fills the cache.
         """
         T = ids.shape[1]
         if positions is None:
@@ -124,6 +126,8 @@ class Transformer(nn.Module):
             cache.new_step()
         for i, block in enumerate(self.blocks):
             x = block(x, positions, rope, None if cache is None else cache.layers[i])
+        if not head:
+            return x
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))

@@ -250,7 +250,8 @@ class Engine:
         end = L if whole else min(L, r.prefilled + self.prefill_chunk)
         ids = torch.tensor([r.prompt_ids[r.prefilled:end]], device=self.device)
         with self._observing(r.trace) as seen:
-            logits = self.runner.prefill(ids, cache, start=r.prefilled, last_only=not r.prompt_logprobs)[0]
+            logits = self.runner.prefill(ids, cache, start=r.prefilled, last_only=not r.prompt_logprobs,
+                                         head=end == L)[0]  # a chunk before the last only fills the cache
         r.prefilled = end
         if end < L:
             return
@@ -285,7 +286,7 @@ class Engine:
         keep = r.tokens[-max(1, self.context // 2):]
         if len(keep) > 1:
             cache = KVCache(self.cfg, 1, len(keep) - 1, dtype=self.dtype, device=self.device)
-            self.runner.prefill(torch.tensor([keep[:-1]], device=self.device), cache)
+            self.runner.prefill(torch.tensor([keep[:-1]], device=self.device), cache, head=False)
             self.cache.load(b, cache)
         else:
             self.cache.clear(b)

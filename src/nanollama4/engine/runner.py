@@ -37,11 +37,12 @@ class Runner:
         self.threads: dict[int, int] = {}  # decode size (rows rounded up to a power of two) -> threads chosen
         self._trials: dict[int, dict[int, list[float]]] = {}
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True,
+                head: bool = True) -> torch.Tensor:
         """Logits (1, T or 1, vocab) of one prompt's tokens ids (1, T) at positions start..start+T-1, their keys
-        into `cache` (which holds positions 0..start-1 already)."""
+        into `cache` (which holds positions 0..start-1 already); `head=False`: only the cache is wanted."""
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
-        return self.model(ids, cache=cache, positions=positions, last_only=last_only)
+        return self.model(ids, cache=cache, positions=positions, last_only=last_only, head=head)
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits (rows, vocab) of each row's newest token at its position."""
