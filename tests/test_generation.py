@@ -480,7 +480,8 @@ def test_compiled_decode_equals_eager(chunked_model):
 
     Chunk 4, NoPE with temperature tuning, MoE top-2 of 4 experts; one prompt alone and two left-padded
     prompts (4 assignments = 4 experts, the most that compile well), 20 steps past several chunks, and
-    no recompilation once a batch size has compiled. Three prompts (6 assignments) decode eagerly.
+    no recompilation once a batch size has compiled. Three prompts (6 assignments) run every expert on
+    every row (`every_expert`).
     """
     import torch._dynamo
 

@@ -270,3 +270,26 @@ def test_scores_attention_matches_sdpa(heads, kv_heads, chunk):
         want = torch.autograd.grad((ref * w).sum(), (q, k, v))
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scale_input", [True, False])
+def test_every_expert_on_every_row_equals_the_sorted_experts(scale_input):
+    """The compiled decode step's path for batches with more assignments than experts: weight 0 for the
+    experts a row did not choose gives the sum over its chosen experts only."""
+    from nanollama4.moe import Experts
+
+    g = torch.Generator().manual_seed(4)
+    experts = Experts(4, 32, 24)
+    with torch.no_grad():
+        experts.gate_up.copy_(torch.randn(experts.gate_up.shape, generator=g) * 0.2)
+        experts.down.copy_(torch.randn(experts.down.shape, generator=g) * 0.2)
+    x = torch.randn(6, 32, generator=g)
+    token = torch.arange(6).repeat_interleave(2)
+    expert = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)]).flatten()
+    weight = torch.rand(12, generator=g)
+    with torch.no_grad():
+        want = experts(x, token, expert, weight, scale_input)
+        got = experts_mod.every_expert(x, token, expert, weight, experts.gate_up, experts.down, scale_input,
+                                       torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert want.abs().max() > 0.01

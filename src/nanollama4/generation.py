@@ -66,7 +66,7 @@ def iter_tokens(model: Transformer, prompts: Sequence[Sequence[int]], max_new_to
     `compile` runs the decode steps through torch.compile (`engine.runner.compiled_decoder`): the first
     call for a model and batch size compiles for a while (2-30 s here), then each step is cheaper for
     small models, whose decoding is bound by the cost of launching hundreds of tiny operations rather
-    than by arithmetic. MoE batches with more assignments than experts decode eagerly.
+    than by arithmetic. MoE batches of more than 16 rows with more assignments than experts decode eagerly.
 
     `vocab` (the tokenizer's size) keeps ids at or past it from being sampled: a model whose vocabulary
     is padded beyond its tokenizer's would otherwise, now and then, produce an id nothing can decode.

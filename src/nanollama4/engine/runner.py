@@ -22,7 +22,7 @@ import torch
 
 from ..attention import KVCache
 from ..model import Transformer
-from ..ops.experts import few_assignments
+from ..ops.experts import EVERY_EXPERT_ROWS, few_assignments
 from .cache import SlotCache
 
 TRIAL_STEPS = 4  # timed steps per thread count before a size's choice is made
@@ -84,8 +84,8 @@ def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
     Dynamic shapes let one graph serve every cache length, so decoding does not recompile at each step
     (batch size 1 and each model/dtype get graphs of their own). The model code avoids graph breaks on
     this path as long as batch x experts_per_token <= n_experts (MoE experts gathered on the graph, no
-    host reads); larger batches decode eagerly. The compiled function is of the class's forward, bound
-    here, so it keeps no model alive.
+    host reads) or the batch has at most 16 rows (every expert on every row); larger batches decode
+    eagerly. The compiled function is of the class's forward, bound here, so it keeps no model alive.
     """
     global _compiled_forward
     if _compiled_forward is None:
@@ -96,6 +96,9 @@ def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
 
 
 def compiles_well(model: Transformer, batch: int) -> bool:
-    """Whether a decode step of this batch stays one graph (see compiled_decoder)."""
+    """Whether a decode step of this batch stays one graph: up to one assignment per expert the chosen
+    experts are gathered on the graph, and up to `EVERY_EXPERT_ROWS` rows every expert runs on every row
+    (`ops.experts.every_expert`); larger MoE batches decode eagerly."""
     cfg = model.cfg
-    return cfg.n_experts == 0 or batch * cfg.experts_per_token <= few_assignments(cfg.n_experts, compiling=True)
+    return cfg.n_experts == 0 or batch * cfg.experts_per_token <= few_assignments(cfg.n_experts, compiling=True) \
+        or batch <= EVERY_EXPERT_ROWS

@@ -423,6 +423,30 @@ def few_rows(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, 
     return torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 
 
+EVERY_EXPERT_ROWS = 16  # compiled decoding: up to this many rows, every expert on every row (`every_expert`)
+
+
+def every_expert(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
+                 gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, scale_input: bool, dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """The experts' sum for a decoding batch with more assignments than experts, in two batched products
+    over every expert and every row (weight 0 where a row did not choose the expert): no host reads, so a
+    compiled decode step stays one graph at any batch size, and a fixed two dispatches per layer. Once the
+    batch touches most experts, this reads the bytes the sorted products would (all the experts' weights),
+    at E/k times their arithmetic, which decoding-sized batches leave idle anyway."""
+    T, E = x_TD.shape[0], gate_up_EDH.shape[0]
+    w_TE = torch.zeros(T, E, dtype=dtype, device=x_TD.device).index_put_(
+        (token_A, expert_A), weight_A.to(dtype), accumulate=True)
+    x_ETD = x_TD.to(dtype).expand(E, T, -1)
+    if scale_input:
+        x_ETD = x_ETD * w_TE.t()[:, :, None]
+    gate, up = torch.bmm(x_ETD, gate_up_EDH.to(dtype)).chunk(2, dim=-1)  # (E, T, H) each
+    y_ETD = torch.bmm(F.silu(gate) * up, down_EHD.to(dtype))
+    if not scale_input:
+        y_ETD = y_ETD * w_TE.t()[:, :, None]
+    return y_ETD.sum(0).to(x_TD.dtype)
+
+
 # ---------------------------------------------------------------------------------------------- the module
 class FastExperts(Experts):
     """`moe.Experts` (the same parameters, the same function) with the fast products chosen per call.
@@ -461,8 +485,11 @@ class FastExperts(Experts):
 
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
-        if expert_A.numel() <= few_assignments(self.n_experts, torch.compiler.is_compiling()):
+        compiling = torch.compiler.is_compiling()
+        if expert_A.numel() <= few_assignments(self.n_experts, compiling):
             return few_rows(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
+        if compiling and not torch.is_grad_enabled() and x_TD.shape[0] <= EVERY_EXPERT_ROWS:
+            return every_expert(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
         return super().forward(x_TD, token_A, expert_A, weight_A, scale_input)  # sort -> `products` -> add back
 
     def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
