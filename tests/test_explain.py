@@ -462,3 +462,34 @@ def test_generation_is_told_pass_by_pass_as_generate_makes_it(tiny_run, capsys):
     assert rc == 0, err
     assert "prefill: 7 prompt tokens at positions 0-6 in one pass" in out
     assert "decode 2: " in out and "KV cache per layer (positions held): layer 0 7" in out
+
+
+def _shown(t) -> str:
+    out = io.StringIO()
+    show(t, Console(file=out, width=400, color_system=None))
+    return out.getvalue()
+
+
+def test_train_mode_names_exactly_what_acts_and_prints_the_capacity_it_computed():
+    """The header lists the mechanisms this model has (none for a plain sigmoid router), and a layer with
+    capacity prints ⌈cf·T·k/N⌉ as the pass computed it."""
+    tok = CharTokenizer.from_text(TEXT)
+    plain = _model("sigmoid", tok.vocab_size)
+    text = _shown(trace(plain, tok, "Facebook was", mode="train", seed=0))
+    assert "pass: train mode, as training runs it (this model has no router noise and no expert capacity" in text
+    assert "capacity:" not in text and "router noise (" not in text
+
+    torch.manual_seed(0)
+    roomy = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax",
+                                                     router_noise="learned", capacity_factor=1.5)).eval()
+    t = trace(roomy, tok, "Facebook was", mode="train", seed=0)
+    text = _shown(t)
+    T, k, n = len(t.tokens), roomy.cfg.experts_per_token, roomy.cfg.n_experts
+    want = math.ceil(1.5 * T * k / n)
+    assert want < T  # a real limit, not every token
+    assert "router noise (learned); expert capacity (factor 1.5; a full expert's overflow to the next-best" in text
+    moe_layers = [layer for layer in t.layers if layer.experts is not None]
+    assert moe_layers and all(layer.capacity == want for layer in moe_layers)
+    assert text.count(f"capacity: ⌈1.5 × {T} tokens × top-{k} / {n} experts⌉ = {want} slots per expert") == \
+        len(moe_layers)
+    assert "pass: eval mode, as generation runs it\n" in _shown(trace(roomy, tok, "Facebook was"))

@@ -18,9 +18,16 @@ def show(t: Trace, console: Console | None = None, modules: bool = False) -> Non
     from rich.table import Table
 
     console = console or Console()
-    console.print("pass: eval mode, as generation runs it" if t.mode == "eval" else
-                  f"pass: train mode, as training runs it (router noise and expert capacity act; seed {t.seed})",
-                  markup=False)
+    if t.mode == "eval":
+        header = "pass: eval mode, as generation runs it"
+        if t.acting:
+            header += f" ({'; '.join(t.acting)} acts here too)"
+    elif t.acting:
+        header = f"pass: train mode, as training runs it ({'; '.join(t.acting)}; seed {t.seed})"
+    else:
+        header = ("pass: train mode, as training runs it (this model has no router noise and no expert capacity, "
+                  "so the routing is the eval pass's)")
+    console.print(header, markup=False)
     console.print("tokens:")
     tokens = Table(show_edge=False)
     for name in ("position", "token", "id"):
@@ -108,8 +115,11 @@ def router_summary(layer: LayerTrace) -> list[str]:
         lines.append(f"balancing bias per expert (auxiliary-loss-free, as in DeepSeek-V3; added for the choice "
                      f"only, never to the weights): {bias}; it moved {moved} of {len(layer.experts)} tokens' first "
                      "expert")
-    if layer.rerouted or layer.dropped:
-        lines.append(f"capacity acted: {layer.rerouted} slots rerouted to a next-best expert, {layer.dropped} dropped")
+    if layer.capacity is not None:
+        T, K = len(layer.experts), len(layer.experts[0]) if layer.experts else 0
+        lines.append(f"capacity: ⌈{layer.capacity_factor:g} × {T} tokens × top-{K} / {layer.n_experts} experts⌉ = "
+                     f"{layer.capacity} slots per expert; {layer.rerouted} slots rerouted to a next-best expert, "
+                     f"{layer.dropped} dropped")
     return lines
 
 

@@ -12,6 +12,7 @@ The views (terminal.py, page.py) read a `Trace`; this module knows nothing of th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class LayerTrace:
     weights: list[list[float]] | None = None  # (T, K) each slot's weight; 0.0 for a dropped slot
     slot_kind: list[list[str]] | None = None  # (T, K) "own" (in the token's top-k), "rerouted" or "dropped"
     rerouted_from: list[list[int | None]] | None = None  # (T, K) for a rerouted slot, the full expert it left
+    capacity: int | None = None  # slots per expert in this pass, ceil(capacity_factor * T * k / N); None: dropless
+    capacity_factor: float | None = None  # the factor it was computed from
     rerouted: int | None = None  # assignments that went past a token's top-k because an expert was full
     dropped: int | None = None  # slots that found no expert with room
     shared_share: float | None = None  # |shared expert's output| / |MoE layer's output|, mean over tokens
@@ -94,6 +97,7 @@ class Trace:
     # every module call in order: (name, input shapes, output shape)
     mode: str = "eval"  # the pass traced: "eval" (as generation runs) or "train" (noise and capacity acting)
     seed: int | None = None  # the seed of a "train" pass's noise
+    acting: list[str] = field(default_factory=list)  # what acts in this pass that a dropless eval pass lacks
 
 
 def describe_attention(layer: LayerTrace) -> str:
@@ -146,7 +150,24 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
     layers = [_layer_trace(i, block, seen) for i, block in enumerate(model.blocks)]
     return Trace(tokens=[tokenizer.decode([i]) for i in ids], ids=list(ids), embedding_shape=seen["embed"],
                  layers=layers, next_tokens=next_tokens, modules=seen["modules"], mode=mode,
-                 seed=seed if mode == "train" else None)
+                 seed=seed if mode == "train" else None, acting=acting_mechanisms(model, mode == "train"))
+
+
+def acting_mechanisms(model: Transformer, training: bool) -> list[str]:
+    """What acts in a pass of this mode that the dropless eval pass lacks, named as the model has it: router
+    noise (training only), expert capacity (training, or also in eval with capacity_in_eval) and what a
+    full expert does with its overflow."""
+    acting = []
+    moes = list(model.moe_layers())
+    noise = {m.noise_kind for m in moes} - {"none"}
+    if training and noise:
+        acting.append(f"router noise ({' and '.join(sorted(noise))})")
+    capped = [m for m in moes if m.capacity_factor is not None and (training or m.capacity_in_eval)]
+    if capped:
+        overflow = "to the next-best expert with room" if capped[0].overflow else "dropped"
+        acting.append(f"expert capacity (factor {capped[0].capacity_factor:g}; a full expert's overflow "
+                      f"{overflow})")
+    return acting
 
 
 @contextmanager
@@ -234,6 +255,10 @@ def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
     layer.router_bias = bias if moe.bias_rate or bool(bias.ne(0).any()) else None
     layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = describe_slots(r)
     layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
+    if r.valid_TK is not None:  # the pass took the capacity path: the slots it gave each expert
+        T, K = r.experts_TK.shape
+        layer.capacity_factor = moe.capacity_factor
+        layer.capacity = math.ceil(moe.capacity_factor * T * K / moe.n_experts)
 
 
 # ---------------------------------------------------------------------------------------------- generation
