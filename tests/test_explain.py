@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.image
 import pytest
@@ -493,3 +494,29 @@ def test_train_mode_names_exactly_what_acts_and_prints_the_capacity_it_computed(
     assert text.count(f"capacity: ⌈1.5 × {T} tokens × top-{k} / {n} experts⌉ = {want} slots per expert") == \
         len(moe_layers)
     assert "pass: eval mode, as generation runs it\n" in _shown(trace(roomy, tok, "Facebook was"))
+
+
+def test_both_pages_draw_experts_in_the_one_palette_and_every_swatch_reads():
+    """explain's page and the serve page take their colours from explain/palette.py (neither has colours of
+    its own for experts), and black or white text on every expert's colour reaches WCAG's 4.5:1."""
+    from importlib import resources
+
+    from nanollama4.explain import palette
+    from nanollama4.serve.api import _page
+
+    for package in ("nanollama4.explain", "nanollama4.serve"):
+        template = resources.files(package).joinpath("page.html").read_text(encoding="utf-8")
+        assert palette.PLACEHOLDER in template, package
+        assert "#F0E442" not in template and "hsl(" not in template, package  # no palette of its own
+    colors = palette.expert_colors(128)
+    assert len({c["bg"] for c in colors}) == 128
+    assert min(palette.contrast(c["bg"], c["ink"]) for c in colors) >= 4.5
+    assert palette.contrast(palette.DROPPED["bg"], palette.DROPPED["ink"]) >= 4.5
+    assert palette.expert_colors(8)[6] == {"bg": "#F0E442", "ink": "#000000"}  # yellow: black text, not white
+
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("softmax", tok.vocab_size)
+    want = json.dumps({"experts": palette.expert_colors(model.cfg.n_experts), "dropped": palette.DROPPED})
+    assert want in html(trace(model, tok, "Facebook"))
+    engine = SimpleNamespace(cfg=model.cfg, context=model.cfg.max_seq_len)
+    assert want in _page(engine, "tiny")

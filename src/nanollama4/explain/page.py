@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import GenerationError
+from . import palette
 from .tracing import Trace, describe_attention
 
 PAGE_SCORES_LIMIT = 4_000_000  # attention probabilities a page inlines (layers x heads x T x T)
@@ -47,7 +48,9 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
     payload = (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
                .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
     fills = {"TITLE": escape_html(title), "DATA": payload}
-    return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], _template())  # one pass: a prompt is never re-read
+    n_experts = max((layer.n_experts or 0 for layer in t.layers), default=0)
+    page = palette.fill(_template(), n_experts)  # before the data goes in: a prompt is never read as a placeholder
+    return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], page)  # one pass: a prompt is never re-read
 
 
 def escape_html(text: str) -> str:

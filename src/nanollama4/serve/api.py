@@ -29,6 +29,7 @@ from starlette.routing import Route
 
 from ..engine.sampling import Sampling, SamplingError
 from ..errors import TokenizerError
+from ..explain import palette
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 
@@ -613,5 +614,6 @@ def _page(engine: Engine, model_name: str) -> str:
                         "moe": cfg.is_moe(i), "n_experts": cfg.n_experts if cfg.is_moe(i) else 0}
                        for i in range(cfg.n_layers)]}
     html = resources.files("nanollama4.serve").joinpath("page.html").read_text(encoding="utf-8")
+    html = palette.fill(html, cfg.n_experts)  # explain's page has the same colours
     blob = json.dumps(info).replace("<", "\\u003c")  # nothing in it can close the script element
     return html.replace("/*MODEL_INFO*/null", blob)
