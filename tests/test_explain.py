@@ -368,7 +368,7 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
-    assert 'data-ready="yes"' in dom
+    assert 'data-ready="yes"' in dom and 'data-clipped="0"' in dom  # every slot's text shown whole
     kinds = [k for layer in t.layers for row in layer.slot_kind for k in row]
     assert kinds.count("rerouted") > 0 and kinds.count("dropped") > 0
     assert dom.count('class="slot own"') == kinds.count("own")
