@@ -520,3 +520,17 @@ def test_both_pages_draw_experts_in_the_one_palette_and_every_swatch_reads():
     assert want in html(trace(model, tok, "Facebook"))
     engine = SimpleNamespace(cfg=model.cfg, context=model.cfg.max_seq_len)
     assert want in _page(engine, "tiny")
+
+
+def test_the_page_gets_values_as_computed_and_rounds_them_once_where_shown():
+    """Weights, next-token odds, temperatures and the shared share go into the page unrounded (it rounds them
+    as it shows them), so the page and the terminal round the same number once (0.7165 is not shown 0.717)."""
+    tok = CharTokenizer.from_text(TEXT)
+    model = _model("softmax", tok.vocab_size)
+    t = trace(model, tok, "Facebook was")
+    page = html(t)
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert data["next"] == [list(x) for x in t.next_tokens]
+    moe = next(layer for layer in t.layers if layer.experts is not None)
+    assert data["layers"][moe.index]["weights"] == moe.weights
+    assert any(len(repr(w)) > 7 for row in moe.weights for w in row)  # more digits than any display shows

@@ -406,7 +406,7 @@ class Engine:
             if block.ffn not in slots:
                 slots[block.ffn] = describe_slots(r)
             experts, weights, kinds, froms = (part[token] for part in slots[block.ffn])
-            routes.append({"layer": i, "experts": experts, "weights": [round(w, 4) for w in weights],
+            routes.append({"layer": i, "experts": experts, "weights": weights,  # rounded where shown
                            "kinds": kinds, "from": froms})
         return routes
 
@@ -415,18 +415,17 @@ class Engine:
         """What one token (query `query` of batch row `row`, token `flat` of the flattened pass) did in the
         pass just run: its route in every MoE layer, what it attended to in every layer (mean over heads),
         the positions each layer's cache holds for the row, and the odds of the next token (temperature 1,
-        unfiltered)."""
+        unfiltered). Values are as computed: a page rounds them once, where it shows them."""
         attention = []
         for i, block in enumerate(self.model.blocks):
             probs, keys = seen["attention"][block.attn], seen["keys"][block.attn]
             p = probs[row, :, query].mean(0)  # (Tk,)
             k = keys[row] if keys.dim() == 2 else keys
-            shown = [(int(kp), round(float(pp), 4)) for kp, pp in zip(k.tolist(), p.tolist(), strict=True)
+            shown = [(int(kp), float(pp)) for kp, pp in zip(k.tolist(), p.tolist(), strict=True)
                      if pp >= ATTENTION_FLOOR and kp >= 0]
             attention.append({"layer": i, "kind": "rope" if block.attn.use_rope else "nope",
                               "chunk": block.attn.chunk, "keys": sorted(shown)})
         odds = logits.softmax(-1).topk(min(TOP_ODDS, logits.numel()))
         return {"position": position, "token": self.token_text[token], "routes": self._routes(seen, flat),
                 "attention": attention, "cache": held,
-                "odds": [(self.token_text[int(i)], round(float(q), 4)) for q, i in zip(odds.values, odds.indices,
-                                                                                         strict=True)]}
+                "odds": [(self.token_text[int(i)], float(q)) for q, i in zip(odds.values, odds.indices, strict=True)]}

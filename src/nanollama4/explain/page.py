@@ -29,16 +29,16 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
                               f"{PAGE_SCORES_LIMIT:,}); use a shorter prompt")
     data = {
         "tokens": t.tokens, "ids": t.ids, "embedding": list(t.embedding_shape),
-        "next": [[tok, round(p, 4)] for tok, p in t.next_tokens],
+        "next": [[tok, p] for tok, p in t.next_tokens],  # values as computed: the page rounds once, to show
         "layers": [{
             "index": layer.index, "kind": describe_attention(layer), "gqa": layer.gqa,
             "q": list(layer.q_shape), "k": list(layer.k_shape), "v": list(layer.v_shape),
             "experts": layer.experts, "n_experts": layer.n_experts,
-            "weights": None if layer.weights is None else [[round(w, 3) for w in row] for row in layer.weights],
+            "weights": layer.weights,
             "rerouted": layer.rerouted, "dropped": layer.dropped, "slot_kind": layer.slot_kind,
             "chunk": layer.chunk,
-            "temperature": None if layer.temperature is None else [round(x, 4) for x in layer.temperature],
-            "shared": None if layer.shared_share is None else round(layer.shared_share, 3),
+            "temperature": layer.temperature,
+            "shared": layer.shared_share,
             "attention": [[[None if p == 0 else round(p, 4) for p in row] for row in head]
                           for head in layer.attention.tolist()],
         } for layer in t.layers],
