@@ -369,6 +369,10 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
     assert 'data-ready="yes"' in dom and 'data-clipped="0"' in dom  # every slot's text shown whole
+    layer = next(lay for lay in t.layers if lay.experts is not None)  # the hover: the numbers the choice was made on
+    e, w = layer.experts[0][0], layer.weights[0][0]
+    assert (f"expert {e}: router logit {layer.router_logits[0, e]:.3f}, choice score "
+            f"{layer.choice_scores[0, e]:.3f}, weight {w:.3f}") in dom.replace("&#10;", "\n")
     kinds = [k for layer in t.layers for row in layer.slot_kind for k in row]
     assert kinds.count("rerouted") > 0 and kinds.count("dropped") > 0
     assert dom.count('class="slot own"') == kinds.count("own")

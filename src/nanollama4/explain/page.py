@@ -35,6 +35,10 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
             "q": list(layer.q_shape), "k": list(layer.k_shape), "v": list(layer.v_shape),
             "experts": layer.experts, "n_experts": layer.n_experts,
             "weights": layer.weights,
+            # what each slot's choice was made on, for the hover: logits, bias, the score the top-k took
+            "logits": None if layer.router_logits is None else layer.router_logits.tolist(),
+            "bias": None if layer.router_bias is None else layer.router_bias.tolist(),
+            "choice": None if layer.choice_scores is None else layer.choice_scores.tolist(),
             "rerouted": layer.rerouted, "dropped": layer.dropped, "slot_kind": layer.slot_kind,
             "chunk": layer.chunk,
             "temperature": layer.temperature,
