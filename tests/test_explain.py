@@ -209,10 +209,13 @@ def test_the_page_draws_the_routing_grid_in_a_browser(tmp_path):
     moe_layers = [layer for layer in t.layers if layer.experts is not None]
     cells = re.findall(r'<td class="cell" data-layer="(\d+)" data-token="(\d+)"', dom)
     assert sorted(cells) == sorted((str(layer.index), str(i)) for layer in moe_layers for i in range(40))
-    for layer in moe_layers:  # each cell names its token's top expert and, on hover, all of them
+    for layer in moe_layers:  # each cell names its token's experts and, on hover, what each was chosen on
         for i in (0, 17, 39):
-            title = ", ".join(f"expert {e} ({w:.2f})" for e, w in zip(layer.experts[i], layer.weights[i],
-                                                                        strict=True))
+            biases = [f", bias {b:.3f}" for b in layer.router_bias] if layer.router_bias is not None \
+                else [""] * layer.n_experts
+            title = "&#10;".join(f"expert {e}: router logit {layer.router_logits[i, e]:.3f}{biases[e]}, choice score "
+                                 f"{layer.choice_scores[i, e]:.3f}, weight {w:.3f}"
+                                 for e, w in zip(layer.experts[i], layer.weights[i], strict=True))
             kinds = " ".join(layer.slot_kind[i])
             assert f'data-layer="{layer.index}" data-token="{i}" data-kinds="{kinds}" title="{title}"' in dom
     assert dom.count('id="heatmap"') == 1

@@ -705,3 +705,21 @@ def test_a_client_that_hangs_up_mid_body_is_one_log_line(served, caplog):
     assert caplog.text.count("the client left before its request arrived whole") == 3, caplog.text
     assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
     assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_a_traced_step_carries_the_distribution_it_was_sampled_from(served):
+    """Beside the temperature-1 odds, each listed token's probability after the request's temperature and
+    top-k, and the chosen token's under both: top_k 3 leaves the other listed tokens at 0."""
+    r = httpx.post(f"{served.url}/v1/completions", json={**OK, "prompt": "But soft", "max_tokens": 6,
+                                                         "temperature": 0.7, "top_k": 3, "seed": 4, "stream": True,
+                                                         "nanollama4_trace": True}, timeout=60)
+    steps = [json.loads(line[6:])["choices"][0]["nanollama4"]["step"] for line in r.text.splitlines()
+             if line.startswith("data: {") and '"nanollama4"' in line]
+    assert len(steps) == 6
+    for step in steps:
+        t1 = [p for _, p, _ in step["odds"]]
+        sampled = [s for _, _, s in step["odds"]]
+        assert t1 == sorted(t1, reverse=True) and all(s == 0 for s in sampled[3:])
+        assert sum(sampled[:3]) == pytest.approx(1.0, abs=1e-5) and sampled[0] > t1[0]  # sharpened, renormalised
+        chosen = [s for text, _, s in step["odds"] if text == step["chosen"]]
+        assert step["chosen_odds"][1] > 0 and chosen == [pytest.approx(step["chosen_odds"][1])]

@@ -37,7 +37,7 @@ from ..observe import describe_slots, observe
 from ..tokenizer import Tokenizer, token_bytes, token_label
 from .cache import SlotCache, check_cache_fits, held
 from .runner import Runner
-from .sampling import Sampling, TextStream, next_token
+from .sampling import Sampling, TextStream, filter_logits, next_token
 
 log = logging.getLogger("nanollama4.engine")
 TOP_ODDS = 8  # next tokens a traced step lists
@@ -347,7 +347,7 @@ class Engine:
             lp = float(logp[token])
             top = self._top(logp, r.logprobs) if r.logprobs else []
         if trace is not None:
-            trace["chosen"] = self.token_text[token]
+            self._sampled_odds(trace, r.sampling, logits[0], token)
         r.generated += 1
         r.last = token
         r.tokens.append(token)
@@ -388,6 +388,21 @@ class Engine:
                  time.perf_counter() - r.started)
 
     # ------------------------------------------------------------------ what a step shows
+    def _sampled_odds(self, trace: dict, sampling: Sampling, logits: torch.Tensor, token: int) -> None:
+        """Add to a step's trace the distribution the token was actually drawn from (after temperature,
+        top-k, top-p and min_p; greedy: all on the argmax) beside the temperature-1 odds: each listed
+        token's probability under it, and the chosen token's under both."""
+        if sampling.greedy:
+            sampled = torch.zeros_like(logits, dtype=torch.float32)
+            sampled[int(logits.argmax())] = 1.0
+        else:
+            sampled = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
+                                    sampling.min_p).softmax(-1)
+        ids = trace.pop("odds_ids")
+        trace["odds"] = [(text, p, float(sampled[i])) for (text, p), i in zip(trace["odds"], ids, strict=True)]
+        trace["chosen"] = self.token_text[token]
+        trace["chosen_odds"] = [float(logits.float().softmax(-1)[token]), float(sampled[token])]
+
     def _top(self, logp: torch.Tensor, n: int) -> list[tuple[int, float]]:
         top = logp.topk(min(n, logp.numel()))
         return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
@@ -428,4 +443,5 @@ class Engine:
         odds = logits.softmax(-1).topk(min(TOP_ODDS, logits.numel()))
         return {"position": position, "token": self.token_text[token], "routes": self._routes(seen, flat),
                 "attention": attention, "cache": held,
-                "odds": [(self.token_text[int(i)], float(q)) for q, i in zip(odds.values, odds.indices, strict=True)]}
+                "odds": [(self.token_text[int(i)], float(q)) for q, i in zip(odds.values, odds.indices, strict=True)],
+                "odds_ids": odds.indices.tolist()}

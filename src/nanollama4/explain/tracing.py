@@ -310,6 +310,6 @@ def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_
                   for i in range(model.cfg.n_layers)]
         first = 0 if t["kind"] == "prefill" else t["position"]
         steps.append(GenerationStep(kind=t["kind"], positions=(first, t["position"]), fed=t["fed"],
-                                    cache_lengths=t["cache"], routes=routes, next_tokens=[tuple(o) for o in t["odds"]],
-                                    chosen=t["chosen"]))
+                                    cache_lengths=t["cache"], routes=routes,
+                                    next_tokens=[(o[0], o[1]) for o in t["odds"]], chosen=t["chosen"]))
     return steps
