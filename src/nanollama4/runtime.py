@@ -78,8 +78,8 @@ def bf16_speedup(device: torch.device, rows: int, d_in: int, d_out: int) -> floa
     """How many times faster a training product of this shape runs under bf16 autocast than in float32 here
     (forward and both gradients, the best of 3 each after a warm-up), for `TrainConfig.bf16 = "auto"`.
 
-    CPUs differ most: with AMX or AVX512_BF16 bf16 products run 2-5x float32's, without them torch
-    emulates bf16 and they run slower. The casts and the elementwise work a bf16 step adds are not in
+    CPUs differ most: with AMX they run several times float32's (benchmarks/RESULTS.md), without bf16
+    instructions torch emulates them. The casts and the elementwise work a bf16 step adds are not in
     the product, hence the margin `BF16_PAYS`. CUDA GPUs that support bf16 count as paying without a
     timing (their tensor cores); other devices as not (autocast's bf16 there is not measured here).
     """
