@@ -383,6 +383,11 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     assert dom.count('class="slot dropped"') == kinds.count("dropped")
     assert dom.count('class="chunk"') == 2 * ((24 - 1) // cfg.attention_chunk_size)  # layer 0: chunks of 8
     assert dom.count('<span style="background') >= cfg.n_experts  # the legend
+    capped = [lay for lay in t.layers if lay.capacity is not None]  # each load chart's capacity line
+    assert capped and dom.count('class="capacity"') == len(capped)
+    for lay in capped:
+        assert f'data-capacity="{lay.capacity}"' in dom and f"capacity {lay.capacity} (factor 0.5)" in dom
+        assert max(sum(e == x for row in lay.experts for e in row) for x in range(cfg.n_experts)) <= lay.capacity
     shot = tmp_path / "train.png"
     subprocess.run([CHROMIUM, *flags, "--window-size=1200,1400", f"--screenshot={shot}", page.as_uri()],
                    capture_output=True, timeout=120)

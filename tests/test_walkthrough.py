@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -18,14 +19,29 @@ def question(n: int) -> str:
 
 
 def test_question_2_quotes_section_5s_routing_line_and_bias():
+    """Q2 names a token whose expert the balancing bias chose over the top logit: its line, the two logits,
+    the two biases and the weight are all in §5's layer 0, and the answer's arithmetic holds."""
     q, out = question(2), section(5)
-    layer0 = out[out.index("layer 0:"):out.index("layer 1:")]
-    line = "':' → expert 5 (0.58)   [router's top logit: expert 2 (+0.71) over expert 5 (+0.32); bias chose expert 5]"
-    assert line in layer0
-    assert all(n in q for n in ("0.58", "+0.71", "+0.32", "0.63", "0.21"))
-    bias = [float(b) for b in re.search(r"never to the weights\): ([-+\d.\s]+);", layer0).group(1).split()]
-    assert (bias[5], bias[2]) == (0.63, 0.21)
-    assert 0.32 + bias[5] > 0.71 + bias[2]  # the arithmetic the answer gives
+    n = int(re.search(r"In §5's layer (\d)", q).group(1))
+    start = out.index(f"layer {n}:")
+    layer = out[start:out.find("\nlayer ", start + 1)]
+    m = re.search(r"'(.)' goes to expert (\d) with weight ([\d.]+), though the router's top logit is expert (\d)'s\s+"
+                  r"\(([-+][\d.]+) against expert \d's ([-+][\d.]+)\)", q)
+    tok, chosen, weight, top, top_logit, logit = m.groups()
+    line = (f"'{tok}' → expert {chosen} ({weight})   [router's top logit: expert {top} ({top_logit}) over expert "
+            f"{chosen} ({logit}); bias chose expert {chosen}]")
+    assert line in layer
+    bias = [float(b) for b in re.search(r"never to the weights\): ([-+\d.\s]+);", layer).group(1).split()]
+    b_chosen, b_top = bias[int(chosen)], bias[int(top)]
+    mine, theirs = float(logit) + b_chosen, float(top_logit) + b_top
+    answer = " ".join(q.split())
+    def plus(b: float) -> str:
+        return f"{'+' if b >= 0 else '−'} {abs(b):.2f}"
+
+    assert f"{logit} {plus(b_chosen)} = {mine:.2f} for expert {chosen}" in answer
+    assert f"{top_logit} {plus(b_top)} = {theirs:.2f} for expert {top}" in answer
+    assert mine > theirs  # the arithmetic the answer gives
+    assert f"σ({logit}) = {weight}" in answer and abs(1 / (1 + math.exp(-float(logit))) - float(weight)) < 0.006
 
 
 def test_question_3s_capacity_is_the_one_section_6_prints():

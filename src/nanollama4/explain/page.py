@@ -39,6 +39,7 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
             "logits": None if layer.router_logits is None else layer.router_logits.tolist(),
             "bias": None if layer.router_bias is None else layer.router_bias.tolist(),
             "choice": None if layer.choice_scores is None else layer.choice_scores.tolist(),
+            "capacity": layer.capacity, "capacity_factor": layer.capacity_factor,
             "rerouted": layer.rerouted, "dropped": layer.dropped, "slot_kind": layer.slot_kind,
             "chunk": layer.chunk,
             "temperature": layer.temperature,

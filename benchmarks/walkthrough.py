@@ -1,0 +1,76 @@
+"""Re-run every command docs/walkthrough.md shows and write each one's output back into its block.
+
+The walkthrough promises that its outputs are copied as they printed. This keeps that promise after the
+code changes: train the two runs it reads (the commands are in its §5 and §6), then
+
+    python benchmarks/walkthrough.py --demo runs/demo-… --tutorial runs/tutorial
+
+A block is a fenced block whose first line is "$ nanollama4 …" (each "$ " line in it is a command, its
+output the lines up to the next, a blank line between); "RUN" in it stands for the demo run and
+"runs/tutorial" for the tutorial run. Two blocks show part of their output, and the part left out is
+summed up on a line that starts with "...": `--generate` shows generation only (the walk of the prompt
+is §5's), and `--mode train` shows layer 0 (the other layers' capacity counts go on the "..." line).
+The prose around the blocks (the training lines, the numbers the text and the questions quote) is
+checked by hand afterwards; tests/test_walkthrough.py checks the questions against the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "walkthrough.md"
+WIDTH = 130  # the terminal width the outputs are printed at (rich wraps longer lines)
+BLOCK = re.compile(r"```\n(\$ nanollama4 .*?)```", re.S)
+COMMAND = re.compile(r"^\$ nanollama4 .*$", re.M)
+
+
+def run(command: str, demo: str, tutorial: str) -> str:
+    args = [demo if a == "RUN" else tutorial if a == "runs/tutorial" else a for a in shlex.split(command[2:])]
+    env = {**os.environ, "COLUMNS": str(WIDTH), "NO_COLOR": "1"}
+    done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(f"{command!r} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return "\n".join(line.rstrip() for line in done.stdout.splitlines()) + "\n"
+
+
+def shown(command: str, out: str) -> str:
+    """The part of `out` the walkthrough shows, with what it leaves out summed up on a "..." line."""
+    if "--generate" in command:
+        return "...   (the walk of the prompt, as in §5)\n" + out[out.index("generation, "):]
+    if "--mode train" in command:
+        head, rest = out[:out.index("\nlayer 1:") + 1], out[out.index("\nlayer 1:"):]
+        rerouted = re.findall(r"(\d+) slots rerouted to a next-best expert, (\d+) dropped", rest)
+        counts = [r for r, _ in rerouted]
+        dropped = sum(int(d) for _, d in rerouted)
+        return head + (f"...   (layers 1-{len(counts)}: {', '.join(counts[:-1])} and {counts[-1]} slots rerouted, "
+                       f"{'none' if dropped == 0 else dropped} dropped)\n")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--demo", required=True, help="the demo run (make demo's runs/demo-…)")
+    parser.add_argument("--tutorial", required=True, help="the tutorial preset's run")
+    parser.add_argument("--doc", type=Path, default=DOC)
+    a = parser.parse_args()
+    text = a.doc.read_text(encoding="utf-8")
+
+    def fill(m: re.Match) -> str:
+        outputs = []
+        for command in COMMAND.findall(m[1]):
+            print(command, file=sys.stderr)
+            outputs.append(f"{command}\n{shown(command, run(command, a.demo, a.tutorial))}")
+        return "```\n" + "\n".join(outputs) + "```"
+
+    a.doc.write_text(BLOCK.sub(fill, text), encoding="utf-8")
+    print(f"wrote {a.doc}; now read its prose against the new outputs", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
