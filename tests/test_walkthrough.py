@@ -48,3 +48,13 @@ def test_question_3s_capacity_is_the_one_section_6_prints():
     q, out = question(3), section(6)
     assert "⌈1.25 · 20 · 2 / 8⌉ = 7" in q
     assert "capacity: ⌈1.25 × 20 tokens × top-2 / 8 experts⌉ = 7 slots per expert" in out
+
+
+def test_question_1s_counts_are_section_2s():
+    """Q1 quotes the cached values per token per layer and the multi-head count as §2 prints them; the
+    one-KV-head answer is the printed formula 2 * kv_heads * head_dim with one head."""
+    q, out = question(1), section(2)
+    assert "values per token per layer (2 * kv_heads * head_dim)  2,048" in out and "2,048" in q
+    assert "full multi-head attention would cache                 8,192" in out and "8,192" in q
+    head_dim = int(re.search(r"8 KV heads of (\d+)", out).group(1))
+    assert f"and {2 * 1 * head_dim}." in q
