@@ -300,7 +300,7 @@ def test_the_trace_tells_each_routing_decision_as_an_independent_recomputation_f
     randomize_(model, seed=5)
     g = torch.Generator().manual_seed(6)
     for moe in model.moe_layers():
-        moe.router_bias.copy_(torch.randn(cfg.n_experts, generator=g) * 0.5 if case == "sigmoid+bias" else 0)
+        moe.router.expert_bias.copy_(torch.randn(cfg.n_experts, generator=g) * 0.5 if case == "sigmoid+bias" else 0)
     inputs = {}
     hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m, args[0].detach().reshape(-1, 64)))
              for m in model.moe_layers()]
@@ -318,7 +318,7 @@ def test_the_trace_tells_each_routing_decision_as_an_independent_recomputation_f
         torch.testing.assert_close(layer.router_logits.double(), logits, atol=1e-4, rtol=1e-4)
         noise = torch.zeros_like(logits) if layer.noise is None else layer.noise.double()
         assert (layer.noise is None) == (case == "sigmoid+bias")
-        bias = moe.router_bias.double()
+        bias = moe.router.expert_bias.double()
         if case == "sigmoid+bias":
             torch.testing.assert_close(layer.router_bias.double(), bias)
         else:

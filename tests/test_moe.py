@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from nanollama4 import ops
 from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE, assign_with_capacity, moe_reference
+from nanollama4.moe import MoE, moe_reference
 from nanollama4.ops import build_model, install, kernels
 from nanollama4.ops import experts as experts_ops
 from nanollama4.ops import experts as products
 from nanollama4.ops.experts import PRODUCTS
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
+from nanollama4.router import assign_with_capacity
 from tests.helpers import randomize_
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -168,10 +169,10 @@ def test_router_noise_only_in_training(noise):
 def test_capacity_applies_in_eval_only_when_asked():
     for in_eval in (False, True):
         moe = make_moe(8, 4, 1, 4, capacity_factor=1.0, capacity_in_eval=in_eval)
-        assert moe.train().capacity(8) == 2
-        assert moe.eval().capacity(8) == (2 if in_eval else None)
-    assert make_moe(8, 4, 2, 4, capacity_factor=1.25).capacity(10) == math.ceil(1.25 * 10 * 2 / 4)
-    assert make_moe(8, 4, 2, 4).capacity(10) is None
+        assert moe.train().router.capacity(8) == 2
+        assert moe.eval().router.capacity(8) == (2 if in_eval else None)
+    assert make_moe(8, 4, 2, 4, capacity_factor=1.25).router.capacity(10) == math.ceil(1.25 * 10 * 2 / 4)
+    assert make_moe(8, 4, 2, 4).router.capacity(10) is None
 
 
 # ------------------------------------------------------------------------------------------- 3. unchosen experts
@@ -264,7 +265,7 @@ def test_no_expert_exceeds_capacity(T, E, cf, router, seed, data):
     moe = make_moe(8, E, k, 4, seed=seed, router=router, capacity_factor=cf).train()
     x = torch.randn(1, T, 8, generator=torch.Generator().manual_seed(seed))
     cap = math.ceil(cf * T * k / E)
-    assert moe.capacity(T) == cap
+    assert moe.router.capacity(T) == cap
     with torch.no_grad():
         moe(x)
         r = moe.route(x[0])
@@ -295,7 +296,7 @@ def three_tokens_prefer_expert0(order: list[int], router: str = "sigmoid", **cfg
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[:, :4] = torch.eye(4)
-    assert moe.capacity(3) == 2
+    assert moe.router.capacity(3) == 2
     return moe, x[None]
 
 
@@ -390,7 +391,7 @@ def test_token_with_no_room_gets_only_the_shared_expert(router, shared):
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[:, :2] = torch.eye(2)
-    assert moe.capacity(3) == 1
+    assert moe.router.capacity(3) == 1
     xi = x.clone().requires_grad_(True)
     y = moe(xi)
     assert moe.stats["dropped_frac"].item() == pytest.approx(1 / 3)
@@ -432,7 +433,7 @@ def test_balance_loss_is_its_coefficient_at_perfect_balance(k, router):
     assert moe.aux_loss.item() == pytest.approx(0.01, abs=1e-9)
     assert moe.stats["entropy"].item() == pytest.approx(math.log(E), abs=1e-6)
     assert moe.stats["max_load"].item() == moe.stats["min_load"].item() == 1.0
-    moe.z_coef = 1e-3
+    moe.router.z_coef = 1e-3
     moe(x)
     assert moe.aux_loss.item() == pytest.approx(0.01 + 1e-3 * math.log(E) ** 2, abs=1e-8)
     moe.eval()
@@ -446,7 +447,7 @@ def aux_by_hand(moe: MoE, x_TD: torch.Tensor, router_weight: torch.Tensor) -> to
     T, E, k = x_TD.shape[0], moe.n_experts, moe.top_k
     f = torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=E).double() / (T * k)
     P = logits.softmax(-1).mean(0)
-    return moe.aux_coef * E * (f * P).sum() + moe.z_coef * torch.logsumexp(logits, -1).pow(2).mean()
+    return moe.router.aux_coef * E * (f * P).sum() + moe.router.z_coef * torch.logsumexp(logits, -1).pow(2).mean()
 
 
 @pytest.mark.parametrize("router", ["sigmoid", "softmax"])
@@ -464,10 +465,10 @@ def test_aux_loss_formula_and_gradient(router):
     want.backward()
     torch.testing.assert_close(moe.router.weight.grad.double(), W.grad, atol=1e-7, rtol=1e-5)
     # each coefficient alone
-    moe.z_coef = 0.0
+    moe.router.z_coef = 0.0
     moe(x)
     assert moe.aux_loss.item() == pytest.approx(aux_by_hand(moe, x.view(-1, 8), W).item(), rel=1e-6)
-    moe.aux_coef, moe.z_coef = 0.0, 1e-3
+    moe.router.aux_coef, moe.router.z_coef = 0.0, 1e-3
     moe(x)
     logits = x.view(-1, 8).double() @ W.detach().T
     assert moe.aux_loss.item() == pytest.approx(1e-3 * torch.logsumexp(logits, -1).pow(2).mean().item(), rel=1e-6)
@@ -525,24 +526,24 @@ def test_bias_balancing_evens_a_skewed_router_without_touching_the_weights():
     with torch.no_grad():
         before, _ = load()
         assert before > 3.0
-        assert not moe.pending_counts.any()  # eval passes do not count toward the bias
-        moe.update_bias()
-        assert not moe.router_bias.any()
+        assert not moe.router.pending_counts.any()  # eval passes do not count toward the bias
+        moe.router.update_bias()
+        assert not moe.router.expert_bias.any()
         for _ in range(250):
             moe(batch(256))
-            assert moe.pending_counts.sum().item() == 256
-            moe.update_bias()
-            assert not moe.pending_counts.any()
+            assert moe.router.pending_counts.sum().item() == 256
+            moe.router.update_bias()
+            assert not moe.router.pending_counts.any()
         after, low = load()
     assert after < 1.3 and low > 0.7, (before, after, low)
-    assert moe.router_bias[0] < -1.0 and (moe.router_bias[1:] > 0).all()
+    assert moe.router.expert_bias[0] < -1.0 and (moe.router.expert_bias[1:] > 0).all()
 
     # the bias steered the choice, but the weights are the sigmoid of the raw logits of the chosen experts
     x = batch(64)[0]
     r = moe.route(x)
     torch.testing.assert_close(r.logits_TE, x @ moe.router.weight.T, atol=1e-6, rtol=0)
     assert torch.equal(r.weights_TK, torch.sigmoid(r.logits_TE.gather(1, r.experts_TK)))
-    assert torch.equal(r.experts_TK, (r.logits_TE + moe.router_bias).topk(1, dim=-1).indices)
+    assert torch.equal(r.experts_TK, (r.logits_TE + moe.router.expert_bias).topk(1, dim=-1).indices)
     assert not torch.equal(r.experts_TK, r.logits_TE.topk(1, dim=-1).indices)
 
 

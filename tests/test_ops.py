@@ -170,14 +170,15 @@ def test_a_plain_transformer_holds_only_the_papers_modules_and_the_installed_one
     logits and gradients (fp32: our kernel and FastLinear sum in another order, hence the tolerance)."""
     from nanollama4.attention import Attention, sdpa_attend
     from nanollama4.model import Block, RMSNorm
-    from nanollama4.moe import Experts, Float32Linear, SwiGLU
+    from nanollama4.moe import Experts, SwiGLU
     from nanollama4.ops.experts import FastExperts
+    from nanollama4.router import Float32Linear, SigmoidRouter
 
     cfg = preset("tiny", moe_every=2)
     torch.manual_seed(0)
     plain = Transformer(cfg)
     plain_types = {Transformer, nn.Embedding, nn.ModuleList, Block, RMSNorm, Attention, nn.Linear, Float32Linear,
-                   MoE, Experts, SwiGLU}
+                   MoE, Experts, SwiGLU, SigmoidRouter}
     assert {type(m) for m in plain.modules()} <= plain_types
     assert all(m.attend is sdpa_attend for m in plain.modules() if isinstance(m, Attention))
     assert "Fast" not in repr(plain)

@@ -84,7 +84,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
     assert len(muon) + len(adamw) == len(names) and not muon & adamw
     assert {"embed.weight", "lm_head.weight", "norm.weight", "blocks.0.ffn.router.weight",
-            "blocks.0.ffn.noise.weight", "blocks.0.attn_norm.weight"} <= adamw
+            "blocks.0.ffn.router.noise.weight", "blocks.0.attn_norm.weight"} <= adamw
     assert {"blocks.0.attn.q_proj.weight", "blocks.0.attn.o_proj.weight", "blocks.0.ffn.experts.gate_up",
             "blocks.0.ffn.experts.down", "blocks.0.ffn.shared_expert.up_proj.weight"} <= muon
     assert all(p.dim() >= 2 for g in opt.param_groups if g["muon"] for p in g["params"])

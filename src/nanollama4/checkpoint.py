@@ -14,6 +14,7 @@ import base64
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -77,6 +78,21 @@ def read_model_config(ckpt: Path) -> ModelConfig:
         raise CheckpointError(f"{ckpt / 'config.json'} describes an invalid model: {e}") from None
 
 
+# Names that earlier versions wrote, and today's: the router's noise and balancing bias once sat on the MoE.
+_RENAMED = [(re.compile(r"\.ffn\.noise\.weight$"), ".ffn.router.noise.weight"),
+            (re.compile(r"\.ffn\.router_bias$"), ".ffn.router.expert_bias")]
+
+
+def renamed(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's tensors (or shapes) under today's names, so that runs saved before a rename still load."""
+    out = {}
+    for name, value in tensors.items():
+        for old, new in _RENAMED:
+            name = old.sub(new, name)
+        out[name] = value
+    return out
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `cfg` holds, with its shape, from a model built on the meta device
     (no memory, no initialisation)."""
@@ -104,8 +120,9 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True) 
     installed (`ops.install`) unless fast=False. The file's shapes are checked against the config before
     anything is allocated."""
     cfg = read_model_config(ckpt)
-    check_shapes(ckpt / "model.safetensors", safetensors_shapes(ckpt / "model.safetensors"), expected_shapes(cfg))
-    tensors = read_safetensors(ckpt / "model.safetensors")
+    check_shapes(ckpt / "model.safetensors", renamed(safetensors_shapes(ckpt / "model.safetensors")),
+                 expected_shapes(cfg))
+    tensors = renamed(read_safetensors(ckpt / "model.safetensors"))
     bad = non_finite(tensors)
     if bad is not None:
         raise CheckpointError(f"{ckpt / 'model.safetensors'} holds non-finite values (in {bad}); the run diverged "

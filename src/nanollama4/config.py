@@ -13,8 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .router import ROUTERS, router_class
 
-RouterKind = Literal["sigmoid", "softmax"]
+RouterKind = Literal["sigmoid", "softmax"]  # the kinds router.py defines (a new one registers there)
 RouterNoise = Literal["none", "fixed", "learned"]
 CapacityOverflow = Literal["next", "drop"]
 SoftmaxOver = Literal["chosen", "all"]
@@ -149,22 +150,20 @@ class ModelConfig(_JsonConfig):
             if self.experts_per_token > self.n_experts:
                 raise ConfigError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
                                  f"({self.n_experts})")
-        if self.router not in ("sigmoid", "softmax"):
-            raise ConfigError(f"router ({self.router!r}) must be 'sigmoid' (Llama 4) or 'softmax' (tutorial)")
+        router = router_class(self.router)  # a ConfigError naming the kinds there are
         if self.router_noise not in ("none", "fixed", "learned"):
             raise ConfigError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
-        if self.router_noise != "none" and self.router != "softmax":
-            raise ConfigError("router_noise applies to the softmax router only; set router=softmax or "
-                             "router_noise=none")
         if self.capacity_overflow not in ("next", "drop"):
             raise ConfigError(f"capacity_overflow ({self.capacity_overflow!r}) must be 'next' (the next-best expert "
                               "with room) or 'drop'")
         if self.softmax_over not in ("chosen", "all"):
             raise ConfigError(f"softmax_over ({self.softmax_over!r}) must be 'chosen' (the top-k, the rest -inf) "
                               "or 'all' (every logit)")
-        if self.softmax_over != "chosen" and self.router != "softmax":
-            raise ConfigError("softmax_over applies to the softmax router only; set router=softmax or "
-                              "softmax_over=chosen")
+        for name, off in (("router_noise", "none"), ("softmax_over", "chosen")):  # what only some kinds read
+            if getattr(self, name) != off and name not in router.options:
+                takers = [kind for kind, cls in ROUTERS.items() if name in cls.options]
+                raise ConfigError(f"{name} applies to the {' or '.join(takers)} router only; set "
+                                  f"router={takers[0]} or {name}={off}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):

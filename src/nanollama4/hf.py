@@ -25,6 +25,7 @@ from .errors import CheckpointError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
 from .model import Transformer
 from .ops import install
+from .router import SigmoidRouter, router_class
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.
 _TO_HF = [
@@ -125,7 +126,7 @@ def _check_layout(hf: dict[str, Any], cfg: ModelConfig) -> None:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The reference config.json for our config, every key written (omitted keys get full-size defaults)."""
-    if cfg.n_experts and (cfg.router != "sigmoid" or not cfg.shared_expert):
+    if cfg.n_experts and (router_class(cfg.router) is not SigmoidRouter or not cfg.shared_expert):
         raise CheckpointError("only the Llama 4 MoE (router='sigmoid', shared_expert=True) exists in the reference "
                               f"format; this model has router={cfg.router!r}, shared_expert={cfg.shared_expert}")
     if cfg.router_noise == "learned" or cfg.capacity_in_eval:
@@ -208,7 +209,7 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     with torch.device("meta"):
         model = Transformer(cfg)
     ours = model.state_dict()
-    wanted = {to_hf_name(name): name for name in ours if not name.endswith("router_bias")}  # theirs -> ours
+    wanted = {to_hf_name(name): name for name in ours if not name.endswith("expert_bias")}  # theirs -> ours
     if cfg.tie_embeddings:
         wanted.pop("lm_head.weight", None)
     found = {}
@@ -224,8 +225,8 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     state = {name: weights[theirs].to(dtype) for theirs, name in wanted.items()}
     model = model.to_empty(device="cpu").to(dtype)
     for moe in model.moe_layers():
-        moe.router_bias.zero_()  # ours only (aux-loss-free balancing); the reference has no such bias
-        moe.pending_counts.zero_()
+        moe.router.expert_bias.zero_()  # ours only (aux-loss-free balancing); the reference has no such bias
+        moe.router.pending_counts.zero_()
     try:
         model.load_state_dict(state, strict=False)
     except RuntimeError as e:
@@ -248,7 +249,7 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
     hf_config = config_to_hf(model.cfg)
     tensors = {}
     for name, t in model.state_dict().items():
-        if name.endswith("router_bias"):
+        if name.endswith("expert_bias"):
             if t.abs().max() > 0:
                 raise CheckpointError("this model's routers carry balancing biases (bias_balance_rate), which the "
                                       "reference format cannot express; export a model trained without them")

@@ -150,7 +150,7 @@ class Transformer(nn.Module):
     def update_router_biases(self) -> None:
         """After an optimizer step: move each MoE's choice bias toward uniform load (if that is configured)."""
         for moe in self.moe_layers():
-            moe.update_bias()
+            moe.router.update_bias()
 
     def num_params(self) -> int:
         """Distinct parameters (a tied LM head counts once)."""

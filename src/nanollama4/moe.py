@@ -1,13 +1,13 @@
 """Feed-forward layers: the SwiGLU MLP and the mixture of experts built from it.
 
 Reading map. `MoE.forward` is the whole story, in order:
-  1. route      `MoE.route`: router logits -> (noise, choice bias) -> top-k, or `assign_with_capacity`
-                when an expert capacity applies (full experts overflow to each token's next-best one)
+  1. route      the router (router.py): logits -> (noise, choice bias) -> top-k, or capacity with
+                overflow to each token's next-best expert -> the weights its kind computes
   2. assign     `Routing.assignments`: the (token, expert, weight) triples that found room
   3. experts    `Experts.forward`: sort the rows by expert -> one SwiGLU product per expert -> add back
   4. shared     the always-on shared expert, on every token
-  5. losses     `MoE.auxiliary_loss` (Switch load balancing + router z-loss), and the counts that the
-                auxiliary-loss-free choice bias learns from (`MoE.update_bias`)
+  5. losses     the router's `auxiliary_loss` (Switch load balancing + router z-loss), and the counts
+                its auxiliary-loss-free choice bias learns from (`Router.update_bias`)
 `moe_reference` computes the same layer plainly (every expert on every token) for the tests.
 
 Only the chosen experts run, so compute grows with k, not N. This file is the plain math: how fast the
@@ -21,7 +21,6 @@ tokens' input, experts_TK each token's chosen experts, counts_E the rows per exp
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .router import Routing, router_class
 
 
 class SwiGLU(nn.Module):
@@ -45,38 +45,37 @@ class SwiGLU(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- the layer
+@dataclass
+class LastPass:
+    """What `counts` and `stats` read of the last forward pass (tensors: reading them is the caller's sync)."""
+
+    expert_A: torch.Tensor  # each kept assignment's expert
+    slots: int  # tokens x top-k: the assignments there would be with every slot kept
+    rerouted: torch.Tensor | None = None  # training only: assignments past a token's top-k (capacity)
+    dropped: torch.Tensor | None = None  # training only: slots that found no room
+    logits_TE: torch.Tensor | None = None  # training only: the router logits, for the entropy
+
+
 class MoE(nn.Module):
     """Router + routed experts + shared expert, on flattened tokens.
 
-    `sigmoid` router (Llama 4): top-k of the router logits, sigmoid of each chosen logit, and that score
-    multiplies the expert's *input*. `softmax` router (the tutorial): the non-chosen logits are set to
-    -inf before a softmax, and the weights multiply the experts' *outputs*.
-
-    After each forward pass, `aux_loss` holds the weighted load-balancing + z-loss (a zero tensor when
-    both coefficients are 0 or in eval mode), and `counts`/`stats` describe the routing (tensors, no host
-    sync).
+    The router (`router.Router`, the kind the config names) decides each token's experts and weights, and
+    whether a weight scales the expert's input (Llama 4's sigmoid router) or its output (the tutorial's
+    softmax). After each forward pass, `aux_loss` holds the weighted load-balancing + z-loss (a zero
+    tensor when both coefficients are 0 or in eval mode), and `counts`/`stats` describe the routing
+    (tensors, no host sync).
     """
 
     aux_loss: torch.Tensor  # this pass's auxiliary loss, which `Transformer.loss` adds to the LM loss
-    _assigned: tuple[torch.Tensor, int] | None  # the last pass's expert ids and slot count
-    _counts: torch.Tensor | None  # counted from _assigned when first needed
-    _training: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rerouted, dropped, logits (training)
+    last: LastPass | None  # the last forward pass's routing, for `counts` and `stats`
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_experts, self.top_k, self.kind = cfg.n_experts, cfg.experts_per_token, cfg.router
-        self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
-        self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
-        self.overflow, self.softmax_over = cfg.capacity_overflow == "next", cfg.softmax_over
-        self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
-        self.router = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
+        self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        self.router = router_class(cfg.router)(cfg)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
         self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
-        # Auxiliary-loss-free balancing: added to the scores for the top-k choice only, never to weights.
-        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
-        self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
-        self._assigned = self._counts = self._training = None
+        self.last, self._counts = None, None
         self.aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,98 +83,37 @@ class MoE(nn.Module):
         x_TD = x.reshape(B * T, d)
         r = self.route(x_TD)
         token_A, expert_A, weight_A = r.assignments()
-        y_TD = self.experts(x_TD, token_A, expert_A, weight_A, self.kind == "sigmoid")
+        y_TD = self.experts(x_TD, token_A, expert_A, weight_A, self.router.scales_input)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
         self._remember(r, expert_A, B * T)
-        self.aux_loss = self.auxiliary_loss(r) if self.training else r.logits_TE.new_zeros(())
-        if self.training and self.bias_rate:
-            self.pending_counts += self.counts.float()
+        self.aux_loss = self.router.auxiliary_loss(r, self.counts, B * T * self.top_k) if self.training \
+            else r.logits_TE.new_zeros(())
+        if self.training:
+            self.router.note_load(self.counts)
         return y_TD.view(B, T, d)
 
-    # ------------------------------------------------------------------------------------------ 1. routing
-    def capacity(self, n_tokens: int) -> int | None:
-        """Slots per expert for this batch, or None when routing is dropless."""
-        applies = self.capacity_factor is not None and (self.training or self.capacity_in_eval)
-        if not applies:
-            return None
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
-
     def route(self, x_TD: torch.Tensor) -> Routing:
-        """Decide experts and weights for each token; router math in float32 whatever the model dtype."""
-        logits_TE = self.router(x_TD)
-        scores_TE = logits_TE
-        if self.training and self.noise_kind != "none":
-            std = F.softplus(self.noise(x_TD)) if self.noise is not None \
-                else self.noise_std
-            scores_TE = logits_TE + torch.randn_like(logits_TE) * std
-        choice_TE = scores_TE + self.router_bias
-        cap = self.capacity(x_TD.shape[0])
-        zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
-        if cap is None:  # (for the top-1, max is the quicker of the two: benchmarks/RESULTS.md)
-            experts_TK = choice_TE.max(dim=-1, keepdim=True).indices if self.top_k == 1 \
-                else choice_TE.topk(self.top_k, dim=-1).indices
-            valid_TK, rerouted = None, zero
-        else:
-            experts_TK, valid_TK, rerouted = assign_with_capacity(choice_TE, self.top_k, cap, self.overflow)
-        chosen_TK = scores_TE.gather(1, experts_TK)
-        if valid_TK is not None:
-            chosen_TK = chosen_TK.masked_fill(~valid_TK, float("-inf"))
-        if self.kind == "sigmoid":
-            weights_TK = torch.sigmoid(chosen_TK)  # sigmoid(-inf) = 0 for empty slots
-        elif self.softmax_over == "all":  # every expert's probability; the chosen ones' are kept as they are
-            weights_TK = torch.softmax(scores_TE, dim=-1).gather(1, experts_TK)
-            if valid_TK is not None:
-                weights_TK = weights_TK * valid_TK
-        else:  # softmax over the chosen logits = -inf everywhere else, then softmax over all experts
-            weights_TK = torch.softmax(chosen_TK, dim=-1).nan_to_num(0.0)  # a token with no slot: all 0
-        dropped = zero if valid_TK is None else (~valid_TK).sum()
-        return Routing(logits_TE, experts_TK, weights_TK, valid_TK, rerouted, dropped, scores_TE, choice_TE)
-
-    # ------------------------------------------------------------------------------------------ 5. losses
-    def auxiliary_loss(self, r: Routing) -> torch.Tensor:
-        """The Switch load-balancing loss and the router z-loss of routing `r`, with their coefficients.
-
-        Balancing: N * sum_e f_e * p_e, f_e the share of assignments expert e got (counted, so not
-        differentiable) and p_e its mean router probability (differentiable): smallest when both are
-        uniform. z-loss: the mean squared log-sum-exp of the logits, which keeps them from growing.
-        """
-        aux = r.logits_TE.new_zeros(())
-        if self.aux_coef:
-            frac_E = self.counts.float() / self._assigned[1]
-            aux = aux + self.aux_coef * self.n_experts * (frac_E * r.logits_TE.softmax(-1).mean(0)).sum()
-        if self.z_coef:
-            aux = aux + self.z_coef * torch.logsumexp(r.logits_TE, dim=-1).pow(2).mean()
-        return aux
-
-    @torch.no_grad()
-    def update_bias(self) -> None:
-        """Nudge each expert's choice bias toward uniform load: up if under-loaded, down if over-loaded.
-
-        Uses the assignments counted since the last update (one optimizer step's worth), then resets them.
-        """
-        if not self.bias_rate or self.pending_counts.sum() == 0:
-            return
-        load_E = self.pending_counts
-        self.router_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
-        self.pending_counts.zero_()
+        """The router's decision for these tokens (observers wrap this method to keep it)."""
+        return self.router(x_TD)
 
     # ------------------------------------------------------------------------------------------ statistics
     def _remember(self, r: Routing, expert_A: torch.Tensor, n_tokens: int) -> None:
         """Keep what `counts` and `stats` read. What the step itself does not use (counts without balancing,
         the fractions, the entropy) is derived when they are read, so decoding does not pay for it."""
-        self._assigned = (expert_A, n_tokens * self.top_k)
+        self.last = LastPass(expert_A, n_tokens * self.top_k)
+        if self.training:
+            self.last.rerouted, self.last.dropped, self.last.logits_TE = r.rerouted, r.dropped, r.logits_TE.detach()
         self._counts = None
-        self._training = (r.rerouted, r.dropped, r.logits_TE.detach()) if self.training else None
 
     @property
     def counts(self) -> torch.Tensor | None:
         """Assignments per expert in the last forward pass (E,), or None before the first; counted once per
         pass, and the same tensor for every caller."""
-        if self._assigned is None:
+        if self.last is None:
             return None
         if self._counts is None:
-            self._counts = count_per_expert(self._assigned[0], self.n_experts)
+            self._counts = count_per_expert(self.last.expert_A, self.n_experts)
         return self._counts
 
     @property
@@ -186,95 +124,15 @@ class MoE(nn.Module):
         counts_E = self.counts
         if counts_E is None:
             return {}
-        slots = self._assigned[1]
-        extra: dict[str, torch.Tensor] = {}
-        if self._training is not None:
-            rerouted, dropped, logits_TE = self._training
-            probs_TE = logits_TE.softmax(-1)
-            extra = {"rerouted_frac": rerouted.float() / slots, "dropped_frac": dropped.float() / slots,
+        last, extra = self.last, {}
+        if last.logits_TE is not None:
+            probs_TE = last.logits_TE.softmax(-1)
+            extra = {"rerouted_frac": last.rerouted.float() / last.slots,
+                     "dropped_frac": last.dropped.float() / last.slots,
                      "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()}
-        mean_load = slots / self.n_experts
+        mean_load = last.slots / self.n_experts
         return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
                 "min_load": counts_E.min().float() / mean_load}
-
-
-# ---------------------------------------------------------------------------------------------- 1-2. routing
-class Float32Linear(nn.Linear):
-    """x @ W.T on float32 copies of x and W, whatever the model's dtype: the router's logits decide the
-    top-k, and bf16 rounding of them would flip near-ties. (Under autocast the product itself follows
-    autocast, like every linear.)"""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
-
-
-@dataclass
-class Routing:
-    """One routing decision for T tokens: which experts, with what weight, and what got in the way."""
-
-    logits_TE: torch.Tensor  # raw router logits, float32 (no noise, no bias)
-    experts_TK: torch.Tensor  # chosen experts per slot
-    weights_TK: torch.Tensor  # float32; 0 for slots that found no room
-    valid_TK: torch.Tensor | None  # False where capacity left a slot empty; None = every slot valid
-    rerouted: torch.Tensor  # assignments that went past the token's top-k because an expert was full
-    dropped: torch.Tensor  # slots that found no expert with room
-    scores_TE: torch.Tensor  # the logits plus the noise (training only): what the weights are computed from
-    choice_TE: torch.Tensor  # the scores plus the balancing bias: what the top-k (and capacity) is taken on
-
-    def assignments(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_A, expert_A, weight_A: one triple per slot that found room, in token order."""
-        T, k = self.experts_TK.shape
-        token_A = torch.arange(T * k, device=self.experts_TK.device).div_(k, rounding_mode="floor")  # 0,0,1,1,..
-        expert_A, weight_A = self.experts_TK.reshape(-1), self.weights_TK.reshape(-1)
-        if self.valid_TK is not None:  # capacity path: drop empty slots (one host sync, training only)
-            keep_A = self.valid_TK.reshape(-1).nonzero().squeeze(1)
-            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
-        return token_A, expert_A, weight_A
-
-
-def assign_with_capacity(choice_TE: torch.Tensor, k: int, capacity: int, overflow: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Give each token k experts, at most `capacity` tokens per expert, best choices first.
-
-    Tokens claim slots in order of their best choice score (a confident token should not lose its
-    expert to an unsure one that merely came earlier in the batch). In round r every token still short
-    of k experts proposes its r-th ranked expert; each expert accepts proposals in priority order while
-    it has room. A token whose choice is full thus moves on to its next-best expert with room, and one
-    that finds none keeps fewer than k (possibly zero: then only the shared expert and the residual).
-    With overflow=False only the k rounds of each token's own top-k run: a full choice is dropped.
-    Returns experts_TK, valid_TK and the number of assignments made beyond each token's top-k.
-    """
-    T, E = choice_TE.shape
-    dev = choice_TE.device
-    ranking_TE = choice_TE.argsort(dim=1, descending=True, stable=True)
-    order_T = choice_TE.max(dim=1).values.argsort(descending=True, stable=True)
-    priority_T = torch.empty_like(order_T)
-    priority_T[order_T] = torch.arange(T, device=dev)
-    free_E = torch.full((E,), capacity, dtype=torch.long, device=dev)
-    experts_TK = torch.zeros(T, k, dtype=torch.long, device=dev)
-    filled_T = torch.zeros(T, dtype=torch.long, device=dev)
-    rerouted = torch.zeros((), dtype=torch.long, device=dev)
-    for r in range(E if overflow else k):
-        need_T = filled_T < k
-        if not bool(need_T.any()):  # one host sync per round; most batches settle in k or k+1 rounds
-            break
-        cand_T = ranking_TE[:, r]
-        # Sort proposals by (expert, priority); tokens not proposing sort after every real expert.
-        key_T = torch.where(need_T, cand_T, E) * T + priority_T
-        sorted_T = key_T.argsort()
-        cand_S, need_S = cand_T[sorted_T], need_T[sorted_T]
-        counts_E = torch.bincount(cand_T[need_T], minlength=E)
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        pos_S = torch.arange(T, device=dev) - starts_E[cand_S.clamp(max=E - 1)]
-        accept_S = need_S & (pos_S < free_E[cand_S.clamp(max=E - 1)])
-        tok = sorted_T[accept_S]
-        experts_TK[tok, filled_T[tok]] = cand_T[tok]
-        filled_T[tok] += 1
-        free_E -= torch.bincount(cand_T[tok], minlength=E)
-        if r >= k:
-            rerouted = rerouted + tok.numel()
-    valid_TK = torch.arange(k, device=dev)[None, :] < filled_T[:, None]
-    return experts_TK, valid_TK, rerouted
 
 
 # ---------------------------------------------------------------------------------------------- 3. experts
@@ -385,10 +243,10 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     y_TD = torch.zeros_like(x_TD)
     for e in range(moe.n_experts):
         w_T1 = dense_TE[:, e:e + 1]
-        inp = x_TD * w_T1 if moe.kind == "sigmoid" else x_TD
+        inp = x_TD * w_T1 if moe.router.scales_input else x_TD
         gate, up = (inp @ moe.experts.gate_up[e]).chunk(2, dim=-1)
         out = (F.silu(gate) * up) @ moe.experts.down[e]
-        y_TD = y_TD + (out if moe.kind == "sigmoid" else out * w_T1)
+        y_TD = y_TD + (out if moe.router.scales_input else out * w_T1)
     if moe.shared_expert is not None:
         y_TD = y_TD + moe.shared_expert(x_TD)
     return y_TD.view(B, T, d)

@@ -15,7 +15,8 @@ import torch
 
 from .attention import Attention, attention_mask
 from .model import Transformer
-from .moe import MoE, Routing
+from .moe import MoE
+from .router import Routing
 
 
 @contextmanager

@@ -125,7 +125,7 @@ def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
     """Hidden matrices: the attention projections, the dense SwiGLU, the shared and the routed experts."""
     if p.dim() < 2 or name.startswith(("embed.", "lm_head.")):
         return False
-    return ".attn." in name or (".ffn." in name and ".router." not in name and ".noise." not in name)
+    return ".attn." in name or (".ffn." in name and ".router." not in name)
 
 
 def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:

@@ -115,7 +115,7 @@ def train_step(run: Run, scale: float) -> StepResult:
     is applied."""
     tc, model, world = run.tc, run.model, run.world
     set_lr(run.optimizer, tc, scale)
-    noisy = any(m.noise_kind != "none" for m in model.moe_layers())
+    noisy = any(m.router.noise_kind != "none" for m in model.moe_layers())
     sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches (on the CPU: one read)
     mine = 0
     for m in range(tc.grad_accum * world.size):

@@ -148,7 +148,7 @@ class Distributed(Parallel):
             if self.replica_group is not None:
                 dist.all_reduce(p.grad, group=self.replica_group)  # (only with DDP: plain tensors)
             p.grad.div_(self.world.size)
-        pending = [m.pending_counts for m in self.model.moe_layers() if m.bias_rate]
+        pending = [m.router.pending_counts for m in self.model.moe_layers() if m.router.bias_rate]
         if pending:
             summed = self.sum_over_ranks(torch.stack(pending))
             for buf, row in zip(pending, summed, strict=True):

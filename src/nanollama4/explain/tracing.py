@@ -23,8 +23,9 @@ from torch import nn
 from ..attention import temperature_scale
 from ..errors import GenerationError
 from ..model import Transformer
-from ..moe import MoE, Routing
+from ..moe import MoE
 from ..observe import describe_slots, observe
+from ..router import Routing
 from ..tokenizer import Tokenizer
 
 TOP_NEXT = 10  # next tokens listed
@@ -128,7 +129,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
         raise GenerationError(f"the prompt is {len(ids)} tokens, more than the model's max_seq_len ({limit}); "
                               "shorten it")
     modes = {m: m.training for m in model.modules()}
-    counters = {m: m.pending_counts.clone() for m in model.moe_layers()}
+    counters = {m: m.router.pending_counts.clone() for m in model.moe_layers()}
     model.train(mode == "train")
     device = next(model.parameters()).device
     x = torch.tensor([ids], device=device)
@@ -141,7 +142,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
         for m, training in modes.items():
             m.training = training
         for m, counts in counters.items():
-            m.pending_counts.copy_(counts)
+            m.router.pending_counts.copy_(counts)
     if not bool(torch.isfinite(logits).all()):
         raise GenerationError("the model's output is not finite for this prompt; the weights may have diverged")
     probs = logits[0, -1].float().softmax(-1)
@@ -159,10 +160,11 @@ def acting_mechanisms(model: Transformer, training: bool) -> list[str]:
     full expert does with its overflow."""
     acting = []
     moes = list(model.moe_layers())
-    noise = {m.noise_kind for m in moes} - {"none"}
+    noise = {m.router.noise_kind for m in moes} - {"none"}
     if training and noise:
         acting.append(f"router noise ({' and '.join(sorted(noise))})")
-    capped = [m for m in moes if m.capacity_factor is not None and (training or m.capacity_in_eval)]
+    routers = [m.router for m in moes]
+    capped = [r for r in routers if r.capacity_factor is not None and (training or r.capacity_in_eval)]
     if capped:
         overflow = "to the next-best expert with room" if capped[0].overflow else "dropped"
         acting.append(f"expert capacity (factor {capped[0].capacity_factor:g}; a full expert's overflow "
@@ -251,14 +253,14 @@ def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
     layer.router_logits, layer.choice_scores = logits, r.choice_TE.detach().float().cpu()
     noise = r.scores_TE.detach().float().cpu() - logits
     layer.noise = noise if bool(noise.ne(0).any()) else None
-    bias = moe.router_bias.detach().float().cpu()
-    layer.router_bias = bias if moe.bias_rate or bool(bias.ne(0).any()) else None
+    bias = moe.router.expert_bias.detach().float().cpu()
+    layer.router_bias = bias if moe.router.bias_rate or bool(bias.ne(0).any()) else None
     layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = describe_slots(r)
     layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
     if r.valid_TK is not None:  # the pass took the capacity path: the slots it gave each expert
-        T, K = r.experts_TK.shape
-        layer.capacity_factor = moe.capacity_factor
-        layer.capacity = math.ceil(moe.capacity_factor * T * K / moe.n_experts)
+        T, K = r.experts_TK.shape  # (the model is back in its own mode by now: the formula, not `capacity`)
+        layer.capacity_factor = moe.router.capacity_factor
+        layer.capacity = math.ceil(moe.router.capacity_factor * T * K / moe.n_experts)
 
 
 # ---------------------------------------------------------------------------------------------- generation
