@@ -56,7 +56,7 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
 
 ROOT = Path(nanollama4.__file__).parent
 PACKAGE = "nanollama4"
-MODEL_FILES = ("model", "attention", "moe", "rope", "config")
+MODEL_FILES = ("model", "attention", "router", "moe", "rope", "config")
 # what the model files may reach, directly or through each other: the model itself, its config and errors
 MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors")}
 
@@ -134,7 +134,7 @@ def test_no_module_imports_itself_in_a_circle():
 
 
 def test_the_model_files_are_plain_pytorch():
-    """model, attention, moe, rope and config reach, through everything they import, only each other and
+    """model, attention, router, moe, rope and config reach, through everything they import, only each other and
     errors: no ops, distributed, train, explain, generation or CLI code."""
     graph = import_graph()
     for start in MODEL_FILES:

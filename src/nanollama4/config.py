@@ -13,7 +13,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .router import ROUTERS, router_class
 
 RouterKind = Literal["sigmoid", "softmax"]  # the kinds router.py defines (a new one registers there)
 RouterNoise = Literal["none", "fixed", "learned"]
@@ -150,6 +149,10 @@ class ModelConfig(_JsonConfig):
             if self.experts_per_token > self.n_experts:
                 raise ConfigError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
                                  f"({self.n_experts})")
+        # the kinds are router.py's classes; imported here, not above, because it brings torch and the command
+        # line reads configs (the presets' names) before it needs torch
+        from .router import ROUTERS, router_class
+
         router = router_class(self.router)  # a ConfigError naming the kinds there are
         if self.router_noise not in ("none", "fixed", "learned"):
             raise ConfigError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
 
 ROUTERS: dict[str, type[Router]] = {}  # kind -> class, filled by each subclass's `kind=`
 
@@ -48,6 +45,24 @@ def router_class(kind: str) -> type[Router]:
         raise ConfigError(f"router ({kind!r}) must be one of: " +
                           ", ".join(f"'{k}' ({c.about})" for k, c in ROUTERS.items()))
     return ROUTERS[kind]
+
+
+class RouterSettings(Protocol):
+    """The fields of `config.ModelConfig` a router reads (config.py checks them; this module does not
+    import it, because the config asks this module which kinds there are)."""
+
+    d_model: int
+    n_experts: int
+    experts_per_token: int
+    router_noise: str  # "none", "fixed" or "learned"
+    router_noise_std: float
+    capacity_factor: float | None
+    capacity_in_eval: bool
+    capacity_overflow: str  # "next" or "drop"
+    aux_loss_coef: float
+    z_loss_coef: float
+    bias_balance_rate: float
+    softmax_over: str  # "chosen" or "all"
 
 
 @dataclass
@@ -105,7 +120,7 @@ class Router(nn.Module):
             cls.kind, cls.about = kind, about or kind
             ROUTERS[kind] = cls
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: RouterSettings) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
         self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
@@ -207,7 +222,7 @@ class SoftmaxRouter(Router, kind="softmax", scales_input=False, about="the tutor
     """The tutorial's: the non-chosen scores set to -inf before a softmax (or, with softmax_over="all", every
     expert's probability kept as it is), and the weights multiply the experts' *outputs*."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: RouterSettings) -> None:
         super().__init__(cfg)
         self.over_all = cfg.softmax_over == "all"
 
