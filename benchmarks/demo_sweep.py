@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanollama4.cli import parse_duration
-from nanollama4.config import TrainConfig, preset
+from nanollama4.config import TrainConfig, parse_duration, preset
 from nanollama4.evaluation import full_validation_loss_of_run
 from nanollama4.runtime import tune_allocator
 from nanollama4.train import train

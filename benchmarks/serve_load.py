@@ -105,8 +105,8 @@ def offline(path: str, args: argparse.Namespace) -> float:
     server's thread count (cores less one), the same prompts, lengths and seeds as one served client."""
     import torch
 
-    from nanollama4.cli import load_any
     from nanollama4.generation import generate
+    from nanollama4.hf import load_any
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))

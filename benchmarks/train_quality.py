@@ -34,8 +34,7 @@ import json
 import time
 from pathlib import Path
 
-from nanollama4.cli import parse_duration, parse_overrides
-from nanollama4.config import TrainConfig, preset
+from nanollama4.config import TrainConfig, parse_duration, parse_overrides, preset
 from nanollama4.evaluation import full_validation_loss_of_run
 from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator

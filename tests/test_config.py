@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from nanollama4.cli import parse_overrides
-from nanollama4.config import PRESETS, ModelConfig, preset
+from nanollama4.config import PRESETS, ModelConfig, parse_overrides, preset
 
 INVALID = {
     "heads_not_divisible": ("n_heads", dict(n_heads=6, n_kv_heads=4)),

@@ -411,7 +411,7 @@ def test_cli_generate_from_a_run(run_dir, capsys):
     streamed, err = capsys.readouterr()
     assert err == ""
     assert streamed == plain
-    from nanollama4.cli import load_any
+    from nanollama4.hf import load_any
 
     model, tok = load_any(run_dir)
     assert plain == "the cat" + generate(model, tok, "the cat", max_new_tokens=20, temperature=0) + "\n"

@@ -193,7 +193,7 @@ def test_malformed_reference_json_is_one_error(edit, message, sharded):
 def test_export_command_writes_a_checkpoint_transformers_loads_and_our_commands_take(tiny_run, tmp_path, capsys):
     """`nanollama4 export RUN DIR`: the run's best checkpoint as a reference directory with its tokenizer."""
     from nanollama4.checkpoint import load_run
-    from nanollama4.cli import load_any
+    from nanollama4.hf import load_any
     from tests.helpers import run_cli
 
     out = tmp_path / "exported"

@@ -145,3 +145,27 @@ def test_the_model_files_are_plain_pytorch():
                 seen.add(module)
                 todo.extend(graph[module])
         assert seen <= MODEL_WORLD, f"{start}.py reaches {sorted(seen - MODEL_WORLD)}"
+
+
+def test_no_import_runs_back_up_between_rooms():
+    """Seen a folder at a time (each subpackage one room, as a reader meets the house), the imports still form
+    no circle: no module of a subpackage imports anything that imports that subpackage (the experiments'
+    `__main__` once imported the CLI, which imports the experiments). Only the entry points import the CLI."""
+    graph = import_graph()
+
+    def room(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    rooms: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        rooms.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
+    reach = {r: set() for r in rooms}
+    for start in rooms:
+        todo = list(rooms[start])
+        while todo:
+            r = todo.pop()
+            if r not in reach[start]:
+                reach[start].add(r)
+                todo.extend(rooms.get(r, ()))
+    assert not [r for r in rooms if r in reach[r]], [r for r in rooms if r in reach[r]]
+    assert {name for name, targets in graph.items() if f"{PACKAGE}.cli" in targets} == {f"{PACKAGE}.__main__"}

@@ -17,7 +17,7 @@ from typing import Any
 _EXPORTS = {
     "ModelConfig": "config", "TrainConfig": "config", "PRESETS": "config", "preset": "config",
     "Transformer": "model", "Loss": "model", "build_model": "ops", "KVCache": "attention",
-    "load_hf": "hf", "export_hf": "hf", "param_counts": "memory", "kv_cache": "memory",
+    "load_hf": "hf", "export_hf": "hf", "load_any": "hf", "param_counts": "memory", "kv_cache": "memory",
     "generate": "generation", "stream": "generation", "Sampling": "generation", "Nanollama4Error": "errors",
     "CharTokenizer": "tokenizer", "BPETokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

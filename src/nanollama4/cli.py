@@ -16,17 +16,25 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .config import PRESETS, SEED_LIMIT, ModelConfig, TrainConfig, preset
+from .config import (
+    PRESETS,
+    SEED_LIMIT,
+    ModelConfig,
+    TrainConfig,
+    parse_duration,
+    parse_overrides,
+    preset,
+    split_overrides,
+)
 from .errors import ConfigError, Nanollama4Error
 from .memory import (
     COMPARE_LENGTHS,
-    format_count,
     format_kv_compare,
     format_kv_table,
+    format_layout,
     format_params_compare,
     format_params_table,
     kv_cache,
@@ -42,61 +50,6 @@ _FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint alr
 
 
 # ---------------------------------------------------------------------------------------------- values
-def parse_duration(text: str) -> float:
-    """Seconds from '90', '90s', '10m' or '1.5h': positive and finite ('nan' would never end a run)."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    raw = text.strip().lower()
-    try:
-        seconds = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
-    return seconds
-
-
-def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
-    """Turn ["key=value", ...] into typed values for the dataclass `cls`, rejecting unknown keys.
-
-    The value is read as the field's declared type (int, float, bool, str or None for optional
-    fields), so `--set n_experts=eight` fails here with the field's name instead of deep in torch.
-    """
-    by_name = {f.name: f for f in fields(cls)}
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"override {pair!r} must look like key=value")
-        key, raw = pair.split("=", 1)
-        key = key.strip()
-        if key not in by_name:
-            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
-        out[key] = _parse_value(key, raw.strip(), str(by_name[key].type))
-    return out
-
-
-def _parse_value(key: str, raw: str, type_name: str) -> Any:
-    optional = "None" in type_name
-    if optional and raw.lower() in ("none", "null"):
-        return None
-    try:
-        if type_name.startswith("bool"):
-            if "str" in type_name and raw.lower() == "auto":  # bf16=auto
-                return "auto"
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if type_name.startswith("int"):
-            return int(raw)
-        if type_name.startswith("float"):
-            return float(raw)
-    except ValueError:
-        kind = "true, false or auto" if type_name == "bool | str" else type_name.split(" ")[0].split("|")[0]
-        raise ConfigError(f"{key}={raw!r}: expected {kind}{' or None' if optional else ''}") from None
-    return raw
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors on one line (its default prints the usage block first)."""
 
@@ -201,35 +154,13 @@ def cmd_kv_cache(args: argparse.Namespace) -> None:
     print(table)
 
 
-def shifted_scores(cfg: ModelConfig, pairs: tuple[tuple[int, int], ...] = ((5, 2), (40, 7), (300, 300)),
-                   shifts: tuple[int, ...] = (0, 1, 1000, 100000), seed: int = 0) -> list[tuple[int, int, list[float]]]:
-    """A check that RoPE scores depend only on relative position: one random query and key (head_dim of
-    cfg), rotated to positions (m + s, n + s) for each shift s; q·k is the same for every s, up to float32
-    rounding, because rotating both by s multiplies the score by e^(i s θ) and its conjugate.
-    Returns (m, n, [score for each shift]) per pair."""
-    import torch
-
-    from .rope import apply_rope, rope_angles, rope_frequencies
-
-    g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(2, 1, 1, 1, cfg.head_dim, generator=g)  # (B, T, H, Dh) each
-    inv_freq = rope_frequencies(cfg)
-    rows = []
-    for m, n in pairs:
-        scores = []
-        for s in shifts:
-            qm = apply_rope(q, rope_angles(inv_freq, torch.tensor([m + s])))
-            kn = apply_rope(k, rope_angles(inv_freq, torch.tensor([n + s])))
-            scores.append(float((qm * kn).sum()))
-        rows.append((m, n, scores))
-    return rows
-
-
 def cmd_rope_check(args: argparse.Namespace) -> None:
     """Show that a RoPE score depends on m - n only: the same query and key, both positions shifted."""
 
     cfg = _model_config(args)
     shifts = (0, 1, 1000, 100000)
+    from .rope import shifted_scores
+
     rows = shifted_scores(cfg, shifts=shifts)
     print(f"preset {args.preset}: one random query and key (head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}), "
           "q at position m + s, k at n + s; the score q·k for each shift s")
@@ -249,16 +180,8 @@ def cmd_summary(args: argparse.Namespace) -> None:
     from .ops import build_model, kernels
 
     cfg = _model_config(args)
-    counts = param_counts(cfg)
-    print(f"preset {args.preset}: {format_count(counts.total)} parameters, {format_count(counts.active)} active "
-          "per token")
-    for i in range(cfg.n_layers):
-        attn = "RoPE" if cfg.uses_rope(i) else "NoPE"
-        chunk = f", chunk {cfg.chunk_size(i)}" if cfg.chunk_size(i) else ""
-        ffn = (f"MoE {cfg.n_experts} experts, top-{cfg.experts_per_token}"
-               f"{' + shared' if cfg.shared_expert else ''}" if cfg.is_moe(i) else f"dense SwiGLU {cfg.ffn_dim}")
-        print(f"  layer {i}: {attn} attention{chunk}; {ffn}")
-    if counts.total > 2e9:
+    print(f"preset {args.preset}: {format_layout(cfg)}")
+    if param_counts(cfg).total > 2e9:
         print("(too large to build here; the counts above are arithmetic only)")
         return
     torch.manual_seed(0)
@@ -273,27 +196,10 @@ def cmd_summary(args: argparse.Namespace) -> None:
           f"(untrained: mean logit {logits.mean().item():+.3f}, std {logits.std().item():.3f})")
 
 
-def _split_overrides(pairs: list[str]) -> tuple[dict, dict]:
-    """--set pairs go to TrainConfig when the key is one of its fields, else to ModelConfig."""
-    train_keys = {f.name for f in fields(TrainConfig)}
-    model_keys = {f.name for f in fields(ModelConfig)}
-    train_pairs, model_pairs = [], []
-    for pair in pairs:
-        key = pair.split("=", 1)[0].strip()
-        if key in train_keys:
-            train_pairs.append(pair)
-        elif key in model_keys:
-            model_pairs.append(pair)
-        else:
-            raise ConfigError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
-                             f"training {', '.join(sorted(train_keys))}")
-    return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from .train import train
 
-    model_over, train_over = _split_overrides(args.set or [])
+    model_over, train_over = split_overrides(args.set or [])
     if "vocab_size" in model_over:
         raise ConfigError("vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
                          "--set bpe_vocab_size=N)")
@@ -364,78 +270,39 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(args.prompt + generate(model, tokenizer, args.prompt, **options))
 
 
-def load_any(path: str | Path):
-    """Model and tokenizer from one of our runs/checkpoints or from a transformers checkpoint directory
-    (told apart by the `model_type` key that only the reference's config.json has)."""
-    from .checkpoint import check_vocab, load_run
-    from .errors import CheckpointError
-    from .files import read_json
-    from .hf import load_hf
-    from .tokenizer import load_tokenizer
-
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if cfg_file.exists() and "model_type" in read_json(cfg_file):
-        if not (path / "tokenizer.json").exists():
-            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
-        model, tokenizer = load_hf(path), load_tokenizer(path / "tokenizer.json")
-        check_vocab(tokenizer, model.cfg, path)
-        return model, tokenizer
-    model, tokenizer, _ = load_run(path)
-    return model, tokenizer
-
-
 def _model_for_prompt(args: argparse.Namespace):
     """The model and tokenizer at args.path, the tokenizer replacing unknown characters if asked."""
+    from .hf import load_any
+    from .tokenizer import replacing_unknown
+
     model, tokenizer = load_any(args.path)
-    return model, tokenizer if args.replace_unknown is None else _replacing(tokenizer, args.replace_unknown)
-
-
-def _replacing(tokenizer, char: str):
-    """The tokenizer, mapping characters it does not know to `char` (byte-level BPE knows every character)."""
-    from .tokenizer import CharTokenizer
-
-    return CharTokenizer(tokenizer.chars, replace=char) if isinstance(tokenizer, CharTokenizer) else tokenizer
+    return model, tokenizer if args.replace_unknown is None else replacing_unknown(tokenizer, args.replace_unknown)
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
-    from .explain import show, trace
+    from .explain import show, show_generation, trace, trace_generation
+    from .explain.page import check_page_target, write_page
 
     _check_text(args.prompt)
-    out = Path(args.html) if args.html else None
-    if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
-        raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
-    if out is not None and os.path.lexists(out) and not args.force:
-        from .explain.page import is_our_page
-
-        if not is_our_page(out):
-            raise ConfigError(f"--html {out} exists and is not a page nanollama4 explain wrote; pick a new file name "
-                              "(or pass --force to replace it)")
+    if args.html:
+        check_page_target(Path(args.html), args.force)
     model, tokenizer = _model_for_prompt(args)
     t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
-    steps = None
-    if args.generate:  # before anything is printed: a request too long for the context is one line alone
-        from .explain import trace_generation
-
-        steps = trace_generation(model, tokenizer, args.prompt, args.generate)
+    # generation is traced before anything is printed: a request too long for the context is one line alone
+    steps = trace_generation(model, tokenizer, args.prompt, args.generate) if args.generate else None
     show(t, modules=args.trace)
     if steps is not None:
-        from .explain import show_generation
-
         print()
         show_generation(steps)
-    if out is not None:
-        from .explain import html
-        from .files import atomic_write
-
-        page = html(t, f"nanollama4 explain: {args.prompt!r}")
-        atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
-        print(f"page: {out}")
+    if args.html:
+        write_page(t, Path(args.html), f"nanollama4 explain: {args.prompt!r}")
+        print(f"page: {args.html}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import torch
 
+    from .hf import load_any
     from .serve.server import serve
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
@@ -626,8 +493,6 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from .data import find_corpus_files
     from .experiments import run_experiment
     from .experiments.common import Setting
@@ -635,11 +500,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
     tune_allocator()
     find_corpus_files(args.data)  # a missing corpus fails before anything is created
-    setting = Setting.tiny_scale(args.data) if args.tiny else Setting(data=args.data)
-    if args.steps:
-        setting = replace(setting, steps=args.steps, eval_interval=min(setting.eval_interval, args.steps))
-    if args.seeds:
-        setting = replace(setting, seeds=args.seeds)
+    setting = Setting.chosen(args.data, tiny=args.tiny, steps=args.steps, seeds=args.seeds)
     out = args.out or f"runs/experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         paths = run_experiment(args.name, out, setting, progress=not args.quiet)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -353,4 +355,79 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return ModelConfig.from_dict({**PRESETS[name], **overrides})
 
 
-__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset"]
+# ---------------------------------------------------------------------------------------------- text values
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '90s', '10m' or '1.5h': positive and finite ('nan' would never end a run)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    raw = text.strip().lower()
+    try:
+        seconds = float(raw[:-1]) * units[raw[-1]] if raw and raw[-1] in units else float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
+    return seconds
+
+
+def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
+    """["key=value", ...] as typed values for the dataclass `cls`, unknown keys refused.
+
+    Each value is read as its field's declared type (`parse_value`), so `--set n_experts=eight` fails
+    here, naming the field, instead of deep in torch; the config's own checks then judge the value.
+    """
+    by_name = {f.name: f for f in fields(cls)}
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} must look like key=value")
+        key, raw = (part.strip() for part in pair.split("=", 1))
+        if key not in by_name:
+            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
+        out[key] = parse_value(key, raw, hints[key])
+    return out
+
+
+def split_overrides(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--set pairs as (ModelConfig values, TrainConfig values): a key goes to the config that has it."""
+    train_keys, model_keys = {f.name for f in fields(TrainConfig)}, {f.name for f in fields(ModelConfig)}
+    model_pairs, train_pairs = [], []
+    for pair in pairs:
+        key = pair.split("=", 1)[0].strip()
+        if key not in train_keys | model_keys:
+            raise ConfigError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
+                              f"training {', '.join(sorted(train_keys))}")
+        (train_pairs if key in train_keys else model_pairs).append(pair)
+    return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
+
+
+_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def parse_value(key: str, raw: str, hint: Any) -> Any:
+    """`raw` read as the type `hint` declares (a field's resolved annotation): None for an optional field,
+    a bool word ("auto" too for `bool | str`), an int or a float; text and Literal fields stay text, for the
+    config's own checks to judge."""
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    options = set(typing.get_args(hint)) if union else {hint}
+    optional = type(None) in options
+    if optional and raw.lower() in ("none", "null"):
+        return None
+    if bool in options:
+        if raw.lower() in _WORDS:
+            return _WORDS[raw.lower()]
+        if str in options and raw.lower() == "auto":  # bf16=auto
+            return "auto"
+        expected = "true, false or auto" if str in options else "bool"
+    elif options & {int, float}:
+        number = int if int in options else float
+        try:
+            return number(raw)
+        except ValueError:
+            expected = number.__name__
+    else:
+        return raw
+    raise ConfigError(f"{key}={raw!r}: expected {expected}{' or None' if optional else ''}")
+
+
+__all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "parse_overrides", "parse_duration"]

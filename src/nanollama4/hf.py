@@ -19,13 +19,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint import check_shapes
+from .checkpoint import check_shapes, check_vocab, load_run
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
 from .model import Transformer
 from .ops import install
 from .router import SigmoidRouter, router_class
+from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.
 _TO_HF = [
@@ -281,3 +282,17 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
+
+def load_any(path: str | Path) -> tuple[Transformer, CharTokenizer | BPETokenizer]:
+    """Model and tokenizer from one of our runs or checkpoint folders, or from a transformers checkpoint
+    directory (told apart by the `model_type` key that only the reference's config.json has)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if cfg_file.exists() and "model_type" in read_json(cfg_file):
+        if not (path / "tokenizer.json").exists():
+            raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
+        model, tokenizer = load_hf(path), load_tokenizer(path / "tokenizer.json")
+        check_vocab(tokenizer, model.cfg, path)
+        return model, tokenizer
+    model, tokenizer, _ = load_run(path)
+    return model, tokenizer

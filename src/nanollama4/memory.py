@@ -144,6 +144,19 @@ def format_count(n: float) -> str:
     return f"{int(n)}"
 
 
+def format_layout(cfg: ModelConfig) -> str:
+    """The parameter counts and one line per layer: its attention (RoPE, chunked, or NoPE) and its FFN."""
+    counts = param_counts(cfg)
+    lines = [f"{format_count(counts.total)} parameters, {format_count(counts.active)} active per token"]
+    for i in range(cfg.n_layers):
+        attn = "RoPE" if cfg.uses_rope(i) else "NoPE"
+        chunk = f", chunk {cfg.chunk_size(i)}" if cfg.chunk_size(i) else ""
+        ffn = (f"MoE {cfg.n_experts} experts, top-{cfg.experts_per_token}"
+               f"{' + shared' if cfg.shared_expert else ''}" if cfg.is_moe(i) else f"dense SwiGLU {cfg.ffn_dim}")
+        lines.append(f"  layer {i}: {attn} attention{chunk}; {ffn}")
+    return "\n".join(lines)
+
+
 def format_params_table(cfg: ModelConfig) -> str:
     """Table of parameters per component, total and active per token."""
     counts = param_counts(cfg)

@@ -68,3 +68,23 @@ def apply_rope(x: torch.Tensor, rot: Rope) -> torch.Tensor:
         return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
     rotated = torch.view_as_complex(xf) * torch.view_as_complex(rot)  # one kernel in eager mode
     return torch.view_as_real(rotated).flatten(-2).to(x.dtype)
+
+
+def shifted_scores(cfg: ModelConfig, pairs: tuple[tuple[int, int], ...] = ((5, 2), (40, 7), (300, 300)),
+                   shifts: tuple[int, ...] = (0, 1, 1000, 100000), seed: int = 0) -> list[tuple[int, int, list[float]]]:
+    """RoPE scores depend only on relative position, shown: one random query and key (cfg's head_dim),
+    rotated to positions (m + s, n + s) for each shift s. q·k is the same for every s, up to float32
+    rounding, because rotating both by s multiplies the score by e^(i s θ) and its conjugate.
+    Returns (m, n, [score for each shift]) per pair (`nanollama4 rope-check` prints them)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 1, 1, 1, cfg.head_dim, generator=g)  # (B, T, H, Dh) each
+    inv_freq = rope_frequencies(cfg)
+    rows = []
+    for m, n in pairs:
+        scores = []
+        for s in shifts:
+            qm = apply_rope(q, rope_angles(inv_freq, torch.tensor([m + s])))
+            kn = apply_rope(k, rope_angles(inv_freq, torch.tensor([n + s])))
+            scores.append(float((qm * kn).sum()))
+        rows.append((m, n, scores))
+    return rows

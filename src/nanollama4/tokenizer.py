@@ -268,6 +268,11 @@ def _hf_from_str(content: str, path: Path) -> HFTokenizer:
                              "pass a file saved by nanollama4 or by the tokenizers library") from e
 
 
+def replacing_unknown(tokenizer: Tokenizer, char: str) -> Tokenizer:
+    """The tokenizer, mapping characters it does not know to `char` (byte-level BPE knows every character)."""
+    return CharTokenizer(tokenizer.chars, replace=char) if isinstance(tokenizer, CharTokenizer) else tokenizer
+
+
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:
     """Load a saved tokenizer: our character JSON (by its "kind") or any `tokenizers` tokenizer.json."""
     path = Path(path)

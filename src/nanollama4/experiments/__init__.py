@@ -1,5 +1,5 @@
 """Experiments that test the claims of the documents this project implements, rerunnable by anyone:
-`nanollama4 experiment NAME` (or `python -m nanollama4.experiments NAME`). Each trains its arms with the
+`nanollama4 experiment NAME`. Each trains its arms with the
 ordinary training loop, writes results.json, table.md and PNG plots into its folder, and prints where
 they are. docs/experiments.md shows the plots and reads them.
 

@@ -11,7 +11,7 @@ import json
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,16 @@ class Setting:
     data: str | None = None  # corpus; None = Shakespeare's works
     seeds: tuple[int, ...] = (0, 1, 2)  # three seeds: the least that gives a paired interval of use
     tiny: bool = False  # a smoke-test scale (seconds), for the test suite: scores TINY_SCORE_TOKENS tokens
+
+    @classmethod
+    def chosen(cls, data: str | None = None, tiny: bool = False, steps: int | None = None,
+               seeds: tuple[int, ...] | None = None) -> Setting:
+        """The setting `nanollama4 experiment` asks for: full or tiny scale, with steps and seeds replaced
+        where given (validation points no further apart than the run is long)."""
+        setting = cls.tiny_scale(data) if tiny else cls(data=data)
+        if steps:
+            setting = replace(setting, steps=steps, eval_interval=min(setting.eval_interval, steps))
+        return replace(setting, seeds=seeds) if seeds else setting
 
     @classmethod
     def tiny_scale(cls, data: str | None = None) -> Setting:

@@ -9,12 +9,12 @@
 The views only read a `Trace`; tracing.py imports neither of them.
 """
 
-from .page import PAGE_SCORES_LIMIT, escape_html, html, notebook_html
+from .page import PAGE_SCORES_LIMIT, html, notebook_html
 from .terminal import routing_lines, show, show_generation
 from .tracing import TOP_NEXT, GenerationStep, LayerTrace, Trace, describe_attention, trace, trace_generation
 
 __all__ = ["trace", "Trace", "LayerTrace", "TOP_NEXT", "describe_attention", "show", "routing_lines", "html",
-           "escape_html", "PAGE_SCORES_LIMIT", "trace_generation", "GenerationStep", "show_generation"]
+           "PAGE_SCORES_LIMIT", "trace_generation", "GenerationStep", "show_generation"]
 
 # A Trace shows itself as the page in a notebook. Attached here, where both modules are known, because
 # tracing.py imports none of its views.

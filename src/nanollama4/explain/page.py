@@ -7,12 +7,15 @@ single pass, so nothing a prompt contains is ever read as a placeholder.
 
 from __future__ import annotations
 
+import html as html_text
 import json
+import os
 import re
 from importlib import resources
 from pathlib import Path
 
-from ..errors import GenerationError
+from ..errors import ConfigError, GenerationError
+from ..files import atomic_write
 from . import palette
 from .tracing import Trace, describe_attention
 
@@ -52,14 +55,10 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
     # or change the script element; JSON's \u escapes say the same characters safely
     payload = (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
                .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
-    fills = {"TITLE": escape_html(title), "DATA": payload}
+    fills = {"TITLE": html_text.escape(title), "DATA": payload}
     n_experts = max((layer.n_experts or 0 for layer in t.layers), default=0)
     page = palette.fill(_template(), n_experts)  # before the data goes in: a prompt is never read as a placeholder
     return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], page)  # one pass: a prompt is never re-read
-
-
-def escape_html(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 
 def _template() -> str:
@@ -77,6 +76,22 @@ def is_our_page(path: Path) -> bool:
         return False
     with open(path, "rb") as f:
         return MARK in f.read(512)
+
+
+def check_page_target(out: Path, force: bool = False) -> None:
+    """Refuse, before any work, a page path that cannot be written or would replace a file of someone else's
+    (anything not a page `html` made, unless `force`)."""
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
+    if os.path.lexists(out) and not force and not is_our_page(out):
+        raise ConfigError(f"--html {out} exists and is not a page nanollama4 explain wrote; pick a new file name "
+                          "(or pass --force to replace it)")
+
+
+def write_page(t: Trace, out: Path, title: str) -> None:
+    """The trace's page at `out`, written whole or not at all."""
+    page = html(t, title)
+    atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
 
 
 def notebook_html(t: Trace) -> str:
