@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.autograd.function import once_differentiable
 from torch.utils import cpp_extension
 
 from nanollama4 import ops
@@ -25,6 +26,32 @@ from nanollama4.moe import MoE, SwiGLU
 from nanollama4.ops import kernels
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """The kernel's three products as one autograd function, y_g = x_g @ w_g over consecutive row groups
+    (counts_G rows each), so that each product can be checked alone; the package uses them in SwiGLU
+    (`ops.experts.kernel_product`) and in `kernels.linear`."""
+
+    @staticmethod
+    def forward(ctx, x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+        x_AK, w_GKN = x_AK.contiguous(), w_GKN.contiguous()
+        ctx.save_for_backward(x_AK, w_GKN, counts_G)
+        return kernels.module().forward(x_AK, w_GKN, counts_G)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy_AN: torch.Tensor):
+        x_AK, w_GKN, counts_G = ctx.saved_tensors
+        dy_AN, k = dy_AN.contiguous(), kernels.module()
+        dx = k.input_grad(dy_AN, w_GKN, counts_G) if ctx.needs_input_grad[0] else None
+        dw = k.weight_grad(x_AK, dy_AN, counts_G) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
+    kernels.require()
+    return GroupedMatmul.apply(x_AK, w_GKN, counts_G)
 
 
 def test_the_kernel_builds():
@@ -38,7 +65,7 @@ def check(counts: list[int], K: int, N: int, seed: int) -> None:
     A, G = sum(counts), len(counts)
     x = torch.randn(A, K, generator=g).requires_grad_()
     w = torch.randn(G, K, N, generator=g).requires_grad_()
-    y = kernels.grouped_matmul(x, w, counts_G)
+    y = grouped_matmul(x, w, counts_G)
     dy = torch.randn(A, N, generator=g)
     y.backward(dy)
     xs, dys, w64 = x.detach().double().split(counts), dy.double().split(counts), w.detach().double()
@@ -83,7 +110,7 @@ def test_large_groups_split_across_cores(counts, K, N, threads):
 def test_gradients_refuse_a_second_backward():
     x = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(2, 8, 16, requires_grad=True)
-    y = kernels.grouped_matmul(x, w, torch.tensor([4, 2]))
+    y = grouped_matmul(x, w, torch.tensor([4, 2]))
     (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|marked with @once_differentiable"):
         gx.sum().backward()
@@ -103,9 +130,9 @@ def test_compiled_code_does_not_call_the_kernel():
 def test_bad_counts_are_rejected_with_a_message():
     x, w = torch.randn(5, 4), torch.randn(2, 4, 16)
     with pytest.raises(RuntimeError, match="add up to the number of rows"):
-        kernels.grouped_matmul(x, w, torch.tensor([2, 2]))
+        grouped_matmul(x, w, torch.tensor([2, 2]))
     with pytest.raises(RuntimeError, match="must not be negative"):
-        kernels.grouped_matmul(x, w, torch.tensor([6, -1]))
+        grouped_matmul(x, w, torch.tensor([6, -1]))
 
 
 def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch, tmp_path):
@@ -122,7 +149,7 @@ def test_a_failed_build_warns_once_and_moe_falls_back_to_grouped_mm(monkeypatch,
         assert not kernels.available()
     assert not kernels.available()  # decided once: no second warning, no second build
     with pytest.raises(RuntimeError, match="not available"):
-        kernels.grouped_matmul(torch.randn(2, 4), torch.randn(1, 4, 16), torch.tensor([2]))
+        grouped_matmul(torch.randn(2, 4), torch.randn(1, 4, 16), torch.tensor([2]))
     moe = ops.install(MoE(ModelConfig(d_model=16, n_experts=4, experts_per_token=1, expert_dim=16, n_heads=2,
                                       n_kv_heads=1, head_dim=8)))
     with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy:

@@ -12,7 +12,11 @@ fused weights gate_up_EDH (E, D, 2H) and down_EHD (E, H, D), and returns SwiGLU_
   bucketed one product per expert into preallocated buffers (for groups the caller pads to 32-row
            multiples: `pad_groups`)
 
-`auto_product` names the fastest measured for an input (benchmarks/RESULTS.md). `few_rows` serves a
+Each is some default's choice (`auto_product`, which names the fastest measured for an input:
+benchmarks/RESULTS.md): the kernel for float32 on AVX-512 CPUs; on a bf16 CPU at training sizes the
+kernel or the bucketed loop, timed (the readable loop and grouped_mm pay there for oneDNN setting up a
+kernel for every new group size); the padded bmm while compiling bf16 and for small bf16 groups that
+grouped_mm cannot align; grouped_mm on CUDA. `few_rows` serves a
 handful of (token, expert) assignments, as in decoding, without sorting. `FastExperts`, the module
 `ops.install` puts in place of each `moe.Experts`, chooses among all of these per call.
 """
@@ -184,7 +188,7 @@ def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: to
                      expert_A: torch.Tensor) -> torch.Tensor:
     """One product per expert and matrix, written into preallocated buffers forward and backward
     (`_BucketedSwiGLU`). Meant for groups padded to a multiple of `ROW_MULTIPLE["bucketed"]` rows
-    (`pad_groups`, which `moe.Experts` applies): torch's bf16 CPU products (oneDNN) set up a kernel for
+    (`pad_groups`, which `FastExperts.products` applies): torch's bf16 CPU products (oneDNN) set up a kernel for
     every new row count, and group sizes change every step; rounded, a few sizes recur and their kernels
     are reused, for fewer than ROW_MULTIPLE rows of waste per expert where `padded` wastes the whole
     imbalance between the fullest expert and the rest (32 measured best of 16/32/64/128 training the demo

@@ -179,34 +179,6 @@ def module() -> ModuleType:
     return _module
 
 
-class GroupedMatmul(torch.autograd.Function):
-    """y_g = x_g @ w_g for consecutive row groups of x (counts_G rows each), with both gradients.
-
-    x (A, K) and w (G, K, N) float32 on the CPU; counts_G int64 on the CPU, summing to A.
-    """
-
-    @staticmethod
-    def forward(ctx, x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-        x_AK, w_GKN = x_AK.contiguous(), w_GKN.contiguous()
-        ctx.save_for_backward(x_AK, w_GKN, counts_G)
-        return _module.forward(x_AK, w_GKN, counts_G)
-
-    @staticmethod
-    @once_differentiable  # the gradients are not themselves differentiable: double backward raises
-    def backward(ctx, dy_AN: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x_AK, w_GKN, counts_G = ctx.saved_tensors
-        dy_AN = dy_AN.contiguous()
-        dx = _module.input_grad(dy_AN, w_GKN, counts_G) if ctx.needs_input_grad[0] else None
-        dw = _module.weight_grad(x_AK, dy_AN, counts_G) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
-
-
-def grouped_matmul(x_AK: torch.Tensor, w_GKN: torch.Tensor, counts_G: torch.Tensor) -> torch.Tensor:
-    """x's rows, grouped consecutively by counts_G, each group times its own w_g -> (A, N). Needs `available()`."""
-    require()
-    return GroupedMatmul.apply(x_AK, w_GKN, counts_G)
-
-
 class Linear(torch.autograd.Function):
     """x @ w.T for an (out, in) weight, as nn.Linear computes it: the grouped kernel with one group."""
 
