@@ -17,8 +17,6 @@ from nanollama4.experiments.common import EFFECT, Setting, loss_at, paired_test
 from nanollama4.experiments.router_tricks import starved
 from tests.helpers import write_corpus
 
-SCRIPTS = Path(__file__).parent.parent / "benchmarks" / "experiments"
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
@@ -26,10 +24,12 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
-def test_each_experiment_script_runs_on_a_tiny_setting(name, corpus, tmp_path):
+def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path):
+    """`nanollama4 experiment NAME`, as a user runs it, in a process of its own."""
     out = tmp_path / name
-    proc = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--tiny", "--quiet", "--data", str(corpus),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
+    command = [sys.executable, "-m", "nanollama4", "experiment", name, "--tiny", "--quiet", "--data", str(corpus),
+               "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "NANOLLAMA4_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((out / "results.json").read_text())
@@ -44,8 +44,7 @@ def test_each_experiment_script_runs_on_a_tiny_setting(name, corpus, tmp_path):
     assert table.count("\n|") >= 3 and "spread" in table
     assert "95% t-interval" in table  # every experiment is read by paired intervals (docs/experiments.md)
     # a second run into the same folder is refused rather than overwriting it
-    again = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--tiny", "--quiet", "--data", str(corpus),
-                            "--out", str(out)], capture_output=True, text=True, timeout=120)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "already holds results" in again.stderr
 
 

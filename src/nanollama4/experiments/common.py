@@ -345,6 +345,15 @@ def paired_reading(results: Sequence[ArmResult], name: str, base: str, effect: f
     return paired_test(paired(results, name, base), effect, gated=spread(results, base))
 
 
+def paired_cells(results: Sequence[ArmResult], name: str, base: str) -> list[str]:
+    """An arm's three paired cells of a table row: its per-seed differences from `base`, their mean with
+    the 95% interval, and the reading ("-", "-", "baseline" for the baseline itself)."""
+    if name == base:
+        return ["-", "-", "baseline"]
+    test = paired_reading(results, name, base)
+    return [versus(test.diffs), test.interval, test.reading]
+
+
 def paired_note(first: int, base: str, effect: float = EFFECT) -> str:
     """The sentence under a table that says how its readings were made."""
     return (f"Readings are paired: each arm minus {base} on the same seed (same initialisation and batches), "

@@ -19,23 +19,7 @@ from ..checkpoint import load_run
 from ..generation import generate_ids
 from ..memory import kv_cache
 from ..model import Transformer
-from .common import (
-    Setting,
-    base_model,
-    figure,
-    format_spread,
-    largest_spread,
-    load_results,
-    markdown_table,
-    paired_note,
-    paired_reading,
-    per_seed,
-    save,
-    save_figure,
-    train_with_repeats,
-    versus,
-    write_table,
-)
+from . import common
 
 TITLE = "GQA: KV heads at 8 query heads"
 STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
@@ -55,10 +39,11 @@ def decode_rates(model: Transformer, new_tokens: int, batch: int = 4, repeats: i
     return rates
 
 
-def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
-    layouts = [(f"kv_heads={h}", base_model(n_kv_heads=h)) for h in KV_HEADS]
-    results = train_with_repeats(layouts, "kv_heads=8", setting, out, progress, always=["kv_heads=2"])  # the default
+    layouts = [(f"kv_heads={h}", common.base_model(n_kv_heads=h)) for h in KV_HEADS]
+    results = common.train_with_repeats(layouts, "kv_heads=8", setting, out, progress,
+                                        always=["kv_heads=2"])  # the default
     measured = {}
     for h in KV_HEADS:
         first = next(r for r in results if r.name == f"kv_heads={h}" and r.seed == setting.seeds[0])
@@ -71,31 +56,30 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
         measured[str(h)] = {"calculator_bytes": kv_cache(model.cfg, context, "float32").bytes_for_sequence,
                             "live_bytes": cache.nbytes, "context": context,
                             "decode_tokens_per_s": decode_rates(model, min(100, context - 2))}
-    return [save(out, "gqa", setting, results, {"measured": measured}), *report(out)]
+    return [common.save(out, "gqa", setting, results, {"measured": measured}), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
-    doc, results = load_results(out)
+    doc, results = common.load_results(out)
     first = doc["setting"]["seeds"][0]
-    tie, repeated = largest_spread(results)
+    tie, repeated = common.largest_spread(results)
     base = "kv_heads=8"
     rows = []
     for h in KV_HEADS:
         m, name = doc["measured"][str(h)], f"kv_heads={h}"
-        test = paired_reading(results, name, base)
         rates = m["decode_tokens_per_s"]
         rate = ", ".join(f"{v:,.0f}" for v in rates) if isinstance(rates, list) else f"{rates:,.0f}"
         rows.append([f"{h} KV heads (sharing {8 // h})", m["calculator_bytes"], m["live_bytes"], 8 // h, rate,
-                     per_seed(results, name), "-" if name == base else versus(test.diffs),
-                     "-" if name == base else test.interval, "baseline" if name == base else test.reading])
+                     common.per_seed(results, name), *common.paired_cells(results, name, base)])
     context = doc["measured"][str(KV_HEADS[0])]["context"]
-    table = markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
-                            "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed",
-                            "minus multi-head, per seed", "mean [95% CI]", "reading"], rows)
-    table += (f"\n\n{paired_note(first, base)} Seed-to-seed spread of the raw losses (largest of "
-              f"{', '.join(repeated)}): {format_spread(tie)}; cache and decoding measured on seed {first}'s models.")
-    fig, (left, right) = figure(2)
+    table = common.markdown_table(["layout", f"KV bytes, calculator (fp32, {context} tokens)", "KV bytes, live cache",
+                                   "saving vs multi-head", "decode tokens/s (batch 4)", "full val loss per seed",
+                                   "minus multi-head, per seed", "mean [95% CI]", "reading"], rows)
+    table += (f"\n\n{common.paired_note(first, base)} Seed-to-seed spread of the raw losses (largest of "
+              f"{', '.join(repeated)}): {common.format_spread(tie)}; cache and decoding measured on seed {first}'s "
+              "models.")
+    fig, (left, right) = common.figure(2)
     left.bar([str(h) for h in KV_HEADS], [doc["measured"][str(h)]["live_bytes"] / 1024 for h in KV_HEADS])
     left.set(xlabel="KV heads", ylabel=f"KV cache of one {context}-token sequence (KiB, fp32)", title=TITLE)
     right.plot(KV_HEADS, [next(r.full_val_loss for r in results if r.name == f"kv_heads={h}" and r.seed == first)
@@ -108,4 +92,4 @@ def report(out: Path) -> list[Path]:
     right.set(xlabel="KV heads", ylabel="full validation loss (nats/char)", xscale="log", title="quality")
     right.set_xticks(KV_HEADS, [str(h) for h in KV_HEADS])
     right.minorticks_off()
-    return [write_table(out, table), save_figure(fig, out / "gqa.png")]
+    return [common.write_table(out, table), common.save_figure(fig, out / "gqa.png")]

@@ -22,23 +22,7 @@ from ..data import TokenDataset, default_cache_dir, find_corpus_files
 from ..errors import DataError
 from ..model import Transformer
 from ..ops import build_model
-from .common import (
-    EFFECT,
-    Setting,
-    base_model,
-    figure,
-    format_spread,
-    largest_spread,
-    load_results,
-    markdown_table,
-    mean,
-    paired_reading,
-    paired_test,
-    save,
-    save_figure,
-    train_with_repeats,
-    write_table,
-)
+from . import common
 
 TITLE = "iRoPE: loss past the training context"
 STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
@@ -48,9 +32,9 @@ EVAL_TOKENS = 32_768  # per length: the same number of predicted tokens at every
 
 def arms(context: int) -> list[tuple[str, ModelConfig]]:
     longest = context * MULTIPLES[-1]
-    return [("all RoPE", base_model(max_seq_len=longest, attn_temperature_tuning=False)),
-            ("iRoPE", base_model(max_seq_len=longest, nope_interval=4, attention_chunk_size=context,
-                                 attn_temperature_tuning=True, floor_scale=context))]
+    return [("all RoPE", common.base_model(max_seq_len=longest, attn_temperature_tuning=False)),
+            ("iRoPE", common.base_model(max_seq_len=longest, nope_interval=4, attention_chunk_size=context,
+                                        attn_temperature_tuning=True, floor_scale=context))]
 
 
 @torch.no_grad()
@@ -77,10 +61,10 @@ def with_temperature(model: Transformer, on: bool) -> Transformer:
     return other.eval()
 
 
-def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
     context = setting.seq_len
-    results = train_with_repeats(arms(context), "all RoPE", setting, out, progress, always=["all RoPE", "iRoPE"])
+    results = common.train_with_repeats(arms(context), "all RoPE", setting, out, progress, always=["all RoPE", "iRoPE"])
     lengths = [context * m for m in MULTIPLES]
     budget = EVAL_TOKENS if not setting.tiny else 4 * lengths[-1]
     curves: dict[str, list[list[float]]] = {}  # variant -> per seed, loss per length
@@ -98,16 +82,17 @@ def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
             curves.setdefault(name, []).append([loss for loss, _ in scored])
             counted = [count for _, count in scored]
     extra = {"lengths": lengths, "curves": curves, "scored_tokens": counted}
-    return [save(out, "irope_length", setting, results, extra), *report(out)]
+    return [common.save(out, "irope_length", setting, results, extra), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
-    doc, results = load_results(out)
+    doc, results = common.load_results(out)
     lengths, curves, context = doc["lengths"], doc["curves"], doc["setting"]["seq_len"]
-    tie, _ = largest_spread(results)
-    rows = [[name, *[mean(c[i] for c in per) for i in range(len(lengths))],
-             ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per) + f"; {paired_test([c[-1] - c[0] for c in per]).interval}"]
+    tie, _ = common.largest_spread(results)
+    rows = [[name, *[common.mean(c[i] for c in per) for i in range(len(lengths))],
+             ", ".join(f"{c[-1] - c[0]:+.4f}" for c in per)
+             + f"; {common.paired_test([c[-1] - c[0] for c in per]).interval}"]
             for name, per in curves.items()]
     # the seed-to-seed spread of the table's own quantity, at each length
     rows.append(["spread between seeds (largest of the three)",
@@ -118,35 +103,35 @@ def report(out: Path) -> list[Path]:
                  *[", ".join(f"{a[i] - b[i]:+.4f}" for a, b in zip(on, off, strict=True)) for i in range(len(lengths))],
                  "-"])
     scored = doc.get("scored_tokens") or ["?"] * len(lengths)
-    table = markdown_table(["model", *[f"L={n}" for n in lengths],
-                            f"L={lengths[-1]} minus L={lengths[0]}, per seed; mean [95% CI]"], rows)
+    table = common.markdown_table(["model", *[f"L={n}" for n in lengths],
+                                   f"L={lengths[-1]} minus L={lengths[0]}, per seed; mean [95% CI]"], rows)
     table += (f"\n\nloss over the far half of each window (nats/char), mean over seeds "
               f"{', '.join(map(str, doc['setting']['seeds']))}; characters scored per length: "
               f"{', '.join(f'{n:,}' if isinstance(n, int) else n for n in scored)}; seed-to-seed spread of the "
-              f"full validation loss at the training length: {format_spread(tie)}")
+              f"full validation loss at the training length: {common.format_spread(tie)}")
     # the curves of every variant list the seeds in the same order (both arms train on every seed)
     comparisons = [("iRoPE (temperature on) minus all RoPE", on, curves.get("all RoPE", [])),
                    ("temperature on minus off", on, off)]
     paired_rows = [[label, *[_cell([x[i] - y[i] for x, y in zip(a, b, strict=True)]) for i in range(len(lengths))]]
                    for label, a, b in comparisons if a and b]
     if paired_rows:
-        full = paired_reading(results, "iRoPE", "all RoPE")
+        full = common.paired_reading(results, "iRoPE", "all RoPE")
         table += ("\n\nPaired, seed by seed (mean difference [95% t-interval], reading):\n\n"
-                  + markdown_table(["difference", *[f"L={n}" for n in lengths]], paired_rows)
+                  + common.markdown_table(["difference", *[f"L={n}" for n in lengths]], paired_rows)
                   + f"\n\nFull validation loss at the training length, iRoPE minus all RoPE: {full.interval}, "
-                  f"{full.reading}. A tie is an interval within +-{EFFECT} nats; undecided, a wider one that "
+                  f"{full.reading}. A tie is an interval within +-{common.EFFECT} nats; undecided, a wider one that "
                   "straddles 0.")
-    fig, (ax,) = figure()
+    fig, (ax,) = common.figure()
     for name, per in curves.items():
-        ax.plot(lengths, [mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
+        ax.plot(lengths, [common.mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
     ax.axvline(context, color="grey", linestyle=":", label="training context")
     ax.set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)", title=TITLE)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.legend(fontsize=8)
-    return [write_table(out, table), save_figure(fig, out / "irope_length.png")]
+    return [common.write_table(out, table), common.save_figure(fig, out / "irope_length.png")]
 
 
 def _cell(diffs: list[float]) -> str:
-    test = paired_test(diffs)
+    test = common.paired_test(diffs)
     return f"{test.interval} {test.reading}"

@@ -24,24 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import ModelConfig
-from .common import (
-    ArmResult,
-    Setting,
-    figure,
-    load_results,
-    loss_at,
-    markdown_table,
-    mean,
-    paired,
-    paired_note,
-    paired_test,
-    per_seed,
-    plot_curves,
-    save,
-    save_figure,
-    train_arm,
-    write_table,
-)
+from . import common
 
 TITLE = "MoE where capacity is short"
 STEPS = 2500  # optimizer steps per arm (of 16 x 128 tokens): 5.1M characters, ~1.1 passes over the corpus
@@ -64,22 +47,22 @@ def arms() -> list[tuple[str, ModelConfig]]:
     return [(BASE, small_model()), *((f"moe N={n}", small_model(n_experts=n)) for n in NS)]
 
 
-def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
     """Train every arm with every seed into OUT/runs, then the BPE pair; write results.json, table.md, plots."""
     setting = replace(setting, eval_interval=max(setting.eval_interval, setting.steps // 40))
-    results: list[ArmResult] = []
+    results: list[common.ArmResult] = []
     for seed in setting.seeds:  # seed by seed, so an early stop leaves complete pairs
         for name, cfg in arms():
-            results.append(train_arm(name, cfg, setting, out, seed, progress))
-    best = min(NS, key=lambda n: mean(r.full_val_loss for r in results if r.name == f"moe N={n}"))
+            results.append(common.train_arm(name, cfg, setting, out, seed, progress))
+    best = min(NS, key=lambda n: common.mean(r.full_val_loss for r in results if r.name == f"moe N={n}"))
     bpe = {"tokenizer": "bpe", "bpe_vocab_size": BPE_VOCAB}
     for seed in setting.seeds:
         for name, cfg in ((f"{BASE} (BPE)", small_model()), (f"moe N={best} (BPE)", small_model(n_experts=best))):
-            results.append(train_arm(name, cfg, setting, out, seed, progress, train_changes=bpe))
-    return [save(out, "moe_capacity", setting, results, {"best_n": best}), *report(out)]
+            results.append(common.train_arm(name, cfg, setting, out, seed, progress, train_changes=bpe))
+    return [common.save(out, "moe_capacity", setting, results, {"best_n": best}), *report(out)]
 
 
-def gains(results: list[ArmResult], name: str, fraction: float, key: str = "tokens", at: float | None = None
+def gains(results: list[common.ArmResult], name: str, fraction: float, key: str = "tokens", at: float | None = None
           ) -> list[float]:
     """Arm `name` minus dense on each seed, in fixed-batch validation loss at `fraction` of the run's tokens
     (or, with key "time", at `at` seconds of training steps)."""
@@ -88,23 +71,23 @@ def gains(results: list[ArmResult], name: str, fraction: float, key: str = "toke
     for r in sorted((r for r in results if r.name == name), key=lambda r: r.seed):
         if r.seed in base and r.val_curve:
             x = fraction * r.val_curve[-1][key] if at is None else at
-            out.append(loss_at(r.val_curve, key, x) - loss_at(base[r.seed].val_curve, key, x))
+            out.append(common.loss_at(r.val_curve, key, x) - common.loss_at(base[r.seed].val_curve, key, x))
     return out
 
 
-def flattening(results: list[ArmResult]) -> tuple[float, float]:
+def flattening(results: list[common.ArmResult]) -> tuple[float, float]:
     """Dense's mean fixed-batch validation loss gained over the last third of the run, and over the whole."""
     drops, totals = [], []
     for r in (r for r in results if r.name == BASE and r.val_curve):
         end = r.val_curve[-1]["tokens"]
-        drops.append(loss_at(r.val_curve, "tokens", 2 * end / 3) - r.val_curve[-1]["val_loss"])
+        drops.append(common.loss_at(r.val_curve, "tokens", 2 * end / 3) - r.val_curve[-1]["val_loss"])
         totals.append(r.val_curve[0]["val_loss"] - r.val_curve[-1]["val_loss"])
-    return mean(drops), mean(totals)
+    return common.mean(drops), common.mean(totals)
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the plots, from results.json."""
-    doc, results = load_results(out)
+    doc, results = common.load_results(out)
     first = doc["setting"]["seeds"][0]
     best = doc.get("best_n")
     char = [r for r in results if not r.name.endswith("(BPE)")]
@@ -114,17 +97,18 @@ def report(out: Path) -> list[Path]:
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
         if not mine:
             continue
-        test = paired_test(paired(results, name, BASE)) if name != BASE else None
-        rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
+        test = common.paired_test(common.paired(results, name, BASE)) if name != BASE else None
+        rows.append([name, mine[0].params_total, mine[0].params_active, common.per_seed(results, name),
                      "-" if test is None else test.interval, "baseline" if test is None else test.reading,
-                     *("-" if name == BASE else paired_test(gains(results, name, f)).interval for f in FRACTIONS),
-                     "-" if name == BASE else paired_test(gains(results, name, 0, "time", equal_time)).interval,
-                     mean(r.tokens_per_s for r in mine)])
+                     *("-" if name == BASE else common.paired_test(gains(results, name, f)).interval
+                       for f in FRACTIONS),
+                     "-" if name == BASE else common.paired_test(gains(results, name, 0, "time", equal_time)).interval,
+                     common.mean(r.tokens_per_s for r in mine)])
     headers = ["arm", "params", "active", "full val loss per seed", f"minus {BASE} (mean [95% CI])", "reading",
                *(f"gain at {f:.0%} of tokens" for f in FRACTIONS), f"gain at {equal_time:.0f} s", "tokens/s"]
-    table = markdown_table(headers, rows)
+    table = common.markdown_table(headers, rows)
     drop, total = flattening(results)
-    table += (f"\n\n{paired_note(first, BASE)} The 'gain at' columns are fixed-batch validation losses at that "
+    table += (f"\n\n{common.paired_note(first, BASE)} The 'gain at' columns are fixed-batch validation losses at that "
               f"share of the run (interpolated), paired the same way. Dense's curve: {total:.4f} nats gained over "
               f"the run, {drop:.4f} over its last third ({'flattened' if drop < FLAT else 'still falling'}: "
               f"the threshold is {FLAT} nats). 'gain at {equal_time:.0f} s' compares the arms at the same time in "
@@ -133,23 +117,25 @@ def report(out: Path) -> list[Path]:
     if bpe:
         names = list(dict.fromkeys(r.name for r in bpe))
         moe = next(n for n in names if n != f"{BASE} (BPE)")
-        test = paired_test(paired(results, moe, f"{BASE} (BPE)"))
-        bpe_rows = [[n, per_seed(results, n), mean(r.full_val_loss for r in bpe if r.name == n)] for n in names]
+        test = common.paired_test(common.paired(results, moe, f"{BASE} (BPE)"))
+        bpe_rows = [[n, common.per_seed(results, n), common.mean(r.full_val_loss for r in bpe if r.name == n)]
+                    for n in names]
         table += ("\n\nBPE pair (byte-level BPE of 512 tokens; losses in nats per BPE token):\n\n"
-                  + markdown_table(["arm", "full val loss per seed", "mean"], bpe_rows)
+                  + common.markdown_table(["arm", "full val loss per seed", "mean"], bpe_rows)
                   + f"\n\n{moe} minus {BASE} (BPE): {test.interval}, {test.reading}"
                   + (f" (N={best}: the lowest mean loss of the character arms)" if best else ""))
-    return [write_table(out, table), plot_curves(char, out / "moe_capacity.png", TITLE), plot_gains(char, out)]
+    return [common.write_table(out, table), common.plot_curves(char, out / "moe_capacity.png", TITLE),
+            plot_gains(char, out)]
 
 
-def plot_gains(results: list[ArmResult], out: Path) -> Path:
+def plot_gains(results: list[common.ArmResult], out: Path) -> Path:
     """The paired gain over dense against tokens seen, one line per N (mean over seeds, the 95% interval
     shaded), and the final gain against N on a log axis."""
-    fig, (by_tokens, by_n) = figure(2)
+    fig, (by_tokens, by_n) = common.figure(2)
     names = [name for name, _ in arms() if name != BASE and any(r.name == name for r in results)]
     fractions = [i / 20 for i in range(2, 21)]
     for name in names:
-        tests = [paired_test(gains(results, name, f)) for f in fractions]
+        tests = [common.paired_test(gains(results, name, f)) for f in fractions]
         tokens = [f * max(r.val_curve[-1]["tokens"] for r in results if r.name == name) for f in fractions]
         colour = f"C{[n for n, _ in arms()].index(name)}"  # the colours of the curves' plot
         line, = by_tokens.plot(tokens, [t.mean for t in tests], label=name, color=colour)
@@ -161,7 +147,7 @@ def plot_gains(results: list[ArmResult], out: Path) -> Path:
                   title="gain over dense by tokens (below 0: better)")
     by_tokens.legend(fontsize=8)
     ns = [int(name.split("=")[1]) for name in names]
-    finals = [paired_test(gains(results, name, 1.0)) for name in names]
+    finals = [common.paired_test(gains(results, name, 1.0)) for name in names]
     by_n.errorbar(ns, [t.mean for t in finals], yerr=[[max(t.mean - t.low, 0) if t.low == t.low else 0 for t in finals],
                                                       [max(t.high - t.mean, 0) if t.high == t.high else 0
                                                        for t in finals]], marker="o", capsize=4)
@@ -169,4 +155,4 @@ def plot_gains(results: list[ArmResult], out: Path) -> Path:
     by_n.set_xscale("log", base=2)
     by_n.set(xlabel="routed experts N (top-1 + shared)", ylabel=f"final validation loss minus {BASE}",
              title="gain over dense by N, end of run")
-    return save_figure(fig, out / "moe_capacity_gain.png")
+    return common.save_figure(fig, out / "moe_capacity_gain.png")

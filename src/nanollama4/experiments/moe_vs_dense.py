@@ -13,24 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ModelConfig
-from .common import (
-    Setting,
-    base_model,
-    format_spread,
-    largest_spread,
-    load_results,
-    loss_at,
-    markdown_table,
-    mean,
-    paired_note,
-    paired_reading,
-    per_seed,
-    plot_curves,
-    save,
-    train_with_repeats,
-    versus,
-    write_table,
-)
+from . import common
 
 TITLE = "MoE vs dense at equal active parameters"
 STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
@@ -39,41 +22,40 @@ BASE = "dense"
 
 def arms() -> list[tuple[str, ModelConfig, bool]]:
     """(name, model config, trained with every seed whatever its first seed shows)."""
-    out = [(BASE, base_model(), True)]
+    out = [(BASE, common.base_model(), True)]
     for n in (4, 8, 16, 32):
-        out.append((f"moe N={n} k=1", base_model(n_experts=n, expert_dim=192), n == 8))
-    out.append(("moe N=8 k=2", base_model(n_experts=8, experts_per_token=2, expert_dim=128), False))
+        out.append((f"moe N={n} k=1", common.base_model(n_experts=n, expert_dim=192), n == 8))
+    out.append(("moe N=8 k=2", common.base_model(n_experts=8, experts_per_token=2, expert_dim=128), False))
     return out
 
 
-def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
-    results = train_with_repeats([(name, cfg) for name, cfg, _ in arms()], BASE, setting, out, progress,
-                                 always=[name for name, _, again in arms() if again])
-    return [save(out, "moe_vs_dense", setting, results), *report(out)]
+    results = common.train_with_repeats([(name, cfg) for name, cfg, _ in arms()], BASE, setting, out, progress,
+                                        always=[name for name, _, again in arms() if again])
+    return [common.save(out, "moe_vs_dense", setting, results), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
-    doc, results = load_results(out)
+    doc, results = common.load_results(out)
     first = doc["setting"]["seeds"][0]
-    tie, repeated = largest_spread(results)
-    speed = {name: mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
+    tie, repeated = common.largest_spread(results)
+    speed = {name: common.mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
     equal_time = min(r.val_curve[-1]["time"] for r in results)  # the quickest arm's whole run
     rows = []
     for name, _, _ in arms():
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
-        test = paired_reading(results, name, BASE)
-        rows.append([name, mine[0].params_total, mine[0].params_active, per_seed(results, name),
-                     "-" if name == BASE else versus(test.diffs), "-" if name == BASE else test.interval,
-                     "baseline" if name == BASE else test.reading, speed[name] / speed[BASE],
-                     ", ".join(f"{loss_at(r.val_curve, 'time', equal_time):.4f}" for r in mine)])
-    table = markdown_table(["arm", "params", "active", "full val loss per seed", f"minus {BASE}, per seed",
-                            "mean [95% CI]", "reading (by tokens)", "speed vs dense",
-                            f"val loss at {equal_time:.0f} s, per seed"], rows)
-    table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))}. {paired_note(first, BASE)} Seed-to-seed "
-              f"spread of the raw losses (largest of {', '.join(repeated)}): {format_spread(tie)}. Speed "
-              "and time count training steps only (no evaluations, no checkpoints). The last column is the "
+        rows.append([name, mine[0].params_total, mine[0].params_active, common.per_seed(results, name),
+                     *common.paired_cells(results, name, BASE), speed[name] / speed[BASE],
+                     ", ".join(f"{common.loss_at(r.val_curve, 'time', equal_time):.4f}" for r in mine)])
+    table = common.markdown_table(["arm", "params", "active", "full val loss per seed", f"minus {BASE}, per seed",
+                                   "mean [95% CI]", "reading (by tokens)", "speed vs dense",
+                                   f"val loss at {equal_time:.0f} s, per seed"], rows)
+    table += (f"\n\nseeds {', '.join(map(str, doc['setting']['seeds']))}. {common.paired_note(first, BASE)} "
+              f"Seed-to-seed spread of the raw losses (largest of {', '.join(repeated)}): "
+              f"{common.format_spread(tie)}. Speed and time count training steps only (no evaluations, no "
+              "checkpoints). The last column is the "
               "fixed-batch validation loss when the quickest arm had finished its steps (interpolated between "
               "evaluations).")
-    return [write_table(out, table), plot_curves(results, out / "moe_vs_dense.png", TITLE)]
+    return [common.write_table(out, table), common.plot_curves(results, out / "moe_vs_dense.png", TITLE)]

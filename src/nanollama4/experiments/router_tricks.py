@@ -14,23 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ModelConfig
-from .common import (
-    Setting,
-    base_model,
-    figure,
-    format_spread,
-    largest_spread,
-    load_results,
-    markdown_table,
-    paired_note,
-    paired_reading,
-    per_seed,
-    save,
-    save_figure,
-    train_with_repeats,
-    versus,
-    write_table,
-)
+from . import common
 
 TITLE = "router tricks: per-expert load over training"
 STEPS = 500  # per arm (of 16 x 128 characters): ten arms of three seeds, so fewer steps each than the others
@@ -51,8 +35,8 @@ def arms() -> list[tuple[str, dict[str, object]]]:
 
 
 def config(changes: dict[str, object]) -> ModelConfig:
-    return base_model(n_experts=N_EXPERTS, experts_per_token=2, expert_dim=192, shared_expert=False,
-                      router="softmax", **changes)
+    return common.base_model(n_experts=N_EXPERTS, experts_per_token=2, expert_dim=192, shared_expert=False,
+                             router="softmax", **changes)
 
 
 def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> tuple[int, int]:
@@ -64,40 +48,39 @@ def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> t
     return sum(v < below * fair for row in mean for v in row), layers * experts
 
 
-def run(out: Path, setting: Setting, progress: bool = True) -> list[Path]:
+def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
     """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
-    results = train_with_repeats([(name, config(changes)) for name, changes in arms()], arms()[0][0], setting, out,
-                                 progress)
-    return [save(out, "router_tricks", setting, results), *report(out)]
+    results = common.train_with_repeats([(name, config(changes)) for name, changes in arms()], arms()[0][0],
+                                        setting, out, progress)
+    return [common.save(out, "router_tricks", setting, results), *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the heatmaps, from results.json."""
-    doc, results = load_results(out)
+    doc, results = common.load_results(out)
     first_seed = doc["setting"]["seeds"][0]
     base = arms()[0][0]
-    tie, repeated = largest_spread(results)
+    tie, repeated = common.largest_spread(results)
     rows = []
     for name, _ in arms():
         first = next(r for r in results if r.name == name and r.seed == first_seed)
         n, total = starved(first.expert_load, 1 / N_EXPERTS)
-        test = paired_reading(results, name, base)
         rows.append([name, f"{n} of {total}", max(max(row) for row in first.expert_load[-1]) * N_EXPERTS,
-                     per_seed(results, name), "-" if name == base else versus(test.diffs),
-                     "-" if name == base else test.interval, "baseline" if name == base else test.reading])
-    table = markdown_table(["arm", "experts under 10% of fair share (last tenth)", "busiest expert at the end (x fair)",
-                            "full val loss per seed", "minus no tricks, per seed", "mean [95% CI]", "reading"], rows)
-    table += (f"\n\n{paired_note(first_seed, base)} Seed-to-seed spread of the raw losses (largest of "
-              f"{', '.join(repeated)}): {format_spread(tie)}; load columns from seed {first_seed}.")
+                     common.per_seed(results, name), *common.paired_cells(results, name, base)])
+    table = common.markdown_table(["arm", "experts under 10% of fair share (last tenth)",
+                                   "busiest expert at the end (x fair)", "full val loss per seed",
+                                   "minus no tricks, per seed", "mean [95% CI]", "reading"], rows)
+    table += (f"\n\n{common.paired_note(first_seed, base)} Seed-to-seed spread of the raw losses (largest of "
+              f"{', '.join(repeated)}): {common.format_spread(tie)}; load columns from seed {first_seed}.")
     names = [name for name, _ in arms()]
     plots = []
     for part, chunk in enumerate((names[:5], names[5:]), start=1):
-        fig, axes = figure(len(chunk), width=3.2, height=3.0)
+        fig, axes = common.figure(len(chunk), width=3.2, height=3.0)
         for ax, name in zip(axes, chunk, strict=True):
             load = next(r for r in results if r.name == name and r.seed == first_seed).expert_load
             grid = [[step[0][e] * N_EXPERTS for step in load] for e in range(N_EXPERTS)]  # layer 0, x fair
             image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0, vmax=3, interpolation="nearest")
             ax.set(title=name, xlabel="step", ylabel="expert", yticks=range(N_EXPERTS))
         fig.colorbar(image, ax=axes[-1], label="first layer's load (x fair share)")
-        plots.append(save_figure(fig, out / f"router_tricks_load_{part}.png"))
-    return [write_table(out, table), *plots]
+        plots.append(common.save_figure(fig, out / f"router_tricks_load_{part}.png"))
+    return [common.write_table(out, table), *plots]
