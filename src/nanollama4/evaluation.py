@@ -12,12 +12,11 @@ import numpy as np
 import torch
 
 from .checkpoint import load_run, load_train_state, resolve_checkpoint
-from .config import TrainConfig
-from .data import TokenDataset, default_cache_dir, find_corpus_files, windows
-from .errors import CheckpointError, DataError, TrainingError
+from .data import default_cache_dir, find_corpus_files, windows
+from .errors import TrainingError
 from .model import Transformer
+from .runs import corpus_of, saved_train_config, token_dataset
 from .runtime import pick_device
-from .tokenizer import UnknownCharacters
 
 
 def autocast(device: torch.device, enabled: bool):
@@ -72,22 +71,11 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: st
     `data` gives the run's corpus at a new place (the same text); by default the path the run recorded.
     `max_tokens` scores only the first that many validation tokens (a smoke test's bounded sample)."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
-    try:
-        tc = TrainConfig.from_dict(tc_dict)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: train_config.json is invalid ({e})") from None
+    tc = saved_train_config(path, tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    if data is None:
-        data = state.get("data")
-        if data is not None and not Path(data).exists():
-            raise DataError(f"{path} was trained on {data}, which no longer exists; pass --data PATH with the "
-                            "same text")
-    try:
-        dataset = TokenDataset.build(find_corpus_files(data), tokenizer, default_cache_dir(),
-                                     invalid_utf8=tc.invalid_utf8)
-    except UnknownCharacters as e:
-        raise DataError(f"the run's tokenizer cannot encode the corpus {data}: it has {e.listing}; pass the "
-                        "text the run was trained on") from None
+    data = corpus_of(path, state, data)
+    dataset = token_dataset(find_corpus_files(data), tokenizer, default_cache_dir(), tc, data,
+                            advice="pass the text the run was trained on")
     try:
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can

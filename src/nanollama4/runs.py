@@ -32,8 +32,10 @@ import torch
 
 from .checkpoint import LOCK_NAME, clear_leftovers, resolve_checkpoint
 from .config import ModelConfig, TrainConfig
-from .errors import CheckpointError, TrainingError, WriteError
+from .data import TokenDataset
+from .errors import CheckpointError, DataError, TrainingError, WriteError
 from .files import atomic_write, read_json
+from .tokenizer import Tokenizer, UnknownCharacters
 
 if TYPE_CHECKING:  # only for annotations: distributed is the training loop's, not the run directory's
     from .distributed import World
@@ -190,6 +192,38 @@ def _step_of(line: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+# ---------------------------------------------------------------------------------------------- opening a run
+def saved_train_config(run_dir: str | Path, saved: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig of a run's train_config.json (already read), or a CheckpointError saying it is invalid."""
+    try:
+        return TrainConfig.from_dict(saved)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+
+
+def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> str | None:
+    """The corpus to read a run's text from: `data` when given (the same text at a new place), else the path
+    the run recorded, which must still exist (None: the default corpus)."""
+    if data is not None:
+        return data
+    data = state.get("data")
+    if data is not None and not Path(data).exists():
+        raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with the "
+                        "same text")
+    return data
+
+
+def token_dataset(files: list[Path], tokenizer: Tokenizer, cache_dir: Path, tc: TrainConfig, data: str | None,
+                  advice: str = "resume on the text the run was trained on") -> TokenDataset:
+    """A run's corpus through its own tokenizer (cached), or a DataError when the text has characters the
+    tokenizer never saw (it is not the text the run was trained on)."""
+    try:
+        return TokenDataset.build(files, tokenizer, cache_dir, invalid_utf8=tc.invalid_utf8)
+    except UnknownCharacters as e:
+        raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: it has "
+                        f"{e.listing}; {advice}") from None
+
+
 # ---------------------------------------------------------------------------------------------- resume fitting
 def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
     """The TrainConfig a run was saved with, with some fields changed (e.g. max_steps for a longer run).
@@ -198,11 +232,7 @@ def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
     expert parallelism), since checkpoints are the same whatever the spread."""
     check_resume_dir(Path(run_dir))
     saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
-    saved = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
-    try:
-        return TrainConfig.from_dict({**saved, **overrides})
-    except TypeError as e:
-        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+    return saved_train_config(run_dir, {**{k: v for k, v in saved.items() if k not in LAUNCH_KEYS}, **overrides})
 
 
 def fit_seq_len(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:

@@ -47,7 +47,7 @@ from .checkpoint import (
 from .config import ModelConfig, TrainConfig
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .distributed import Parallel, World
-from .errors import CheckpointError, DataError, TrainingError
+from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
 from .files import open_owned, read_json, read_safetensors, write_failed
 from .model import Transformer
@@ -57,10 +57,12 @@ from .runs import (
     check_budget_ahead,
     check_new_run_dir,
     check_resume_dir,
+    corpus_of,
     fit_seq_len,
     fit_world,
     holds_run,
     owning,
+    token_dataset,
     truncate_metrics,
 )
 from .runtime import BF16_PAYS, bf16_speedup, pick_device
@@ -68,7 +70,6 @@ from .tokenizer import (
     BPETokenizer,
     CharTokenizer,
     Tokenizer,
-    UnknownCharacters,
     load_tokenizer,
     tokenizer_from_json,
 )
@@ -419,11 +420,7 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     model = load_model(ckpt)
     check_vocab(tokenizer, model.cfg, ckpt)
     check_budget_ahead(tc, state, run_dir)
-    if data is None:
-        data = state.get("data")
-        if data is not None and not Path(data).exists():
-            raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with "
-                            "the same text")
+    data = corpus_of(run_dir, state, data)
     saved = read_json(ckpt / "train_config.json")
     if saved.get("optimizer", "adamw") != tc.optimizer:
         raise TrainingError(f"{run_dir} was trained with optimizer={saved.get('optimizer', 'adamw')}, whose state "
@@ -445,11 +442,7 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
               tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None) -> Run:
     """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
     spread over the ranks, the optimizer."""
-    try:
-        dataset = TokenDataset.build(files, tokenizer, cache_dir or default_cache_dir(), invalid_utf8=tc.invalid_utf8)
-    except UnknownCharacters as e:
-        raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: it has "
-                        f"{e.listing}; resume on the text the run was trained on") from None
+    dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data)
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = device or pick_device(tc.device)
