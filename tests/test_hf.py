@@ -47,6 +47,14 @@ def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
 
 
+def assert_loads_as(path, ref, length: int) -> None:
+    """The checkpoint at `path`, loaded by load_hf, gives the reference model's logits on random ids."""
+    ids = torch.randint(0, 256, (1, length))
+    with torch.no_grad():
+        got = nanollama4.load_hf(path).eval()(ids)
+    assert (got - reference_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_transformers_to_ours(case, tmp_path):
     ref = reference_model(**CASES[case])
@@ -92,20 +100,14 @@ def test_multimodal_prefix_and_legacy_rope_keys(tmp_path):
     for key in ("no_rope_layers", "moe_layers", "layer_types"):
         hf_cfg.pop(key)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": hf_cfg}))
-    ids = torch.randint(0, 256, (1, 12))
-    with torch.no_grad():
-        got = nanollama4.load_hf(tmp_path).eval()(ids)
-    assert (got - reference_logits(ref, ids)).abs().max().item() <= 1e-4
+    assert_loads_as(tmp_path, ref, length=12)
 
 
 def test_sharded_checkpoint(tmp_path):
     ref = reference_model()
     ref.save_pretrained(tmp_path, max_shard_size="200KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    ids = torch.randint(0, 256, (1, 9))
-    with torch.no_grad():
-        got = nanollama4.load_hf(tmp_path).eval()(ids)
-    assert (got - reference_logits(ref, ids)).abs().max().item() <= 1e-4
+    assert_loads_as(tmp_path, ref, length=9)
 
 
 def test_inconsistent_or_unsupported_checkpoints_fail_clearly(tmp_path):
