@@ -13,8 +13,8 @@ One class owns the whole decision, in order:
 It also keeps what balances the load: the Switch loss and z-loss (`auxiliary_loss`), and the counts the
 bias learns from (`note_load`, `update_bias`).
 
-Adding a router kind is one subclass here (or anywhere: a test module does it) and its name in
-config.py's `RouterKind`:
+Adding a router kind is one subclass here (or anywhere: a test module does it), and its name in
+config.py's `RouterKind` for type checkers; the config finds the kind here, by its `kind=`:
 
     class NormalisedSigmoid(Router, kind="sigmoid-normalised", scales_input=True):
         def weigh(self, scores_TE, experts_TK, valid_TK):
