@@ -163,10 +163,12 @@ class Router(nn.Module):
         raise NotImplementedError
 
     def capacity(self, n_tokens: int) -> int | None:
-        """Slots per expert for this batch, ceil(factor * T * k / N), or None when routing is dropless."""
+        """Slots per expert for a batch of n_tokens in the current mode, or None when routing is dropless."""
         applies = self.capacity_factor is not None and (self.training or self.capacity_in_eval)
-        if not applies:
-            return None
+        return self.slots_per_expert(n_tokens) if applies else None
+
+    def slots_per_expert(self, n_tokens: int) -> int:
+        """ceil(capacity_factor * T * k / N): what capacity gives each expert when it acts."""
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
     # ------------------------------------------------------------------------------------------ balance

@@ -12,7 +12,6 @@ The views (terminal.py, page.py) read a `Trace`; this module knows nothing of th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -258,9 +257,8 @@ def _routing_trace(layer: LayerTrace, moe: MoE, r: Routing) -> None:
     layer.experts, layer.weights, layer.slot_kind, layer.rerouted_from = describe_slots(r)
     layer.rerouted, layer.dropped, layer.n_experts = int(r.rerouted), int(r.dropped), moe.n_experts
     if r.valid_TK is not None:  # the pass took the capacity path: the slots it gave each expert
-        T, K = r.experts_TK.shape  # (the model is back in its own mode by now: the formula, not `capacity`)
-        layer.capacity_factor = moe.router.capacity_factor
-        layer.capacity = math.ceil(moe.router.capacity_factor * T * K / moe.n_experts)
+        layer.capacity_factor = moe.router.capacity_factor  # (the model is back in its own mode by now)
+        layer.capacity = moe.router.slots_per_expert(r.experts_TK.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------- generation
