@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -479,3 +480,56 @@ def test_a_reader_retries_when_the_training_run_prunes_its_checkpoint_meanwhile(
     monkeypatch.setattr(checkpoint, "load_model", pruned_first)
     model, tokenizer, tc = load_run(run_copy, prefer="last")
     assert calls == ["step-0000004", "step-0000005"] and tc["max_steps"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- what is ours to remove
+@pytest.mark.parametrize("spelling", ["step-0000004/", "./step-0000004", "absolute"])
+def test_resume_keeps_the_checkpoint_however_the_links_spell_it(spelling, run_copy, capsys):
+    """`last` -> `step-0000004/` (as tab completion writes it), `./step-0000004` or an absolute path: generate
+    read the run, but resume compared the link's text with the folder's name, deleted the run's only
+    checkpoint and then said the run held none."""
+    target = str(run_copy / "step-0000004") if spelling == "absolute" else spelling
+    for link in ("last", "best"):
+        os.unlink(run_copy / link)
+        os.symlink(target, run_copy / link)
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "5", "--quiet"], capsys)
+    assert rc == 0, err
+    last = resolve_checkpoint(run_copy)
+    assert last.name == "step-0000005" and json.loads((last / "train_state.json").read_text())["step"] == 5
+
+
+def test_folders_that_are_not_our_checkpoints_survive_a_resume(run_copy, capsys):
+    """Every folder matching step-* used to be deleted on resume and after every save: a user's notes and a
+    backup copy of a checkpoint vanished. Only real folders named step-NNNNNNN holding checkpoint files
+    alone, and no link resolves to, are ours to remove."""
+    notes = run_copy / "step-by-step-notes"
+    notes.mkdir()
+    (notes / "ideas.txt").write_text("mine")
+    shutil.copytree(run_copy / "step-0000004", run_copy / "step-0000012.backup")
+    annotated = run_copy / "step-0000002"  # our name, but it holds a file we never write
+    shutil.copytree(run_copy / "step-0000004", annotated)
+    (annotated / "README.txt").write_text("kept on purpose")
+    elsewhere = run_copy.parent / "elsewhere"
+    shutil.copytree(run_copy / "step-0000004", elsewhere)
+    os.symlink(elsewhere, run_copy / "step-0000003")  # a link, not a folder of ours
+    foreign = [notes, run_copy / "step-0000012.backup", annotated, run_copy / "step-0000003", elsewhere]
+    before = {p: snapshot(p) for p in foreign}
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--set", "eval_interval=1",
+                          "--quiet"], capsys)
+    assert rc == 0, err
+    assert {p: snapshot(p) for p in foreign} == before
+    assert (run_copy / "step-0000003").is_symlink()
+    ours = {p.name for p in run_copy.glob("step-*") if p not in foreign}
+    assert ours == {os.path.basename(os.readlink(run_copy / n)) for n in ("last", "best")}
+
+
+def test_a_folder_of_someone_elses_where_a_checkpoint_goes_is_kept_and_the_save_refused(run_copy, capsys):
+    """A save used to move any step-N folder aside and delete it; one that is not ours is left alone."""
+    theirs = run_copy / "step-0000005"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "5", "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "train")
+    assert f"step 5 not saved: {theirs} exists and is not a checkpoint nanollama4 wrote" in line, line
+    assert (theirs / "notes.txt").read_text() == "mine" and [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert os.readlink(run_copy / "last") == "step-0000004"

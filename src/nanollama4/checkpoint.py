@@ -6,6 +6,11 @@ A run directory looks like
 Each step-* folder is complete on its own (model, config, tokenizer, optimizer, train state). It is
 written under a temporary name, fsynced and renamed into place; `last` and `best` are symlinks swapped
 with an atomic rename. A crash at any moment therefore leaves the previous checkpoint intact.
+
+What in a run folder is ours to remove is decided in one place (`is_our_step`, `linked_steps`): a real
+folder named `step-` + 7 digits that holds only checkpoint files, and that neither link resolves to
+(however the link is spelled); our own temporary folders (`.tmp-step-NNNNNNN-*`). Nothing else there is
+ever touched.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ from .ops import install
 from .tokenizer import Tokenizer, load_tokenizer
 
 LOCK_NAME = "run.lock"  # in every run directory: held by the process training there, names it
+LINKS = ("last", "best")  # the run's symlinks to its checkpoints
+STEP_NAME = re.compile(r"step-\d{7}")  # a checkpoint folder's name: f"step-{step:07d}"
+TMP_NAME = re.compile(r"\.tmp-step-\d{7}-.+")  # what `_write_checkpoint`'s mkdtemp names
+CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors",
+                              "optimizer.json", "train_config.json", "train_state.json"})
 TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its tensor) -> a tensor
 
 
@@ -251,7 +261,11 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
             f.chmod(0o644)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if final.exists() or final.is_symlink():
+        if (final.exists() or final.is_symlink()) and not is_our_step(final):
+            raise CheckpointError(f"step {step} not saved: {final} exists and is not a checkpoint nanollama4 wrote "
+                                  f"(it is left as it is); move it out of {run_dir} and continue with --resume "
+                                  f"{run_dir}")
+        if final.exists():
             stale = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".tmp-step-{step:07d}-stale-"))
             os.replace(final, stale / final.name)
         os.rename(tmp, final)
@@ -262,10 +276,12 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
 
 
 def clear_leftovers(run_dir: Path) -> None:
-    """Remove what interrupted saves left in a run: temporary folders, and step folders that neither `last`
-    nor `best` points at (a save that failed after its rename). Called by the run's owner, under its lock."""
+    """Remove what interrupted saves left in a run: our temporary folders, and checkpoint folders that
+    neither `last` nor `best` points at (a save that failed after its rename). Called by the run's owner,
+    under its lock."""
     for tmp in run_dir.glob(".tmp-step-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+        if TMP_NAME.fullmatch(tmp.name) and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
     _prune(run_dir)
 
 
@@ -278,11 +294,48 @@ def _point(link: Path, target: str) -> None:
     os.replace(tmp, link)
 
 
+def is_our_step(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder as `save_checkpoint` writes it: a real folder (not a link) named
+    step-NNNNNNN holding checkpoint files and nothing else. Anything else, a user's `step-notes/` or a
+    `step-0000012.backup/` copy, is not ours to remove."""
+    if not STEP_NAME.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        names = {entry.name for entry in path.iterdir()}
+    except OSError:
+        return False
+    return bool(names) and names <= CHECKPOINT_FILES
+
+
+def step_folders(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders (`is_our_step`), in step order."""
+    return sorted(d for d in run_dir.glob("step-*") if is_our_step(d))
+
+
+def linked_steps(run_dir: Path) -> dict[str, Path]:
+    """Each of `last` and `best` that resolves to a checkpoint folder of this run, with that folder's
+    resolved path. Resolved, not read as text: `step-0000020/`, `./step-0000020` and an absolute path all
+    name the same folder."""
+    out = {}
+    home = Path(os.path.realpath(run_dir))
+    for name in LINKS:
+        link = run_dir / name
+        if not link.is_symlink():
+            continue
+        target = Path(os.path.realpath(link))
+        if target.parent == home and is_our_step(target):
+            out[name] = target
+    return out
+
+
 def _prune(run_dir: Path) -> None:
-    """Delete step folders that neither `last` nor `best` points at."""
-    keep = {os.readlink(run_dir / name) for name in ("last", "best") if (run_dir / name).is_symlink()}
-    for d in run_dir.glob("step-*"):
-        if d.name not in keep:
+    """Delete the checkpoint folders that neither `last` nor `best` resolves to. Nothing is deleted while
+    `last` resolves to no checkpoint of this run: which folder is current is then unknown."""
+    keep = linked_steps(run_dir)
+    if "last" not in keep:
+        return
+    for d in step_folders(run_dir):
+        if Path(os.path.realpath(d)) not in keep.values():
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checkpoint import LOCK_NAME, clear_leftovers, resolve_checkpoint
+from .checkpoint import LOCK_NAME, clear_leftovers, linked_steps, resolve_checkpoint, step_folders
 from .config import ModelConfig, TrainConfig
 from .data import TokenDataset
 from .errors import CheckpointError, DataError, TrainingError, WriteError
@@ -89,8 +89,7 @@ def _removed_meanwhile(run_dir: Path) -> CheckpointError:
 
 def is_run_dir(path: Path) -> bool:
     """Whether `path` is one of our run directories: it has a lock file or a `last` link to a step folder."""
-    last = path / "last"
-    return (path / LOCK_NAME).is_file() or (last.is_symlink() and os.readlink(last).startswith("step-"))
+    return (path / LOCK_NAME).is_file() or "last" in linked_steps(path)
 
 
 def enclosing_run(path: Path) -> Path | None:
@@ -116,7 +115,7 @@ def check_resume_dir(run_dir: Path) -> None:
 
 def holds_run(run_dir: Path) -> bool:
     """Whether run_dir holds a run with a checkpoint (new training there would throw it away)."""
-    return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or any(run_dir.glob("step-*"))
+    return (run_dir / "last").is_symlink() or (run_dir / "last").exists() or bool(step_folders(run_dir))
 
 
 @contextmanager
