@@ -127,3 +127,20 @@ def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(cor
     (other / "experiment.json").write_text(json.dumps({"experiment": "moe_capacity", "setting": {}}))
     with pytest.raises(Exception, match="not an unfinished run of this experiment"):
         run_experiment("moe_capacity", other, setting, progress=False)
+
+
+def test_an_experiments_files_replace_a_planted_link_instead_of_writing_through_it(tmp_path):
+    """results.json and table.md were written with write_text, through whatever link stood at their name."""
+    from nanollama4.experiments.common import save, write_table
+
+    target = tmp_path / "target.txt"
+    target.write_text("someone else's")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.json", "table.md"):
+        (out / name).symlink_to(target)
+    save(out, "gqa", Setting(), [])
+    write_table(out, "| a |")
+    assert target.read_text() == "someone else's"
+    assert not (out / "results.json").is_symlink() and json.loads((out / "results.json").read_text())["arms"] == []
+    assert (out / "table.md").read_text() == "| a |\n"

@@ -247,3 +247,17 @@ def test_a_failed_export_leaves_nothing_that_a_retry_refuses(tiny_run, tmp_path,
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                       "tokenizer.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def test_exporting_into_a_symlink_says_it_is_a_link_and_writes_nothing(tiny_run, tmp_path, capsys):
+    """A link to an empty folder used to be refused as "not an empty folder", which it is."""
+    from tests.helpers import assert_cli_error, run_cli
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(empty)
+    rc, _, err = run_cli(["export", str(tiny_run), str(link)], capsys)
+    line = assert_cli_error(rc, err, "export")
+    assert f"{link} is a symlink (to {empty}); export into a new or empty folder that is not a link" in line, line
+    assert not any(empty.iterdir()) and link.is_symlink()

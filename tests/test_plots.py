@@ -142,3 +142,25 @@ def test_crafted_lines_are_skipped_with_one_warning_and_sizes_are_bounded(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: {len(CRAFTED) + 1} line(s) of {tmp_path / 'metrics.jsonl'} are not step records "
                    "(cut short or edited) and were skipped"]
+
+
+def test_a_planted_plots_link_is_refused_in_one_line_and_its_target_untouched(tmp_path: Path, capsys) -> None:
+    """`nanollama4 plot RUN` with RUN/plots -> another folder used to overwrite loss.png there and create
+    expert_load.png beside it."""
+    from tests.helpers import assert_cli_error, run_cli, snapshot
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _write_run(run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "loss.png").write_bytes(b"someone else's picture")
+    (run / "plots").symlink_to(elsewhere)
+    before = snapshot(elsewhere)
+    rc, _, err = run_cli(["plot", str(run)], capsys)
+    line = assert_cli_error(rc, err, "plot")
+    assert f"{run / 'plots'} is a symlink; nanollama4 writes only in folders it made: remove the link" in line
+    assert snapshot(elsewhere) == before
+    with pytest.raises(OSError, match="is a symlink"):
+        plot_run(run)
+    assert snapshot(elsewhere) == before

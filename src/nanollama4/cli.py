@@ -315,11 +315,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .checkpoint import load_run
-    from .hf import export_hf
+    from .hf import check_export_target, export_hf
 
     out = Path(args.out)
-    if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not an empty folder; export into a new or empty folder")
+    check_export_target(out)  # before the model is read
     model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
     export_hf(model, out, tokenizer.save)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "

@@ -1,8 +1,10 @@
 """Files in and out, for files we did not make as much as for our own.
 
-Writing: a reader, or a crash, never sees half of a file (`atomic_write`); a file of ours is never opened
-through a symlink someone planted in its place (`open_owned`); a failed write (a full disk, a read-only
-folder) is one `WriteError` naming the file and the cause, not a traceback.
+Writing: a reader, or a crash, never sees half of a file (`atomic_write`, which replaces a symlink at the
+target rather than writing through it); a file of ours is never opened through a symlink someone planted
+in its place (`open_owned`), nor written in a folder of ours that a planted symlink stands for
+(`own_folder`); a failed write (a full disk, a read-only folder) is one `WriteError` naming the file and the
+cause, not a traceback.
 
 Reading: anything we load may have been crafted. `regular_file` refuses what is not a plain file (a FIFO
 would block forever, /dev/zero never ends); `read_json` is the one JSON reader, bounded in size and
@@ -83,6 +85,27 @@ def open_owned(path: Path, mode: str = "a") -> IO[str]:
             raise WriteError(f"{path} is a symlink; nanollama4 writes only files it made: remove the link") from None
         raise write_failed(path, e) from None
     return os.fdopen(fd, mode, encoding="utf-8")
+
+
+def own_folder(root: Path, *parts: str) -> Path:
+    """root/part/..., each folder below `root` made if missing and refused (WriteError) where it is a symlink
+    or not a folder: a link planted at RUN/plots would otherwise make us write our files wherever it points.
+    `root` itself is the user's choice (a run directory, an --out) and may be reached through links."""
+    path = Path(root)
+    for part in parts:
+        path = path / part
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise write_failed(path, e) from None
+        if path.is_symlink():
+            raise WriteError(f"{path} is a symlink; nanollama4 writes only in folders it made: remove the link "
+                             "(what it points at is left alone)")
+        if not path.is_dir():
+            raise WriteError(f"{path} is not a folder; nanollama4 writes its files there: move it away")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import check_shapes, check_vocab, load_run
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
 from .model import Transformer
 from .ops import install
@@ -238,6 +238,16 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     return install(model) if fast else model
 
 
+def check_export_target(out: Path) -> None:
+    """Refuse, before any work, an export folder that is a symlink (the export would land wherever it points)
+    or that exists and is not an empty folder (an export replaces nothing)."""
+    if out.is_symlink():
+        raise ConfigError(f"{out} is a symlink (to {os.path.realpath(out)}); export into a new or empty folder "
+                          "that is not a link")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty folder; export into a new or empty folder")
+
+
 def export_hf(model: Transformer, path: str | os.PathLike[str],
               tokenizer_save: Callable[[Path], Any] | None = None) -> Path:
     """Write `model` (and the tokenizer, through `tokenizer_save(file)`) as a reference checkpoint directory
@@ -247,6 +257,7 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
     `path` when that is an empty folder): a failed export (a full disk, a kill) leaves no half-written folder
     that a retry would refuse."""
     path = Path(path)
+    check_export_target(path)
     hf_config = config_to_hf(model.cfg)
     tensors = {}
     for name, t in model.state_dict().items():

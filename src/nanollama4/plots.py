@@ -17,7 +17,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from .errors import MissingRunFile
-from .files import atomic_write, write_failed
+from .files import atomic_write, own_folder, write_failed
 
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
@@ -128,7 +128,7 @@ def plot_losses(run_dir: str | os.PathLike) -> Path:
         ax.legend(loc="upper right")
     if bad:
         fig.text(0.01, 0.01, f"{bad} unparsable line(s) skipped", fontsize=7, color="gray")
-    return save_png(fig, Path(run_dir) / "plots" / "loss.png")
+    return save_png(fig, own_folder(Path(run_dir), "plots") / "loss.png")
 
 
 def _bin_columns(steps: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -175,13 +175,15 @@ def plot_expert_load(run_dir: str | os.PathLike) -> Path | None:
     axes[0].set_title(f"Expert load / uniform — {Path(run_dir).resolve().name} (1.0 = balanced)")
     # default aspect makes the bar height/20 wide, a slab on tall figures; keep it ~0.2 inch
     fig.colorbar(mesh, ax=list(axes), label="load / uniform", aspect=max(20.0, fig.get_figheight() / 0.2))
-    return save_png(fig, Path(run_dir) / "plots" / "expert_load.png")
+    return save_png(fig, own_folder(Path(run_dir), "plots") / "expert_load.png")
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
-    """Write every plot that applies to this run; dense runs get only the loss plot. Lines of metrics.jsonl
-    that are not records of ours are skipped, with one warning on stderr."""
+    """Write every plot that applies to this run into RUN/plots/ (never through a symlink planted there:
+    `files.own_folder`); dense runs get only the loss plot. Lines of metrics.jsonl that are not records of
+    ours are skipped, with one warning on stderr."""
     _, _, bad = _parse_metrics(_metrics_path(run_dir))
+    own_folder(Path(run_dir), "plots")  # refused before any figure is drawn
     if bad:
         print(f"warning: {bad} line(s) of {Path(run_dir) / 'metrics.jsonl'} are not step records (cut short or "
               "edited) and were skipped", file=sys.stderr)

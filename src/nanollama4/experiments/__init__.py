@@ -37,6 +37,7 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
     are read back, an interrupted arm resumes exactly from its last checkpoint, the rest are trained."""
     from dataclasses import asdict, replace
 
+    from ..files import atomic_write
     from .common import Setting
 
     if name not in EXPERIMENTS:
@@ -58,7 +59,7 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
                               "pass a new or empty --out (or the same options as the interrupted run)")
     else:  # what a rerun into this folder must match to continue it
         out.mkdir(parents=True, exist_ok=True)
-        (out / STARTED).write_text(json.dumps(started, indent=1) + "\n")
+        atomic_write(out / STARTED, lambda tmp: Path(tmp).write_text(json.dumps(started, indent=1) + "\n"))
     return module.run(out, setting, progress)
 
 

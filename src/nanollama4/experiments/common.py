@@ -21,7 +21,7 @@ from ..checkpoint import read_model_config, resolve_checkpoint
 from ..config import ModelConfig, TrainConfig
 from ..errors import CheckpointError
 from ..evaluation import full_validation_loss_of_run
-from ..files import read_json
+from ..files import atomic_write, read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
 from ..runs import is_run_dir, resume_config
@@ -257,7 +257,7 @@ def save(out: Path, experiment: str, setting: Setting, results: Sequence[ArmResu
     doc = {"experiment": experiment, "date": time.strftime("%Y-%m-%d %H:%M"), "setting": asdict(setting),
            "arms": [asdict(r) for r in results], **(extra or {})}
     path = out / "results.json"
-    path.write_text(json.dumps(doc, indent=1))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1)))
     return path
 
 
@@ -274,7 +274,7 @@ def load_results(out: Path) -> tuple[dict[str, Any], list[ArmResult]]:
 def write_table(out: Path, table: str) -> Path:
     """OUT/table.md."""
     path = out / "table.md"
-    path.write_text(table + "\n")
+    atomic_write(path, lambda tmp: Path(tmp).write_text(table + "\n"))
     return path
 
 
