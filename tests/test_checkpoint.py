@@ -533,3 +533,19 @@ def test_a_folder_of_someone_elses_where_a_checkpoint_goes_is_kept_and_the_save_
     assert f"step 5 not saved: {theirs} exists and is not a checkpoint nanollama4 wrote" in line, line
     assert (theirs / "notes.txt").read_text() == "mine" and [p.name for p in theirs.iterdir()] == ["notes.txt"]
     assert os.readlink(run_copy / "last") == "step-0000004"
+
+
+@pytest.mark.parametrize(("file", "key", "text"), [
+    ("train_state.json", "best_val_loss", "NaN"),
+    ("train_state.json", "val_loss", "-Infinity"),
+    ("train_config.json", "lr", "1e999"),
+])
+def test_a_non_finite_number_in_a_state_file_is_refused_in_one_line(file, key, text, run_copy, capsys):
+    """best_val_loss NaN used to be accepted: every later comparison with it is false, so `best` never moved
+    again and generate, eval, serve and export read a stale step."""
+    path = run_copy / "step-0000004" / file
+    doc = json.loads(path.read_text())
+    doc[key] = "PLACEHOLDER"
+    path.write_text(json.dumps(doc).replace('"PLACEHOLDER"', text))
+    line = assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], run_copy)
+    assert f"{path} holds a non-finite number ({text}), which no file of ours holds" in line, line

@@ -365,8 +365,8 @@ def load_train_state(ckpt: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor
     number = (int, float)
     checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
               "elapsed": lambda v: isinstance(v, number) and math.isfinite(v) and v >= 0,
-              "best_val_loss": lambda v: v is None or isinstance(v, number),
-              "val_loss": lambda v: v is None or isinstance(v, number),
+              "best_val_loss": lambda v: v is None or isinstance(v, number) and math.isfinite(v),
+              "val_loss": lambda v: v is None or isinstance(v, number) and math.isfinite(v),
               "world_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 2**20,
               "data": lambda v: v is None or isinstance(v, str)}
     for key, ok in checks.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import stat
 import tempfile
@@ -129,15 +130,36 @@ def regular_file(path: Path, inside: Path | None = None) -> Path:
     return path
 
 
+class _NonFinite(ValueError):
+    """A NaN or an infinity where a JSON file holds a number."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "1e999" parses to inf
+        raise _NonFinite(text)
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise _NonFinite(name)  # NaN, Infinity, -Infinity: Python's json reads them, though JSON has no such values
+
+
 def read_json(path: Path, kind: type = dict, limit: int = JSON_LIMIT) -> Any:
     """The JSON value in `path`, which must be a `kind` (dict, list; None for any); a missing, oversized,
-    too deeply nested, malformed or mistyped file is one CheckpointError naming it."""
+    too deeply nested, malformed or mistyped file, or one holding a non-finite number, is one
+    CheckpointError naming it. Non-finite numbers are refused for every file: a NaN best validation loss
+    would make every later comparison false and freeze `best` at a stale step, and no file of ours ever
+    holds one."""
     path = regular_file(path)
     size = path.stat().st_size
     if size > limit:
         raise CheckpointError(f"{path} is {size:,} bytes, more than the {limit:,} a JSON file of ours may be")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(path.read_bytes().decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
+    except _NonFinite as e:
+        raise CheckpointError(f"{path} holds a non-finite number ({e}), which no file of ours holds; the file is "
+                              "corrupt or was edited: restore it or use another checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
     except RecursionError:
