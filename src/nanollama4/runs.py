@@ -33,7 +33,7 @@ import torch
 from .checkpoint import LOCK_NAME, clear_leftovers, linked_steps, resolve_checkpoint, step_folders
 from .config import ModelConfig, TrainConfig
 from .data import TokenDataset
-from .errors import CheckpointError, DataError, TrainingError, WriteError
+from .errors import CheckpointError, ConfigError, DataError, TrainingError, WriteError
 from .files import atomic_write, read_json
 from .tokenizer import Tokenizer, UnknownCharacters
 
@@ -231,7 +231,26 @@ def resume_config(run_dir: str | Path, **overrides: Any) -> TrainConfig:
     expert parallelism), since checkpoints are the same whatever the spread."""
     check_resume_dir(Path(run_dir))
     saved = read_json(resolve_checkpoint(run_dir, prefer="last") / "train_config.json")
-    return saved_train_config(run_dir, {**{k: v for k, v in saved.items() if k not in LAUNCH_KEYS}, **overrides})
+    kept = {k: v for k, v in saved.items() if k not in LAUNCH_KEYS}
+    saved_train_config(run_dir, kept)  # the file alone first: its own faults are the file's
+    try:
+        return TrainConfig.from_dict({**kept, **overrides})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{_culprits(kept, overrides)} given on the command line: {e} (the run's "
+                          "train_config.json is fine; pass another value)") from None
+
+
+def _culprits(kept: dict[str, Any], overrides: dict[str, Any]) -> str:
+    """The overrides that make a valid saved config invalid, as key=value: those that do so alone, else all."""
+    def fails(key: str) -> bool:
+        try:
+            TrainConfig.from_dict({**kept, key: overrides[key]})
+        except (TypeError, ValueError):
+            return True
+        return False
+
+    keys = [k for k in overrides if fails(k)] or list(overrides)
+    return ", ".join(f"--set {k}={overrides[k]}" for k in keys)
 
 
 def fit_seq_len(tc: TrainConfig, cfg: ModelConfig) -> TrainConfig:
