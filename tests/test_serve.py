@@ -580,6 +580,128 @@ def test_half_sent_requests_are_closed_in_bounded_time_and_connections_are_bound
     engine.close(cancel=True, timeout=30)
 
 
+def _until_closed(sock, limit: float) -> tuple[bytes, float | None]:
+    """What the server sends on `sock` until it closes it: (bytes, seconds it took), or None for the seconds
+    when it is still open after `limit`."""
+    started, data = time.time(), b""
+    while time.time() - started < limit:
+        sock.settimeout(max(0.01, limit - (time.time() - started)))
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            break
+        if not chunk:
+            return data, time.time() - started
+        data += chunk
+    return data, None
+
+
+def test_a_pipelined_request_has_the_same_deadline_as_any():
+    """A whole GET and the start of a second request in one packet: the second was parsed from the buffer once
+    the first was answered, with no new data to arm its deadline, so it held the connection for good (530
+    such connections and /health answered 503 until restarted)."""
+    import socket
+
+    from nanollama4.serve.guard import guarded_protocol
+
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    with running(engine, http=guarded_protocol(request_timeout=1.0, max_connections=24)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                      b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"pro")
+            answer, took = _until_closed(s, limit=6)
+        assert answer.startswith(b"HTTP/1.1 200") and b'"status"' in answer, answer  # the first one is answered
+        assert took is not None and took < 4, took  # the second one's 1 s ran out: closed
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    engine.close(cancel=True, timeout=30)
+
+
+def test_a_bracketed_host_is_an_address_and_a_port_and_nothing_else(served):
+    from nanollama4.serve.guard import HostRule
+
+    local, wide = HostRule("127.0.0.1"), HostRule("0.0.0.0")
+    for header in ("[::1]evil.example", "[::1].evil.example", "[::1]:8000evil", "[::1]:evil.example", "[::1"):
+        assert not local.allows(header) and not wide.allows(header), header
+    assert local.allows("[::1]") and local.allows("[::1]:8000") and wide.allows("[fe80::1]:8000")
+    r = httpx.get(f"{served.url}/health", headers={"Host": "[::1]evil.example"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "host", r.text
+
+
+def test_a_repeated_host_origin_or_content_type_is_refused():
+    """With repeats the last copy won: an evil Origin followed by the server's own passed, and so did text/plain
+    followed by application/json."""
+    import socket
+
+    from nanollama4.serve.guard import guarded_protocol
+
+    model, tok = _model()
+    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    with running(engine, http=guarded_protocol(request_timeout=5.0, max_connections=24)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps(OK).encode()
+        here = f"127.0.0.1:{port}".encode()
+        repeats = {"host": [b"Host: evil.example", b"Host: " + here, b"Content-Type: application/json"],
+                   "origin": [b"Host: " + here, b"Origin: http://evil.example", b"Origin: http://" + here,
+                              b"Content-Type: application/json"],
+                   "content-type": [b"Host: " + here, b"Content-Type: text/plain", b"Content-Type: application/json"]}
+        for param, headers in repeats.items():
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\n" + b"\r\n".join(headers) +
+                          b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                answer, _ = _until_closed(s, limit=10)
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), (param, answer)
+            error = json.loads(payload)["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (param, error)
+        assert engine.finished.total() == 0  # none of them ran
+        r = httpx.post(f"{url}/v1/completions", content=body, headers=[("Origin", "http://evil.example"),
+                                                                       ("Origin", url), *JSON.items()])
+        assert r.status_code == 400 and r.json()["error"]["message"] == ("the Origin header is sent 2 times; a "
+                                                                         "request may send it once")
+        assert httpx.post(f"{url}/v1/completions", content=body, headers=JSON).status_code == 200
+    engine.close(cancel=True, timeout=30)
+
+
+def _refuses_to_serve(**options) -> str:
+    """The one-line ConfigError `serve(**options)` raises before it listens."""
+    from nanollama4.errors import ConfigError
+    from nanollama4.serve.server import serve
+
+    def listening(line: str) -> None:
+        raise AssertionError(f"it served: {line}")
+
+    model, tok = _model()
+    with pytest.raises(ConfigError) as e:
+        serve(model, tok, NAME, port=0, announce=listening, **options)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_an_allowed_origin_must_be_an_origin_and_never_star():
+    from nanollama4.serve.guard import check_origin
+
+    assert _refuses_to_serve(allow_origins=["http://localhost:3000", "*"]) == (
+        "--allow-origin '*' would let every web page the user opens use the server; name the page's origin "
+        "instead (e.g. --allow-origin http://localhost:3000)")
+    for bad in ("localhost:3000", "ftp://example.org", "http://example.org/app", "http://example.org:port",
+                "http://", "null", "http://example.org?x", "http://user@example.org", "http://example.org:",
+                "http://[::1", "http://local host"):
+        assert _refuses_to_serve(allow_origins=[bad]) == (
+            f"--allow-origin {bad!r} is not an origin: give scheme://host[:port], with scheme http or https and no "
+            "path (e.g. http://localhost:3000)")
+    assert [check_origin(o) for o in ("HTTP://LocalHost:3000/", "https://example.org", "http://[::1]:8080")] == [
+        "http://localhost:3000", "https://example.org", "http://[::1]:8080"]
+
+
+def test_a_max_context_above_the_models_is_refused_in_one_line():
+    """The engine cut it down to the model's max_seq_len without a word."""
+    assert _refuses_to_serve(max_context=99999999999) == (
+        "--max-context 99999999999 is more than this model can use; the largest accepted is its max_seq_len, 64")
+
+
 def test_a_cache_that_cannot_fit_is_one_line_and_max_context_bounds_it(tmp_path, capsys):
     """A run whose max_seq_len is 2^27 (within the config's bounds) allocated every KV slot up front: a
     256 GiB allocation traceback."""

@@ -4,16 +4,19 @@ A model server on 127.0.0.1 is still reachable by every web page the user opens:
 cross-origin answer, but it can send "simple" requests (a form or text/plain POST, no preflight), and a
 DNS-rebinding page (its own name re-pointed at 127.0.0.1) is same-origin with the server and reads
 everything. So, per request (`Guard`, an ASGI middleware):
+- `Host`, `Origin` and `Content-Type` may each be sent once (400 else): with a repeat, the copy a rule reads
+  need not be the one that decides what the request does;
 - the `Host` header must name the server as it was bound (`allowed_hosts`), or a name given with
   --allowed-host: a rebinding page sends its own name and is refused (400);
 - a browser's `Origin` must be the server's own (its page) or one given with --allow-origin (403 else); CORS
-  preflights are answered for those origins only;
+  preflights are answered for those origins only. An allowed origin is `scheme://host[:port]`, and never `*`;
 - a POST body must be declared `application/json` (415 else), which no page can send cross-origin without a
   preflight.
 
-Per connection (`guarded_protocol`, uvicorn's HTTP/1.1 protocol with two limits): a request that has not
-arrived whole within `request_timeout` seconds is closed, and past `max_connections` open connections a new
-one is answered 503 and closed at once, so idle half-sent requests cannot exhaust the process's descriptors.
+Per connection (`guarded_protocol`, uvicorn's HTTP/1.1 protocol with two limits): each request it carries,
+pipelined ones included, must arrive whole within `request_timeout` seconds of the connection starting to
+wait for it, or the connection is closed; and past `max_connections` open connections a new one is answered
+503 and closed at once; so idle half-sent requests cannot exhaust the process's descriptors.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import ipaddress
 import json
 import logging
 import socket
+import sys
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..errors import ConfigError
 
 log = logging.getLogger("nanollama4.serve")
 
@@ -33,13 +40,16 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("0.0.0.0", "::", "")
 REQUEST_TIMEOUT = 20.0  # seconds for a request's headers and body to arrive
 MAX_CONNECTIONS = 512
+ONCE = {"host": "Host", "origin": "Origin", "content-type": "Content-Type"}  # headers a request may send once
 
 
 def host_name(header: str) -> str:
-    """The name part of a Host header ("[::1]:8000" -> "::1", "localhost:8000" -> "localhost"), lowercased."""
+    """The name part of a Host header ("[::1]:8000" -> "::1", "localhost:8000" -> "localhost"), lowercased;
+    "" for a bracketed one that is not `[addr]` or `[addr]:PORT`, so that no allowed name matches it."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:].partition("]")[0]
+        name, bracket, rest = header[1:].partition("]")
+        return name if bracket and (not rest or rest[0] == ":" and rest[1:].isdigit()) else ""
     name, colon, port = header.rpartition(":")
     return name if colon and port.isdigit() and ":" not in name else header
 
@@ -64,17 +74,40 @@ class HostRule:
         names = set(LOOPBACK_NAMES)
         if not loopback:
             names |= {bind_host, socket.gethostname().lower(), socket.getfqdn().lower()}
-        self.names = frozenset(names - set(WILDCARDS)) | {host_name(n) for n in extra}
+        self.names = frozenset(names - set(WILDCARDS)) | {host_name(n) for n in extra} - {""}
 
     def allows(self, header: str | None) -> bool:
-        if not header:
-            return False
-        name = host_name(header)
-        return name in self.names or (self.any_ip and _is_ip(name))
+        name = host_name(header or "")
+        return bool(name) and (name in self.names or (self.any_ip and _is_ip(name)))
 
     def describe(self) -> str:
         shown = sorted(self.names)
         return ", ".join(shown) + (", or any IP address" if self.any_ip else "")
+
+
+def check_origin(origin: str) -> str:
+    """`origin` as a browser sends it (lowercased, no trailing slash), or a ConfigError in one line: a page is
+    allowed by naming its origin exactly, so anything else would never match, or (`*`) match every page."""
+    if origin.strip() == "*":
+        raise ConfigError("--allow-origin '*' would let every web page the user opens use the server; name the "
+                          "page's origin instead (e.g. --allow-origin http://localhost:3000)")
+    normal = origin.strip().lower().removesuffix("/")
+    if not _is_origin(normal):
+        raise ConfigError(f"--allow-origin {origin!r} is not an origin: give scheme://host[:port], with scheme http "
+                          "or https and no path (e.g. http://localhost:3000)")
+    return normal
+
+
+def _is_origin(text: str) -> bool:
+    try:
+        parts = urlsplit(text)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number, an unclosed bracket
+        return False
+    if parts.scheme not in ("http", "https") or not host or not text.isprintable() or " " in text:
+        return False
+    netloc = (f"[{host}]" if ":" in host else host) + ("" if port is None else f":{port}")
+    return text == f"{parts.scheme}://{netloc}"  # nothing else: no user, path, query or fragment
 
 
 class Guard:
@@ -82,11 +115,16 @@ class Guard:
 
     def __init__(self, app, hosts: HostRule, origins: Iterable[str] = ()) -> None:
         self.app, self.hosts = app, hosts
-        self.origins = frozenset(o.rstrip("/").lower() for o in origins)
+        self.origins = frozenset(check_origin(o) for o in origins)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        names = [k.decode("latin-1") for k, _ in scope["headers"]]
+        for name, shown in ONCE.items():
+            if names.count(name) > 1:
+                return await _refuse(send, 400, f"the {shown} header is sent {names.count(name)} times; a request "
+                                     "may send it once", name)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         host, origin = headers.get("host"), headers.get("origin")
         if not self.hosts.allows(host):
@@ -131,11 +169,15 @@ async def _preflight(send, origin: str) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+def _error(message: str, kind: str, param: str | None) -> bytes:
+    """The body of an OpenAI-style error object."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
+
+
 async def _refuse(send, status: int, message: str, param: str) -> None:
     """An OpenAI-style error object, logged in one line."""
     log.info("refused: %d %s", status, message)
-    kind = "invalid_request_error" if status != 403 else "permission_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
+    body = _error(message, "invalid_request_error" if status != 403 else "permission_error", param)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -144,8 +186,8 @@ async def _refuse(send, status: int, message: str, param: str) -> None:
 def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS) -> type:
     """uvicorn's H11Protocol with a deadline on each request's arrival and a bound on open connections."""
 
-    body = json.dumps({"error": {"message": f"the server has {max_connections} connections open, its most; try "
-                                 "again shortly", "type": "server_error", "param": None, "code": None}}).encode()
+    body = _error(f"the server has {max_connections} connections open, its most; try again shortly", "server_error",
+                  None)
     busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
@@ -160,8 +202,21 @@ def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT, max_connections: 
                 transport.close()
                 return
             self._arm()
+            self.conn.start_next_cycle = self._timed(self.conn.start_next_cycle)  # type: ignore[method-assign]
+
+        def _timed(self, start_next_cycle):
+            """h11's start of the wait for the next request, with that request's deadline armed. It runs after
+            a response (uvicorn's on_response_complete) or, when a body ends after its answer, in
+            handle_events; either then parses a pipelined request from the buffer, with no data_received."""
+
+            def timed() -> None:
+                start_next_cycle()
+                self._arm()
+
+            return timed
 
         def _arm(self) -> None:
+            self._disarm()
             self._arrival = self.loop.call_later(request_timeout, self._too_slow)
 
         def _disarm(self) -> None:
@@ -169,10 +224,8 @@ def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT, max_connections: 
                 self._arrival.cancel()
                 self._arrival = None
 
-        def data_received(self, data: bytes) -> None:
-            if self._arrival is None and self.conn.their_state is h11.IDLE:  # the next request on a kept-alive one
-                self._arm()
-            super().data_received(data)
+        def handle_events(self) -> None:
+            super().handle_events()
             if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):  # arrived whole (or the connection ended)
                 self._disarm()
 
@@ -182,6 +235,20 @@ def guarded_protocol(request_timeout: float = REQUEST_TIMEOUT, max_connections: 
                 log.info("closed a connection from %s: its request had not arrived whole after %g s",
                          "{}:{}".format(*self.client) if self.client else "a client", request_timeout)
                 self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            """An OpenAI-style error object saying what h11 found wrong ("Found multiple Host: headers"), in
+            place of uvicorn's plain "Invalid HTTP request received."; uvicorn calls this while handling
+            h11's error."""
+            reason = str(sys.exc_info()[1] or msg)
+            log.info("refused: 400 %s", reason)
+            body = _error(f"not a valid HTTP/1.1 request: {reason}", "invalid_request_error",
+                          "host" if "Host:" in reason else None)
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from ..errors import ConfigError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, guarded_protocol
+from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, check_origin, guarded_protocol
 
 GRACE = 30  # seconds in-flight requests get to finish after SIGTERM
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -55,10 +55,12 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
           max_context: int | None = None) -> None:
     """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens.
 
-    Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`;
-    a request must arrive whole within `request_timeout` s, and at most `max_connections` are open (default:
-    512, or fewer when the process may open fewer files). `max_context` bounds prompt + answer below the
-    model's max_seq_len, and with it the KV cache allocated up front (refused in one line if it cannot fit)."""
+    Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`
+    (each `scheme://host[:port]`, checked here so that a mistake stops the command, not the first request);
+    each request must arrive whole within `request_timeout` s, and at most `max_connections` are open
+    (default: 512, or fewer when the process may open fewer files). `max_context` bounds prompt + answer, at
+    most the model's max_seq_len (the engine would cut a larger one down without a word, so it is refused),
+    and with it the KV cache allocated up front (refused in one line if it cannot fit)."""
     try:
         import uvicorn
 
@@ -68,6 +70,10 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
                           "pip install 'nanollama4[serve]'") from None
     from .engine import Engine, log
 
+    allow_origins = [check_origin(o) for o in allow_origins]
+    if max_context is not None and max_context > model.cfg.max_seq_len:
+        raise ConfigError(f"--max-context {max_context} is more than this model can use; the largest accepted is "
+                          f"its max_seq_len, {model.cfg.max_seq_len}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     sock = bind(host, port)
     if host not in LOCAL_HOSTS:
