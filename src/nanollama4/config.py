@@ -268,6 +268,8 @@ class TrainConfig(_JsonConfig):
         if self.max_time is not None and not (isinstance(self.max_time, (int, float))
                                                and math.isfinite(self.max_time) and self.max_time > 0):
             raise ConfigError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
+        if self.max_time is not None and self.max_time > MAX_DURATION:
+            raise ConfigError(f"max_time ({self.max_time:g} s) is more than a year; give the time you mean to train")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"optimizer ({self.optimizer!r}) must be 'adamw' or 'muon' (Muon for the hidden "
                               "matrices, AdamW for the rest)")
@@ -366,7 +368,13 @@ def parse_duration(text: str) -> float:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
         raise ConfigError(f"duration {text!r} must be a positive time such as 300, 300s, 10m or 1.5h")
+    if seconds > MAX_DURATION:
+        raise ConfigError(f"duration {text!r} is more than a year ({MAX_DURATION / 3600:,.0f}h); the learning rate "
+                          "follows the whole budget, so give the time you mean to train, such as 10m or 8h")
     return seconds
+
+
+MAX_DURATION = 366 * 24 * 3600.0  # seconds: a longer --max-time is a slip of the unit, not a plan
 
 
 def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:

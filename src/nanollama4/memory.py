@@ -126,6 +126,53 @@ def kv_cache(cfg: ModelConfig, seq_len: int, dtype: str = "float16") -> KVCacheR
     )
 
 
+@dataclass(frozen=True)
+class TrainingMemory:
+    """What one training step holds, in bytes: the same for every step, so it can be checked before the first.
+
+    `state` is the float32 weights, their gradients and the optimizer's moments; `per_sequence` what one
+    sequence of the micro-batch adds (the activations kept for the backward pass, in float32, its token ids,
+    and its share of the fixed validation batches). Activations are estimated per token from the layer
+    shapes (about 16 values of the width per layer, plus the feed-forward's hidden values and the logits);
+    the estimate was checked against the peak memory of real steps (benchmarks/RESULTS.md), and errs low, so
+    that only a step that surely cannot fit is refused."""
+
+    state: int
+    per_sequence: int
+    batch_size: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.batch_size * self.per_sequence
+
+    def largest_batch(self, free: int) -> int:
+        """The largest batch_size whose step fits in `free` bytes (0 when the state alone does not)."""
+        return max(0, (free - self.state) // self.per_sequence)
+
+
+def training_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
+                    eval_batches: int = 16, state_shards: int = 1) -> TrainingMemory:
+    """The memory a training step of `cfg` takes (see `TrainingMemory`); `state_shards` ranks share the state
+    (FSDP)."""
+    counts = param_counts(cfg)
+    moments = 2 * counts.total  # AdamW: two moments per weight
+    if optimizer == "muon":  # one momentum for the hidden matrices, AdamW's two for the rest
+        rest = counts.embedding + counts.lm_head + counts.norms
+        moments = (counts.total - rest) + 2 * rest
+    state = 4 * (2 * counts.total + moments) // state_shards
+    d = cfg.d_model
+    per_token = 3 * cfg.vocab_size  # logits, their softmax and its gradient
+    for layer in range(cfg.n_layers):
+        per_token += 16 * d
+        if cfg.is_moe(layer):
+            k = cfg.experts_per_token
+            per_token += (k + cfg.shared_expert) * 3 * cfg.expert_dim + 2 * k * d + 2 * cfg.n_experts
+        else:
+            per_token += 3 * cfg.ffn_dim
+    ids = 2 * 8 * (1 + eval_batches)  # int64 inputs and targets: this step's and the validation batches'
+    return TrainingMemory(state=state, per_sequence=seq_len * (4 * per_token + ids), batch_size=batch_size)
+
+
 def format_bytes(n: int) -> str:
     """Binary units: '128 KiB', '1 GiB', '1.50 MiB' (whole numbers shown without decimals)."""
     value = float(n)

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,7 @@ from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
 from .files import open_owned, read_json, read_safetensors, write_failed
+from .memory import training_memory
 from .model import Transformer
 from .ops import build_model, kernels
 from .optim import make_optimizer, set_lr
@@ -65,7 +67,7 @@ from .runs import (
     token_dataset,
     truncate_metrics,
 )
-from .runtime import BF16_PAYS, bf16_speedup, pick_device
+from .runtime import BF16_PAYS, available_memory, bf16_speedup, pick_device
 from .tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -185,10 +187,17 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     world = World.from_env()
     if tc.max_steps is None and tc.max_time is None:
         raise TrainingError("give a budget: --max-steps N or --max-time 10m")
+    if tc.max_time and tc.max_time > LONG_BUDGET and world.main:
+        print(f"warning: --max-time {tc.max_time / 86400:.1f} days: the learning rate follows the whole budget "
+              f"(its warm-up alone lasts {tc.warmup_frac * tc.max_time / 3600:,.1f} h), so a run stopped long before "
+              "it ends never reaches a low learning rate; give the time you mean to train", file=sys.stderr,
+              flush=True)
     if resume:
         check_resume_dir(run_dir)
         ckpt = resolve_checkpoint(run_dir, prefer="last")  # fails, creating nothing, where there is no run
-        distributed.check(world, tc, read_model_config(ckpt))
+        saved_cfg = read_model_config(ckpt)
+        distributed.check(world, tc, saved_cfg)
+        check_step_fits(saved_cfg, tc, world)
     else:
         if model_cfg is None:
             raise TrainingError("a new run needs a model config")
@@ -196,6 +205,8 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         find_corpus_files(data)  # a missing corpus fails before the run directory is created
         tc = fit_seq_len(tc, model_cfg)
         distributed.check(world, tc, model_cfg)
+        bpe = tc.tokenizer == "bpe"  # a char vocabulary is the corpus's: the preset's size stands in for it
+        check_step_fits(model_cfg.replace(vocab_size=tc.bpe_vocab_size) if bpe else model_cfg, tc, world)
     pick_device(tc.device)
     # every rank has made the checks above; rank 0 alone creates and locks the run directory
     device = distributed.join(world, tc)
@@ -469,6 +480,36 @@ def _choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device, w
         print(f"bf16=auto: bf16 products measured {speedup:.1f}x float32's here -> "
               f"{'bf16 autocast' if chosen else 'float32'}", flush=True)
     return tc.replace(bf16=chosen)
+
+
+LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
+
+
+def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> None:
+    """Refuse, before anything is allocated, a training step that cannot fit in the memory this machine has
+    free (`memory.training_memory`, which errs low), in one line naming the largest batch_size that fits.
+    A huge batch_size used to be a MemoryError traceback from the batch sampler, or the kernel's kill on
+    resume. On the CPU only: a GPU's free memory is not read before the rank has chosen its device."""
+    if tc.device not in ("cpu", "auto") or (tc.device == "auto" and torch.cuda.is_available()):
+        return
+    free = available_memory()
+    if free is None:
+        return
+    free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))  # ranks on this machine share it
+    seq_len = tc.seq_len or cfg.max_seq_len
+    step = training_memory(cfg, tc.batch_size, seq_len, tc.optimizer, tc.eval_batches,
+                           state_shards=world.size if tc.parallel == "fsdp" else 1)
+    if step.total <= free:
+        return
+    gib = 2**30
+    fits = step.largest_batch(free)
+    if fits == 0:
+        raise TrainingError(f"the model's weights, gradients and {tc.optimizer} state alone need about "
+                            f"{step.state / gib:,.1f} GiB and {free / gib:,.1f} GiB is free; train a smaller model")
+    raise TrainingError(f"a step of batch_size {tc.batch_size:,} x seq_len {seq_len:,} needs about "
+                        f"{step.total / gib:,.1f} GiB (of it {step.state / gib:,.1f} GiB weights, gradients and "
+                        f"optimizer state) and {free / gib:,.1f} GiB is free; pass --set batch_size={fits:,} or "
+                        "less (with --set grad_accum=N for as many tokens per step)")
 
 
 def _set_threads(tc: TrainConfig) -> None:
