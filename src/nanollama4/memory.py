@@ -1,4 +1,4 @@
-"""Parameter and KV-cache arithmetic from a ModelConfig alone: no tensors, no torch.
+"""Parameter, KV-cache and training-step memory arithmetic from a ModelConfig alone: no tensors, no torch.
 
 Sizing a model (how many weights, how many of them a token actually uses, how much memory the KV
 cache takes at a given context) should not require building it: a 400B-parameter preset must be
@@ -133,7 +133,8 @@ class TrainingMemory:
     `state` is the float32 weights, their gradients and the optimizer's moments; `per_sequence` what one
     sequence of the micro-batch adds (the activations kept for the backward pass, in float32, its token ids,
     and its share of the fixed validation batches). Activations are estimated per token from the layer
-    shapes (about 16 values of the width per layer, plus the feed-forward's hidden values and the logits);
+    shapes (about 16 values of the width per layer, plus the feed-forward's hidden values and the logits, 4
+bytes each, 3 under bf16 autocast);
     the estimate was checked against the peak memory of real steps (benchmarks/RESULTS.md), and errs low, so
     that only a step that surely cannot fit is refused."""
 
@@ -151,9 +152,9 @@ class TrainingMemory:
 
 
 def training_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
-                    eval_batches: int = 16, state_shards: int = 1) -> TrainingMemory:
+                    eval_batches: int = 16, state_shards: int = 1, bf16: bool = False) -> TrainingMemory:
     """The memory a training step of `cfg` takes (see `TrainingMemory`); `state_shards` ranks share the state
-    (FSDP)."""
+    (FSDP); `bf16` autocast keeps some activations at half the size (about a quarter less in all)."""
     counts = param_counts(cfg)
     moments = 2 * counts.total  # AdamW: two moments per weight
     if optimizer == "muon":  # one momentum for the hidden matrices, AdamW's two for the rest
@@ -170,7 +171,8 @@ def training_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
         else:
             per_token += 3 * cfg.ffn_dim
     ids = 2 * 8 * (1 + eval_batches)  # int64 inputs and targets: this step's and the validation batches'
-    return TrainingMemory(state=state, per_sequence=seq_len * (4 * per_token + ids), batch_size=batch_size)
+    per_token = 3 * per_token if bf16 else 4 * per_token
+    return TrainingMemory(state=state, per_sequence=seq_len * (per_token + ids), batch_size=batch_size)
 
 
 def format_bytes(n: int) -> str:

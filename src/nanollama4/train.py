@@ -498,7 +498,7 @@ def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> 
     free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))  # ranks on this machine share it
     seq_len = tc.seq_len or cfg.max_seq_len
     step = training_memory(cfg, tc.batch_size, seq_len, tc.optimizer, tc.eval_batches,
-                           state_shards=world.size if tc.parallel == "fsdp" else 1)
+                           state_shards=world.size if tc.parallel == "fsdp" else 1, bf16=tc.bf16 is not False)
     if step.total <= free:
         return
     gib = 2**30
