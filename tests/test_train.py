@@ -599,19 +599,21 @@ def test_bf16_auto_is_decided_by_the_measured_speedup_and_saved(speedup, chosen,
                                                                 capsys):
     """bf16=auto turns into what the timing says (bf16 only where its products are BF16_PAYS times faster),
     says so in one line, and the run saves the decision, so a resumed run keeps its precision."""
+    from nanollama4.runtime import Bf16Choice
+
     asked = []
 
     def timed(device, rows, d_in, d_out):
         asked.append((rows, d_in, d_out))
-        return speedup
+        return Bf16Choice.measured("AVX512_BF16", [speedup] * 3, [1.0] * 3)
 
     monkeypatch.setattr(train_mod, "bf16_speedup", timed)
     run = tmp_path / "run"
     run_train(run, cfg(max_steps=2, bf16="auto"), work["corpus"], work["cache"])
     tiny = preset("tiny")
     assert asked == [(4 * 32, tiny.d_model, 2 * tiny.expert_dim)]  # the run's rows, the widest FFN product
-    assert f"measured {speedup:.1f}x float32's here -> {'bf16 autocast' if chosen else 'float32'}" \
-        in capsys.readouterr().out
+    assert f"bf16 products {speedup:.2f}x float32's (best of 3 interleaved pairs, pairs ranged " \
+           f"{speedup:.2f}x-{speedup:.2f}x) -> {'bf16 autocast' if chosen else 'float32'}" in capsys.readouterr().out
     assert json.loads((run / "last" / "train_config.json").read_text())["bf16"] is chosen
     resume(run, work["cache"], max_steps=3)
     assert len(asked) == 1  # a resumed run keeps the saved choice: nothing timed again
@@ -619,7 +621,7 @@ def test_bf16_auto_is_decided_by_the_measured_speedup_and_saved(speedup, chosen,
 
 
 def test_bf16_speedup_is_measured_on_this_cpu():
-    from nanollama4.runtime import bf16_speedup
+    from nanollama4.runtime import MIN_PAIRS, bf16_speedup
 
-    speedup = bf16_speedup(torch.device("cpu"), 256, 64, 128)
-    assert math.isfinite(speedup) and speedup > 0
+    choice = bf16_speedup(torch.device("cpu"), 256, 64, 128)
+    assert choice.emulated or (math.isfinite(choice.speedup) and choice.speedup > 0 and choice.pairs >= MIN_PAIRS)

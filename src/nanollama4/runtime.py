@@ -16,6 +16,8 @@ import ctypes.util
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -72,35 +74,153 @@ def pick_device(name: str) -> torch.device:
 
 
 BF16_PAYS = 1.25  # bf16 autocast is chosen when its products run at least this many times float32's speed
+PAIRS, MIN_PAIRS = 8, 3  # float32/bf16 pairs timed: at most, and at least however long they take
+TIMING_BUDGET_S = 0.5  # once spent (a busy machine), no pair past MIN_PAIRS is started
+MAX_MACS = 1 << 28  # the timed product's multiply-adds at most: ~18 ms in float32 on one Zen 5 core
+_CPUINFO = Path("/proc/cpuinfo")
+_NATIVE_BF16 = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512_BF16"))  # the faster first
 
 
-def bf16_speedup(device: torch.device, rows: int, d_in: int, d_out: int) -> float:
-    """How many times faster a training product of this shape runs under bf16 autocast than in float32 here
-    (forward and both gradients, the best of 3 each after a warm-up), for `TrainConfig.bf16 = "auto"`.
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str] | None:
+    """The x86 feature flags of /proc/cpuinfo's first `flags` line (or of the text given), None where there
+    is none to read (not Linux; not x86: an Arm CPU lists `Features`). torch's `get_cpu_capability()` is
+    no help here: it says "AVX512" alike for CPUs with and without bf16 instructions."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = _CPUINFO.read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon and key.strip() == "flags":
+            return frozenset(value.split())
+    return None
+
+
+def native_bf16(flags: frozenset[str]) -> str | None:
+    """The CPU's bf16 product instructions by the name people know them ("AMX", "AVX512_BF16"), or None."""
+    return next((name for flag, name in _NATIVE_BF16 if flag in flags), None)
+
+
+@dataclass(frozen=True)
+class Bf16Choice:
+    """What `bf16=auto` decided on a device and what the decision rests on, for the run's one printed line.
+
+    On a CPU whose x86 flags list neither AMX nor AVX512_BF16, float32, untimed: torch emulates bf16 there
+    and a noisy timing must not say otherwise. Elsewhere bf16 when float32's best time over bf16's best,
+    from interleaved pairs, clears `BF16_PAYS`; with native instructions also when that ratio is at least 1
+    and some pair cleared BF16_PAYS: near the bar, where the timing cannot tell, the flag decides.
+    """
+
+    chosen: bool
+    device: str = "cpu"
+    native: str | None = None  # "AMX" or "AVX512_BF16" where the CPU lists them
+    emulated: bool = False  # the CPU's flags were read and list neither (nothing timed)
+    speedup: float = 0.0  # float32's best time over bf16's best; 0 when nothing was timed
+    pairs: int = 0  # float32/bf16 pairs timed
+    low: float = 0.0  # the lowest and the highest float32/bf16 ratio within one pair
+    high: float = 0.0
+    ranks: int = 1  # how many ranks' slowest numbers these are
+
+    @classmethod
+    def measured(cls, native: str | None, f32: list[float], bf16: list[float]) -> Bf16Choice:
+        """The rule applied to one product's timings, seconds pair by pair (f32[i] just before bf16[i])."""
+        ratios = [a / b for a, b in zip(f32, bf16, strict=True)]
+        speedup = min(f32) / min(bf16)
+        chosen = speedup >= BF16_PAYS or (native is not None and speedup >= 1 and max(ratios) >= BF16_PAYS)
+        return cls(chosen, "cpu", native, False, speedup, len(ratios), min(ratios), max(ratios))
+
+    @property
+    def flag_decided(self) -> bool:
+        """bf16 on the native flag's word: the best ratio fell short of the bar, a pair cleared it."""
+        return self.chosen and self.pairs > 0 and self.speedup < BF16_PAYS
+
+    def across(self, max_over_ranks: Callable[[list[float]], list[float]], ranks: int) -> Bf16Choice:
+        """The same choice on every rank (every rank calls this): bf16 only where every rank chose it, with
+        each number the slowest rank's. `max_over_ranks` is the run's `Parallel.max_over_ranks`."""
+        veto, emulated, speedup, low, high, pairs = max_over_ranks(
+            [float(not self.chosen), float(self.emulated), -self.speedup, -self.low, -self.high, -self.pairs])
+        return replace(self, chosen=not veto, emulated=bool(emulated), speedup=-speedup, low=-low, high=-high,
+                       pairs=int(-pairs), ranks=ranks)
+
+    def describe(self) -> str:
+        """The run's line: what was measured, how sure, and the choice."""
+        then = "bf16 autocast" if self.chosen else "float32"
+        if self.device == "cuda":
+            return f"bf16=auto: this CUDA GPU {'supports' if self.chosen else 'lacks'} bf16 (not timed) -> {then}"
+        if self.device != "cpu":
+            return f"bf16=auto: bf16 is not measured on {self.device} -> {then}"
+        whose = "this CPU's" if self.ranks == 1 else "a rank's CPU"
+        if self.emulated:
+            return (f"bf16=auto: neither AMX nor AVX512_BF16 in {whose} flags, so torch would emulate bf16 "
+                    f"(not timed) -> {then}")
+        basis = f"{self.native} present" if self.native else "no x86 flags to read bf16 support from"
+        slowest = "" if self.ranks == 1 else f" on the slowest of {self.ranks} ranks"
+        line = (f"bf16=auto: {basis}; bf16 products {self.speedup:.2f}x float32's{slowest} (best of {self.pairs} "
+                f"interleaved pairs, pairs ranged {self.low:.2f}x-{self.high:.2f}x)")
+        if self.flag_decided:
+            line += f", under {BF16_PAYS:g}x but within the pairs' range, so {self.native} decides"
+        return f"{line} -> {then}"
+
+
+def bf16_speedup(device: torch.device, rows: int, d_in: int, d_out: int) -> Bf16Choice:
+    """Whether `TrainConfig.bf16 = "auto"` takes bf16 autocast here (`Bf16Choice` has the rule), from the
+    CPU's bf16 instructions and how many times faster a training product of this shape (forward and both
+    gradients) runs under bf16 autocast than in float32.
 
     CPUs differ most: with AMX they run several times float32's (benchmarks/RESULTS.md), without bf16
-    instructions torch emulates them. The casts and the elementwise work a bf16 step adds are not in
-    the product, hence the margin `BF16_PAYS`. CUDA GPUs that support bf16 count as paying without a
-    timing (their tensor cores); other devices as not (autocast's bf16 there is not measured here).
+    instructions torch emulates them. The casts and the elementwise work a bf16 step adds are not in the
+    product, hence the margin `BF16_PAYS`. The run saves the choice and a resume keeps it, so the
+    machine's other work must not make it. Work on every core makes a multi-threaded product wait for its
+    preempted threads whatever its precision (two spinning neighbours on two Zen 5 cores: 0.96x, quiet:
+    3.1x), so the product runs on one thread and counts that thread's CPU time (3.7x both ways). The
+    timings alternate, float32 then bf16, and each side keeps its best, so a burst of load slows both alike
+    and is then passed over. A product past `MAX_MACS` is timed on a block of its rows and columns, which
+    runs at the ratio of the whole (3.5x and 3.5x on Zen 5 for 8192x256x1536) in a tenth of the time.
+    CUDA GPUs that support bf16 count as paying without a timing (their tensor cores); other devices as
+    not (autocast's bf16 there is not measured here).
     """
     if device.type == "cuda":
-        return 2.0 if torch.cuda.is_bf16_supported() else 0.0
+        return Bf16Choice(torch.cuda.is_bf16_supported(), "cuda")
     if device.type != "cpu":
-        return 0.0
+        return Bf16Choice(False, device.type)
+    flags = cpu_flags()
+    native = native_bf16(flags or frozenset())
+    if flags is not None and native is None:
+        return Bf16Choice(False, emulated=True)
+    rows = min(rows, max(256, MAX_MACS // (d_in * d_out)))
+    d_out = min(d_out, max(256, MAX_MACS // (rows * d_in)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Bf16Choice.measured(native, *_interleaved_times(rows, d_in, d_out))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _interleaved_times(rows: int, d_in: int, d_out: int) -> tuple[list[float], list[float]]:
+    """CPU seconds per product in float32 and under bf16 autocast, timed in turns after a warm-up of each
+    (wall seconds where the thread clock ticks too coarsely to time one: Windows' 16 ms)."""
+    clock = time.thread_time if time.get_clock_info("thread_time").resolution <= 1e-6 else time.perf_counter
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, d_in, generator=g).requires_grad_()
     w = (torch.randn(d_in, d_out, generator=g) * d_in ** -0.5).requires_grad_()
 
-    def best(bf16: bool) -> float:
-        times = []
-        for _ in range(4):
-            t = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                y = x @ w
-            y.float().sum().backward()
-            times.append(time.perf_counter() - t)
+    def seconds(bf16: bool) -> float:
+        t = clock()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = x @ w
+        y.float().sum().backward()
+        elapsed = clock() - t
         x.grad = w.grad = None
-        return min(times[1:])
+        return elapsed
 
+    f32: list[float] = []
+    bf16: list[float] = []
     with torch.enable_grad():
-        return best(False) / best(True)
+        seconds(False), seconds(True)
+        start = time.perf_counter()
+        while len(f32) < PAIRS and (len(f32) < MIN_PAIRS or time.perf_counter() - start < TIMING_BUDGET_S):
+            f32.append(seconds(False))
+            bf16.append(seconds(True))
+    return f32, bf16

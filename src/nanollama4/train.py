@@ -67,7 +67,7 @@ from .runs import (
     token_dataset,
     truncate_metrics,
 )
-from .runtime import BF16_PAYS, available_memory, bf16_speedup, pick_device
+from .runtime import available_memory, bf16_speedup, pick_device
 from .tokenizer import (
     BPETokenizer,
     CharTokenizer,
@@ -467,19 +467,17 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
 
 def _choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device, world: World,
                       spread: distributed.Parallel) -> TrainConfig:
-    """bf16=auto made true or false by timing the model's widest product at the run's batch here
-    (`runtime.bf16_speedup`); every rank takes the slowest rank's answer. The choice is what the run
-    saves, so a resumed run keeps it."""
+    """bf16=auto made true or false from this CPU's bf16 instructions and the model's widest product
+    timed at the run's batch (`runtime.bf16_speedup`); every rank takes bf16 only where every rank chose
+    it. The choice is what the run saves, so a resumed run keeps it."""
     if tc.bf16 != "auto":
         return tc
     width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim)
     rows = min(tc.batch_size * tc.seq_len, 8192)
-    speedup = -spread.max_over_ranks([-bf16_speedup(device, rows, cfg.d_model, 2 * width)])[0]
-    chosen = speedup >= BF16_PAYS
+    choice = bf16_speedup(device, rows, cfg.d_model, 2 * width).across(spread.max_over_ranks, world.size)
     if world.main:
-        print(f"bf16=auto: bf16 products measured {speedup:.1f}x float32's here -> "
-              f"{'bf16 autocast' if chosen else 'float32'}", flush=True)
-    return tc.replace(bf16=chosen)
+        print(choice.describe(), flush=True)
+    return tc.replace(bf16=choice.chosen)
 
 
 LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
