@@ -90,6 +90,19 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert all(p.dim() >= 2 for g in opt.param_groups if g["muon"] for p in g["params"])
 
 
+def test_muon_experts_false_hands_the_routed_experts_to_adamw_with_decay():
+    """The option behind a Muon step that does not grow with N: the experts' 3-D matrices leave Muon."""
+    model = build_model(preset("tutorial", vocab_size=64))
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", muon_experts=False, weight_decay=0.1))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    decayed = {names[id(p)] for g in opt.param_groups if not g["muon"] and g["weight_decay"] == 0.1
+               for p in g["params"]}
+    assert not any(".experts." in n for n in muon)
+    assert {"blocks.0.ffn.experts.gate_up", "blocks.0.ffn.experts.down"} <= decayed
+    assert {"blocks.0.attn.q_proj.weight", "blocks.0.ffn.shared_expert.up_proj.weight"} <= muon
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_training_step_lowers_the_loss(optimizer):
     torch.manual_seed(0)

@@ -326,8 +326,8 @@ def test_a_batch_that_cannot_fit_in_memory_is_one_line_before_anything_is_alloca
     rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(out), "--max-steps", "2",
                            "--set", "batch_size=100000000")
     line = assert_cli_error(rc, err, "train")
-    assert re.search(r"a step of batch_size 100,000,000 x seq_len 32 needs about [\d,.]+ GiB .* GiB is free; pass "
-                     r"--set batch_size=[\d,]+ or less", line), line
+    assert re.search(r"a step of batch_size 100,000,000 x seq_len 32 needs about [\d.]+ [KMGT]iB .* [\d.]+ [KMGT]iB "
+                     r"is free; pass --set batch_size=[\d,]+ or less", line), line
     fits = int(re.search(r"batch_size=([\d,]+) or less", line).group(1).replace(",", ""))
     assert 1_000 < fits < 100_000_000
     assert not out.exists()

@@ -88,15 +88,19 @@ def cache_env(work, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- exact resume
-@pytest.mark.parametrize("routing,optimizer", [("default", "adamw"), ("tutorial", "adamw"), ("default", "muon")])
+@pytest.mark.parametrize("routing,optimizer", [("default", "adamw"), ("tutorial", "adamw"), ("default", "muon"),
+                                               ("default", "muon, AdamW experts")])
 def test_resume_is_exact(routing, optimizer, work, tmp_path):
     """Stopped at step k and resumed, a run logs the same losses and ends with the same weights as one that
-    never stopped: with AdamW, with the tutorial's routing state, and with Muon's momentum."""
+    never stopped: with AdamW, with the tutorial's routing state, with Muon's momentum, and with Muon
+    beside AdamW for the experts (muon_experts=False)."""
     k = 6
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
-    run_train(a, cfg(max_steps=2 * k, optimizer=optimizer), corpus, cache, model=model)
-    first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, optimizer=optimizer), corpus, cache, model=model)
+    chosen = dict(optimizer="muon", muon_experts=False) if optimizer == "muon, AdamW experts" else \
+        dict(optimizer=optimizer)
+    run_train(a, cfg(max_steps=2 * k, **chosen), corpus, cache, model=model)
+    first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, **chosen), corpus, cache, model=model)
     assert first.step == k and not first.interrupted
     second = resume(b, cache, max_steps=2 * k)
     assert second.step == 2 * k
@@ -131,6 +135,12 @@ def test_resume_refuses_another_optimizer(work, tmp_path):
     with pytest.raises(TrainingError, match="trained with optimizer=adamw, whose state muon cannot take over"):
         resume(run, work["cache"], max_steps=4, optimizer="muon")
     assert snapshot(run) == before
+    muon = tmp_path / "muon"
+    run_train(muon, cfg(max_steps=2, optimizer="muon"), work["corpus"], work["cache"])
+    before = snapshot(muon)
+    with pytest.raises(TrainingError, match="trained with muon_experts=True, whose expert state"):
+        resume(muon, work["cache"], max_steps=4, muon_experts=False)
+    assert snapshot(muon) == before
 
 
 def _cli_train_cmd(corpus: Path, out: Path, max_steps: int, model: dict | None = None) -> list[str]:

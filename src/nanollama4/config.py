@@ -221,6 +221,7 @@ class TrainConfig(_JsonConfig):
     muon_lr: float = 0.02  # optimizer=muon: peak learning rate of the hidden matrices (scaled per shape)
     muon_momentum: float = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
     muon_weight_decay: float = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
+    muon_experts: bool = True  # optimizer=muon: Muon for the routed experts too (False: AdamW for them)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_steps: int | None = None  # stop after this many optimizer steps
     max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
@@ -273,6 +274,8 @@ class TrainConfig(_JsonConfig):
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"optimizer ({self.optimizer!r}) must be 'adamw' or 'muon' (Muon for the hidden "
                               "matrices, AdamW for the rest)")
+        if not isinstance(self.muon_experts, bool):
+            raise ConfigError(f"muon_experts ({self.muon_experts!r}) must be true or false")
         if not isinstance(self.muon_momentum, (int, float)) or not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"muon_momentum ({self.muon_momentum!r}) must be in [0, 1)")
         if self.tokenizer not in ("char", "bpe"):

@@ -130,7 +130,9 @@ def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
 
 def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer tc names: "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest).
-    The loop sets each group's lr from the schedule every step (`set_lr`)."""
+    With muon_experts False the routed experts' matrices go to AdamW as well: Newton-Schulz on every expert
+    costs in proportion to N, the total parameters, which an MoE is meant not to pay for; AdamW's step is
+    elementwise. The loop sets each group's lr from the schedule every step (`set_lr`)."""
     named = list(model.named_parameters())
     if tc.optimizer == "adamw":
         # weight decay on matrices only: decaying norm gains toward 0 would fight the norm
@@ -138,7 +140,7 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
                   {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
         # fused: one pass over each tensor instead of a kernel per operation
         return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
-    hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p)]
+    hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p) and (tc.muon_experts or p.dim() != 3)]
     linear = [p for n, p in hidden if p.dim() == 2]
     gate_up = [p for n, p in hidden if p.dim() == 3 and n.endswith("gate_up")]
     down = [p for n, p in hidden if p.dim() == 3 and not n.endswith("gate_up")]

@@ -51,7 +51,7 @@ from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
 from .files import open_owned, read_json, read_safetensors, write_failed
-from .memory import training_memory
+from .memory import format_bytes, training_memory
 from .model import Transformer
 from .ops import build_model, kernels
 from .optim import make_optimizer, set_lr
@@ -436,6 +436,10 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     if saved.get("optimizer", "adamw") != tc.optimizer:
         raise TrainingError(f"{run_dir} was trained with optimizer={saved.get('optimizer', 'adamw')}, whose state "
                             f"{tc.optimizer} cannot take over; resume without --set optimizer, or train a new run")
+    if tc.optimizer == "muon" and saved.get("muon_experts", True) != tc.muon_experts:
+        raise TrainingError(f"{run_dir} was trained with muon_experts={saved.get('muon_experts', True)}, whose expert "
+                            "state the other optimizer cannot take over; resume without --set muon_experts, or train "
+                            "a new run")
     tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     try:
@@ -499,14 +503,13 @@ def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> 
                            state_shards=world.size if tc.parallel == "fsdp" else 1, bf16=tc.bf16 is not False)
     if step.total <= free:
         return
-    gib = 2**30
     fits = step.largest_batch(free)
     if fits == 0:
         raise TrainingError(f"the model's weights, gradients and {tc.optimizer} state alone need about "
-                            f"{step.state / gib:,.1f} GiB and {free / gib:,.1f} GiB is free; train a smaller model")
+                            f"{format_bytes(step.state)} and {format_bytes(free)} is free; train a smaller model")
     raise TrainingError(f"a step of batch_size {tc.batch_size:,} x seq_len {seq_len:,} needs about "
-                        f"{step.total / gib:,.1f} GiB (of it {step.state / gib:,.1f} GiB weights, gradients and "
-                        f"optimizer state) and {free / gib:,.1f} GiB is free; pass --set batch_size={fits:,} or "
+                        f"{format_bytes(step.total)} (of it {format_bytes(step.state)} weights, gradients and "
+                        f"optimizer state) and {format_bytes(free)} is free; pass --set batch_size={fits:,} or "
                         "less (with --set grad_accum=N for as many tokens per step)")
 
 

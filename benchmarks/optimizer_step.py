@@ -1,0 +1,66 @@
+"""One optimizer step of the demo's models: what Muon costs an MoE as N grows, and what AdamW for the routed
+experts (`muon_experts=False`) saves.
+
+Each model of the same active size (the shakespeare-char preset with N routed experts, and its dense twin,
+whose FFN is as wide as the routed top-1 plus the shared expert) gets random gradients, then its
+optimizer's step is timed: the configurations alternate round by round in one process, so a drift of the
+machine falls on all alike; median ms per step after a warm-up.
+
+    python benchmarks/optimizer_step.py [--experts 8,16,32] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from nanollama4.config import TrainConfig, preset
+from nanollama4.memory import param_counts
+from nanollama4.ops import build_model
+from nanollama4.optim import make_optimizer
+from nanollama4.runtime import tune_allocator
+
+DEMO = dict(optimizer="muon", lr=2e-3, min_lr=2e-4)  # make demo's optimizer settings
+
+
+def setup(cfg, **train) -> tuple[torch.optim.Optimizer, int]:
+    """An optimizer over a freshly built model whose every parameter holds a random gradient."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return make_optimizer(model, TrainConfig(**{**DEMO, **train})), param_counts(cfg).total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", default="8,16,32")
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args()
+    tune_allocator()
+    moe = preset("shakespeare-char")
+    arms = {"dense twin, Muon": setup(moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))}
+    for n in (int(x) for x in args.experts.split(",")):
+        arms[f"N={n}, Muon (experts too)"] = setup(moe.replace(n_experts=n))
+        arms[f"N={n}, Muon, AdamW experts"] = setup(moe.replace(n_experts=n), muon_experts=False)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(args.rounds + 1):
+        for name, (opt, _) in arms.items():
+            start = time.perf_counter()
+            opt.step()
+            if r:  # the first round is the warm-up (state allocated, kernels chosen)
+                times[name].append(time.perf_counter() - start)
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; median of "
+          f"{args.rounds} steps, arms alternated")
+    print("| model and optimizer | parameters | ms per step |")
+    print("|---|---:|---:|")
+    for name, (_, params) in arms.items():
+        print(f"| {name} | {params / 1e6:.2f} M | {statistics.median(times[name]) * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
