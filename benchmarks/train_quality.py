@@ -5,7 +5,8 @@ several seeds, read pair by pair.
 Each model trains for --time on Shakespeare's works with each recipe named (`--recipes`; default `demo`,
 `make demo`'s settings: bf16, batch 32 x 256, Muon at 0.02 with the AdamW part at 2e-3 decaying to 2e-4;
 `today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256; `muon16`
-is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps), plus
+is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps; `demo-adamx` is `demo`
+with the routed experts on AdamW, `muon_experts=False`), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -44,6 +45,8 @@ RECIPES = {  # TrainConfig settings; `demo` repeats the Makefile's `make demo` l
     "demo": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
     "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
+    "demo-adamx": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
+                   "muon_experts": False},
 }
 
 
