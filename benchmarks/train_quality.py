@@ -24,7 +24,7 @@ excludes 0, a tie inside +-0.01, undecided otherwise).
 Models: `moe` (the shakespeare-char preset), `dense` (its dense twin), `moe-every2` (MoE on every second
 layer, as Llama 4 Maverick interleaves them; dense FFNs of the twin's width between) and `moe-full` (the
 preset as it was before Learning II: no chunked attention, temperature floor 8,192); other MoE shapes of
-the same active size, for the sweep of Quality II's item 5: `moe-N4` (4 experts), `moe-k2` (top-2 of 8
+the same active size, for the sweep of Quality II's item 5: `moe-N4` (4 experts), `moe-N16` (16), `moe-k2` (top-2 of 8
 experts of 2/3 the width, the shared expert as wide), `moe-every2-N16` (16 experts on every second layer).
 """
 
@@ -69,7 +69,7 @@ def main() -> None:
     configs = {"moe": moe, "moe-full": moe.replace(attention_chunk_size=None, floor_scale=8192),
                "moe-every2": moe.replace(moe_every=2),
                # other MoE shapes of the same active size, each against the same dense twin
-               "moe-N4": moe.replace(n_experts=4),
+               "moe-N4": moe.replace(n_experts=4), "moe-N16": moe.replace(n_experts=16),
                "moe-k2": moe.replace(experts_per_token=2, expert_dim=moe.expert_dim * 2 // 3),
                "moe-every2-N16": moe.replace(moe_every=2, n_experts=16),
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
