@@ -125,3 +125,22 @@ def test_the_check_yourself_commands_print_the_numbers(capsys):
         assert max(scores[:3]) - min(scores[:3]) < 1e-4  # shifts of 0, 1 and 1000 positions
         assert float(spread) < 1e-2
     assert float(lines[2].split()[-1]) < 1e-5  # m = n: the very same rotation on both sides
+
+
+def test_training_memory_adds_up_and_its_largest_batch_fits():
+    """The step check's arithmetic (`train.check_step_fits`): the state counts weights, gradients and the
+    optimizer's moments; the largest batch it names fits and one more does not."""
+    from nanollama4.memory import training_memory
+
+    cfg = preset("shakespeare-char")
+    total = param_counts(cfg).total
+    adamw = training_memory(cfg, 32, 256, "adamw")
+    muon = training_memory(cfg, 32, 256, "muon")
+    assert adamw.state == 4 * 4 * total  # weights, gradients and two moments, float32
+    assert 3 * 4 * total < muon.state < adamw.state  # Muon keeps one momentum for the hidden matrices
+    assert training_memory(cfg, 32, 256, bf16=True).per_sequence < adamw.per_sequence
+    assert training_memory(cfg, 32, 128).per_sequence * 2 == adamw.per_sequence  # linear in the length
+    free = 3 * 2**30
+    fits = adamw.largest_batch(free)
+    assert training_memory(cfg, fits, 256).total <= free < training_memory(cfg, fits + 1, 256).total
+    assert adamw.largest_batch(adamw.state - 1) == 0

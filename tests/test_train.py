@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from nanollama4.train import TrainingError, lr_at, train
 from tests.helpers import (
     assert_cli_error,
     assert_one_line,
+    assert_refused,
     run_cli,
     snapshot,
     start_training,
@@ -635,3 +637,38 @@ def test_bf16_speedup_is_measured_on_this_cpu():
 
     choice = bf16_speedup(torch.device("cpu"), 256, 64, 128)
     assert choice.emulated or (math.isfinite(choice.speedup) and choice.speedup > 0 and choice.pairs >= MIN_PAIRS)
+
+
+# ---------------------------------------------------------------------------------------------- before anything runs
+
+def test_a_batch_that_cannot_fit_in_memory_is_one_line_before_anything_is_allocated(corpus, tmp_path, capsys):
+    """`--set batch_size=100000000` used to be a MemoryError traceback from the batch sampler."""
+    out = tmp_path / "run"
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(out), "--max-steps", "2",
+                           "--set", "batch_size=100000000")
+    line = assert_cli_error(rc, err, "train")
+    assert re.search(r"a step of batch_size 100,000,000 x seq_len 32 needs about [\d.]+ [KMGT]iB .* [\d.]+ [KMGT]iB "
+                     r"is free; pass --set batch_size=[\d,]+ or less", line), line
+    fits = int(re.search(r"batch_size=([\d,]+) or less", line).group(1).replace(",", ""))
+    assert 1_000 < fits < 100_000_000
+    assert not out.exists()
+
+
+def test_resuming_a_run_whose_saved_batch_cannot_fit_is_one_line(run_copy, capsys):
+    """A train_config.json saying batch_size 1e9 used to get the process killed by the kernel (status 137)."""
+    path = run_copy / "step-0000004" / "train_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "batch_size": 10**9}))
+    line = assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], run_copy)
+    assert "a step of batch_size 1,000,000,000 x seq_len 32 needs about" in line, line
+
+
+def test_a_budget_of_years_is_refused_and_of_weeks_warned(corpus, tmp_path, capsys):
+    """`--max-time 1e9h` used to train for days at a learning rate near zero (5% warm-up of the budget)."""
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "a"), "--max-time", "1e9h")
+    assert "duration '1e9h' is more than a year (8,784h)" in assert_cli_error(rc, err, "train")
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "b"), "--max-time", "30d")
+    assert rc == 2  # days are not a unit; weeks in hours are:
+    rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(tmp_path / "b"), "--max-time", "400h",
+                           "--set", "batch_size=100000000")
+    assert err.startswith("warning: --max-time 16.7 days: the learning rate follows the whole budget (its warm-up "
+                          "alone lasts 20.0 h)"), err
