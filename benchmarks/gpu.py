@@ -1,0 +1,215 @@
+"""The GPU check, in one process: parity on the device, the routed layer against the dense FFN, a demo
+training step's tokens/s and MFU, and batch-1/16 decode. `benchmarks/gpu.sh` runs it on a CUDA machine.
+
+1. **Parity.** The fast model (`ops.install`, which picks grouped_mm for bf16 on CUDA) against the plain one on
+   the same device and weights, each tensor as a whole (the norm of the difference over the norm): in
+   float32 the logits and every gradient of the loss (to 1e-4); under bf16 autocast the routed experts'
+   output and gradients on the same assignments (to 2e-2; in the whole model bf16 rounding flips a few
+   routing decisions, after which the two paths differ by routing, not by arithmetic); for routings with
+   capacity and overflow, top-1 and top-2, the shared expert on and off; and the float32 logits on the
+   device against float64 on the CPU.
+2. **The routed layer against the dense FFN** of equal active width (top-k experts + the shared one), one
+   forward + backward under bf16 autocast, median ms, at the demo's 32 x 256 tokens and at 64 x 1024.
+3. **A demo training step** (`make demo`'s recipe: bf16, Muon, batch 32 x 256; and batch 256 x 256):
+   tokens/s and the model FLOPs utilisation against the chip's peak (`--peak-tflops`, or a table of names).
+4. **Decode**: greedy tokens/s at batch 1 and 16 through the engine (`generation.generate_ids`).
+
+    python benchmarks/gpu.py [--device cuda] [--quick] [--peak-tflops 989]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from functools import partial
+
+import torch
+
+from nanollama4.config import TrainConfig, preset
+from nanollama4.generation import generate_ids
+from nanollama4.memory import param_counts
+from nanollama4.model import Transformer
+from nanollama4.moe import SwiGLU
+from nanollama4.ops import install
+from nanollama4.optim import make_optimizer
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}  # dense bf16
+ROUTINGS = {  # name -> ModelConfig changes on the demo preset
+    "demo (sigmoid top-1, shared, bias)": {},
+    "tutorial (softmax top-2, capacity 1.0, overflow)": dict(router="softmax", experts_per_token=2,
+                                                             capacity_factor=1.0),
+    "no shared expert, capacity 0.5 (drops)": dict(shared_expert=False, capacity_factor=0.5),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int, warm: int = 3) -> float:
+    """Median seconds of fn() over `reps` calls after `warm` untimed ones."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(a).clamp(min=1e-12))
+
+
+def _experts_pass(experts: torch.nn.Module, x: torch.Tensor, assignments: tuple, scales_input: bool,
+                  bf16: bool) -> list[torch.Tensor]:
+    """The routed experts' output and the gradients of x and of their weights, on fixed assignments."""
+    experts.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        y = experts(x, *assignments, scales_input)
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=x.device).view_as(y)).sum().backward()
+    return [y.detach().float(), x.grad.float(), *(p.grad.float() for p in experts.parameters())]
+
+
+def parity(device: torch.device, batch: int, seq: int) -> bool:
+    print("## 1. parity: the fast model against the plain one on the device")
+    ok = True
+    for name, changes in ROUTINGS.items():
+        cfg = preset("shakespeare-char", **changes)
+        torch.manual_seed(0)
+        plain = Transformer(cfg).to(device).train()
+        fast = install(copy.deepcopy(plain))
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        grads = []
+        for model in (plain, fast):  # float32, the whole model: logits and every gradient of the loss
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            logits = model(ids)
+            model.loss(ids[:, :-1], ids[:, 1:]).total.backward()
+            grads.append([logits.detach()] + [p.grad for p in model.parameters()])
+        worst = max(_relative(a, b) for a, b in zip(*grads, strict=True))
+        # bf16, the routed experts on the same assignments: in the whole model, bf16 rounding upstream flips
+        # a few routing and capacity decisions, after which the paths differ by what routing they took
+        layer = plain.blocks[0].ffn
+        x = torch.randn(batch * seq, cfg.d_model, device=device)
+        with torch.no_grad():
+            assignments = layer.route(x).assignments()
+        fast_experts = fast.blocks[0].ffn.experts
+        worst_bf16 = max(_relative(a, b) for a, b in zip(
+            _experts_pass(layer.experts, x, assignments, layer.router.scales_input, True),
+            _experts_pass(fast_experts, x, assignments, layer.router.scales_input, True), strict=True))
+        good = worst <= 1e-4 and worst_bf16 <= 2e-2
+        ok &= good
+        print(f"- {name}: float32 model, largest |difference| / |plain| over the logits and every gradient "
+              f"{worst:.1e} (<= 1e-4); bf16 routed experts on the same assignments, over the output and every "
+              f"gradient {worst_bf16:.1e} (<= 2e-2){'' if good else ': FAILED'}")
+    cfg = preset("shakespeare-char")
+    torch.manual_seed(0)
+    cpu = Transformer(cfg).double().eval()
+    dev = install(copy.deepcopy(cpu).float().to(device))
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with torch.no_grad():
+        diff = float((dev(ids.to(device)).double().cpu() - cpu(ids)).abs().max())
+    ok &= diff <= 1e-3
+    print(f"- float32 logits on {device} against float64 on the CPU: max |difference| {diff:.1e} (<= 1e-3)")
+    return ok
+
+
+def layer_against_dense(device: torch.device, shapes: list[tuple[int, int]], reps: int) -> None:
+    print("\n## 2. one routed layer against the dense FFN of equal active width, bf16 autocast, forward + backward")
+    print("| tokens | MoE layer ms | dense FFN ms | ratio |\n|---:|---:|---:|---:|")
+    cfg = preset("shakespeare-char")
+    torch.manual_seed(0)
+    moe = install(Transformer(cfg).blocks[0].ffn).to(device).train()
+    dense = install(SwiGLU(cfg.d_model, cfg.expert_dim * (cfg.experts_per_token + 1))).to(device).train()
+    for batch, seq in shapes:
+        x = torch.randn(batch, seq, cfg.d_model, device=device, requires_grad=True)
+        m, d = (timed(partial(_layer_step, module, x), device, reps) for module in (moe, dense))
+        print(f"| {batch} x {seq} | {m * 1e3:.2f} | {d * 1e3:.2f} | {m / d:.2f} |")
+
+
+def _layer_step(module: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = module(x)
+    out.float().sum().backward()
+
+
+def _train_step(model: Transformer, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        loss = model.loss(ids[:, :-1], ids[:, 1:]).total
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def training_step(device: torch.device, batches: list[int], reps: int, peak: float | None) -> None:
+    print("\n## 3. a demo training step (bf16 autocast, Muon at 0.02, AdamW part 2e-3), seq_len 256")
+    print("| model | batch | ms / step | tokens/s | model TFLOP/s | MFU |\n|---|---:|---:|---:|---:|---:|")
+    moe = preset("shakespeare-char")
+    for name, cfg in (("MoE", moe), ("dense twin", moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))):
+        torch.manual_seed(0)
+        model = install(Transformer(cfg)).to(device).train()
+        opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4))
+        counts = param_counts(cfg)
+        active = counts.active - counts.embedding  # the embedding is a lookup, not a product
+        for batch in batches:
+            ids = torch.randint(0, cfg.vocab_size, (batch, 257), device=device)
+            seconds = timed(partial(_train_step, model, opt, ids), device, reps)
+            tokens = batch * 256
+            # 6 FLOPs per active weight per token (forward and backward), and causal attention's scores and
+            # weighted sums: 6 x layers x heads x head_dim x (seq / 2) per token
+            flops = tokens * (6 * active + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 128)
+            tflops = flops / seconds / 1e12
+            mfu = f"{100 * tflops / peak:.2f}%" if peak else "peak unknown"
+            print(f"| {name} | {batch} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {tflops:.2f} | {mfu} |")
+
+
+def decode(device: torch.device, rows: list[int], new: int) -> None:
+    print(f"\n## 4. greedy decode through the engine, {new} new tokens after a 16-token prompt")
+    print("| model | batch | tokens/s |\n|---|---:|---:|")
+    moe = preset("shakespeare-char")
+    for name, cfg in (("MoE", moe), ("dense twin", moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))):
+        torch.manual_seed(0)
+        model = install(Transformer(cfg)).to(device).eval()
+        for b in rows:
+            prompts = [list(range(1, 17)) for _ in range(b)]
+            generate_ids(model, prompts, 8, temperature=0)  # warm-up
+            sync(device)
+            start = time.perf_counter()
+            generate_ids(model, prompts, new, temperature=0)
+            sync(device)
+            print(f"| {name} | {b} | {b * new / (time.perf_counter() - start):,.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small shapes and few repetitions (a check of the script)")
+    ap.add_argument("--peak-tflops", type=float, help="the chip's dense bf16 peak (default: by its name)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    peak = args.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = peak or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        print(f"{name}, torch {torch.__version__}, peak bf16 {peak or 'unknown'} TFLOP/s")
+    else:
+        print(f"{device}, torch {torch.__version__}")
+    quick = args.quick
+    ok = parity(device, 2 if quick else 8, 32 if quick else 256)
+    layer_against_dense(device, [(4, 64)] if quick else [(32, 256), (64, 1024)], 3 if quick else 20)
+    training_step(device, [4] if quick else [32, 256], 2 if quick else 10, peak)
+    decode(device, [1, 2] if quick else [1, 16], 8 if quick else 256)
+    if not ok:
+        raise SystemExit("parity failed: see section 1")
+
+
+if __name__ == "__main__":
+    main()
