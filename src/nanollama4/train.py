@@ -212,9 +212,12 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     device = distributed.join(world, tc)
     try:
         with distributed.peers_fail_as_errors(world), owning(run_dir, resume, world):
-            return _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device)
-    finally:
-        distributed.leave()
+            result = _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device)
+    except BaseException:
+        distributed.leave(finished=False)  # as it is: a peer waiting on this rank must see it fail at once
+        raise
+    distributed.leave()
+    return result
 
 
 def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,

@@ -98,15 +98,19 @@ def join(world: World, tc: TrainConfig) -> torch.device:
     return device
 
 
-def leave() -> None:
-    """Destroy the process group while the interpreter is whole. FSDP2's modules and their device mesh form
-    reference cycles that hold the group; left to the interpreter's exit, gloo's worker threads were torn
-    down out of order and a rank now and then aborted after a finished run ("terminate called without an
-    active exception", about one launch in ten on a loaded 2-core machine): collect them first."""
+def leave(finished: bool = True) -> None:
+    """Destroy the process group. After a finished run, while the interpreter is whole: FSDP2's modules and
+    their device mesh form reference cycles that hold the group; left to the interpreter's exit, gloo's
+    worker threads were torn down out of order and a rank now and then aborted after a finished run
+    ("terminate called without an active exception", about one launch in seven on a loaded 2-core
+    machine), so they are collected first. A rank leaving on an error leaves at once, without that, so
+    that its peers' collectives fail and report it."""
     if dist.is_initialized():
-        gc.collect()
+        if finished:
+            gc.collect()
         dist.destroy_process_group()
-        gc.collect()
+        if finished:
+            gc.collect()
 
 
 @contextmanager
