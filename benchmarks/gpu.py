@@ -23,6 +23,7 @@ import argparse
 import copy
 import statistics
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -102,6 +103,8 @@ def parity(device: torch.device, batch: int, seq: int) -> bool:
         with torch.no_grad():
             assignments = layer.route(x).assignments()
         fast_experts = fast.blocks[0].ffn.experts
+        if device.type == "cuda":  # the product auto picks for bf16 on CUDA, compared explicitly
+            fast_experts.dispatch = "grouped"
         worst_bf16 = max(_relative(a, b) for a, b in zip(
             _experts_pass(layer.experts, x, assignments, layer.router.scales_input, True),
             _experts_pass(fast_experts, x, assignments, layer.router.scales_input, True), strict=True))
@@ -124,15 +127,38 @@ def parity(device: torch.device, batch: int, seq: int) -> bool:
 
 def layer_against_dense(device: torch.device, shapes: list[tuple[int, int]], reps: int) -> None:
     print("\n## 2. one routed layer against the dense FFN of equal active width, bf16 autocast, forward + backward")
-    print("| tokens | MoE layer ms | dense FFN ms | ratio |\n|---:|---:|---:|---:|")
-    cfg = preset("shakespeare-char")
-    torch.manual_seed(0)
-    moe = install(Transformer(cfg).blocks[0].ffn).to(device).train()
-    dense = install(SwiGLU(cfg.d_model, cfg.expert_dim * (cfg.experts_per_token + 1))).to(device).train()
-    for batch, seq in shapes:
-        x = torch.randn(batch, seq, cfg.d_model, device=device, requires_grad=True)
-        m, d = (timed(partial(_layer_step, module, x), device, reps) for module in (moe, dense))
-        print(f"| {batch} x {seq} | {m * 1e3:.2f} | {d * 1e3:.2f} | {m / d:.2f} |")
+    print("The demo's widths (d_model 256, 8 experts of 384, top-1 + shared) and four times them (1024, 1536).")
+    print("| widths | tokens | product | MoE layer ms | dense FFN ms | ratio | host syncs per step |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    demo = preset("shakespeare-char")
+    wide = demo.replace(d_model=1024, n_heads=16, n_kv_heads=4, expert_dim=1536, ffn_dim=3072, n_layers=1)
+    for label, cfg in (("demo", demo), ("4x demo", wide)):
+        torch.manual_seed(0)
+        moe = install(Transformer(cfg).blocks[0].ffn).to(device).train()
+        dense = install(SwiGLU(cfg.d_model, cfg.expert_dim * (cfg.experts_per_token + 1))).to(device).train()
+        for batch, seq in shapes:
+            x = torch.randn(batch, seq, cfg.d_model, device=device, requires_grad=True)
+            d = timed(partial(_layer_step, dense, x), device, reps)
+            for product in ("loop", "grouped") if device.type == "cuda" else ("auto",):
+                moe.experts.dispatch = product
+                m = timed(partial(_layer_step, moe, x), device, reps)
+                print(f"| {label} | {batch} x {seq} | {product} | {m * 1e3:.2f} | {d * 1e3:.2f} | {m / d:.2f} "
+                      f"| {_host_syncs(partial(_layer_step, moe, x), device)} |")
+            moe.experts.dispatch = "auto"
+
+
+def _host_syncs(fn, device: torch.device) -> str:
+    """How many times fn() waits for the GPU from the host (CUDA's sync debug mode, counted as warnings)."""
+    if device.type != "cuda":
+        return "-"
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return str(sum("synchroniz" in str(w.message) for w in caught))
 
 
 def _layer_step(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -151,24 +177,35 @@ def _train_step(model: Transformer, opt: torch.optim.Optimizer, ids: torch.Tenso
 
 def training_step(device: torch.device, batches: list[int], reps: int, peak: float | None) -> None:
     print("\n## 3. a demo training step (bf16 autocast, Muon at 0.02, AdamW part 2e-3), seq_len 256")
-    print("| model | batch | ms / step | tokens/s | model TFLOP/s | MFU |\n|---|---:|---:|---:|---:|---:|")
+    print("| model | batch | ms / step | optimizer ms | host syncs | tokens/s | model TFLOP/s | MFU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     moe = preset("shakespeare-char")
-    for name, cfg in (("MoE", moe), ("dense twin", moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))):
+    twin = moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim)
+    wide = moe.replace(n_experts=16)
+    arms = (("MoE", moe, True), ("MoE, experts on AdamW", moe, False), ("MoE N=16", wide, True),
+            ("MoE N=16, experts on AdamW", wide, False), ("dense twin", twin, True))
+    for name, cfg, muon_experts in arms:
         torch.manual_seed(0)
         model = install(Transformer(cfg)).to(device).train()
-        opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4))
+        opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4, muon_experts=muon_experts))
         counts = param_counts(cfg)
         active = counts.active - counts.embedding  # the embedding is a lookup, not a product
         for batch in batches:
             ids = torch.randint(0, cfg.vocab_size, (batch, 257), device=device)
             seconds = timed(partial(_train_step, model, opt, ids), device, reps)
+            syncs = _host_syncs(partial(_train_step, model, opt, ids), device)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                model.loss(ids[:, :-1], ids[:, 1:]).total.backward()
+            step = timed(opt.step, device, reps)  # the optimizer alone, on the gradients of one batch
+            opt.zero_grad(set_to_none=True)
             tokens = batch * 256
             # 6 FLOPs per active weight per token (forward and backward), and causal attention's scores and
             # weighted sums: 6 x layers x heads x head_dim x (seq / 2) per token
             flops = tokens * (6 * active + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 128)
             tflops = flops / seconds / 1e12
             mfu = f"{100 * tflops / peak:.2f}%" if peak else "peak unknown"
-            print(f"| {name} | {batch} | {seconds * 1e3:.1f} | {tokens / seconds:,.0f} | {tflops:.2f} | {mfu} |")
+            print(f"| {name} | {batch} | {seconds * 1e3:.1f} | {step * 1e3:.1f} | {syncs} | {tokens / seconds:,.0f} "
+                  f"| {tflops:.2f} | {mfu} |")
 
 
 def decode(device: torch.device, rows: list[int], new: int) -> None:
@@ -206,7 +243,7 @@ def main() -> None:
     ok = parity(device, 2 if quick else 8, 32 if quick else 256)
     layer_against_dense(device, [(4, 64)] if quick else [(32, 256), (64, 1024)], 3 if quick else 20)
     training_step(device, [4] if quick else [32, 256], 2 if quick else 10, peak)
-    decode(device, [1, 2] if quick else [1, 16], 8 if quick else 256)
+    decode(device, [1, 2] if quick else [1, 16], 8 if quick else 224)
     if not ok:
         raise SystemExit("parity failed: see section 1")
 

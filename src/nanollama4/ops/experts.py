@@ -37,6 +37,9 @@ from ..moe import Experts, per_expert_products
 from . import kernels
 from .linear import row_matmul
 
+# torch's grouped product, public as F.grouped_mm in recent releases and as torch._grouped_mm before
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -55,7 +58,7 @@ def _swiglu_of(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_
 def grouped_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
                     expert_A: torch.Tensor) -> torch.Tensor:
     offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    return _swiglu_of(lambda x, w: F.grouped_mm(x, w, offs=offsets_E), x_AD, gate_up_EDH, down_EHD)
+    return _swiglu_of(lambda x, w: _grouped_mm(x, w, offs=offsets_E), x_AD, gate_up_EDH, down_EHD)
 
 
 def kernel_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
@@ -378,6 +381,8 @@ def kernel_bf16_ok(x: torch.Tensor, hidden: int) -> bool:
 def grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
     """F.grouped_mm wants 16-byte-aligned rows in every operand (widths D, 2H and the (A, H) intermediate);
     on CUDA it also wants bf16 (its Hopper kernels)."""
+    if _grouped_mm is None:
+        return False
     if x.dtype not in ((torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)):
         return False
     size = x.element_size()
