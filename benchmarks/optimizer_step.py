@@ -1,12 +1,13 @@
 """One optimizer step of the demo's models: what Muon costs an MoE as N grows, and what AdamW for the routed
-experts (`muon_experts=False`) saves.
+experts (`muon_experts=False`) or orthogonalising a few experts per step in turn (`muon_experts_per_step`)
+saves.
 
 Each model of the same active size (the shakespeare-char preset with N routed experts, and its dense twin,
 whose FFN is as wide as the routed top-1 plus the shared expert) gets random gradients, then its
 optimizer's step is timed: the configurations alternate round by round in one process, so a drift of the
 machine falls on all alike; median ms per step after a warm-up.
 
-    python benchmarks/optimizer_step.py [--experts 8,16,32] [--rounds 9]
+    python benchmarks/optimizer_step.py [--experts 8,16,32] [--rounds 9] [--per-step 1,2]
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", default="8,16,32")
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--per-step", default="1,2", help="muon_experts_per_step values to time (experts in turn)")
     args = ap.parse_args()
     tune_allocator()
     moe = preset("shakespeare-char")
@@ -47,6 +49,8 @@ def main() -> None:
     for n in (int(x) for x in args.experts.split(",")):
         arms[f"N={n}, Muon (experts too)"] = setup(moe.replace(n_experts=n))
         arms[f"N={n}, Muon, AdamW experts"] = setup(moe.replace(n_experts=n), muon_experts=False)
+        for k in (int(x) for x in args.per_step.split(",") if x):
+            arms[f"N={n}, Muon, {k} experts per step"] = setup(moe.replace(n_experts=n), muon_experts_per_step=k)
     times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds + 1):
         for name, (opt, _) in arms.items():

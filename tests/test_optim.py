@@ -103,6 +103,37 @@ def test_muon_experts_false_hands_the_routed_experts_to_adamw_with_decay():
     assert {"blocks.0.attn.q_proj.weight", "blocks.0.ffn.shared_expert.up_proj.weight"} <= muon
 
 
+def test_experts_in_turn_refresh_n_experts_a_step_and_reuse_the_rest():
+    """muon_experts_per_step: step 1 orthogonalises every expert (the same as plain Muon); from then on
+    experts (t·n .. t·n + n - 1) mod N get a fresh orthogonalised update at turn t, and every other expert
+    steps along the one it got last, so each step's Newton-Schulz work is n experts' whatever N is."""
+    n_exp, d, h, lr, n = 4, 32, 48, 0.02, 3
+    torch.manual_seed(0)
+    turned, plain = Experts(n_exp, d, h), Experts(n_exp, d, h)
+    for p in (*turned.parameters(), *plain.parameters()):
+        torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+    ours = MuonAdamW([{"params": [turned.down], "muon": True, "layout": "experts", "blocks": 1, "lr": lr,
+                       "ns_experts": n}])
+    ref = MuonAdamW([{"params": [plain.down], "muon": True, "layout": "experts", "blocks": 1, "lr": lr}])
+    scale = max(1.0, d / h) ** 0.5
+    last = None
+    for step, grad in enumerate(_grads(turned.down.shape, 7)):
+        before = turned.down.detach().clone()
+        turned.down.grad, plain.down.grad = grad.clone(), grad.clone()
+        plain_before = plain.down.detach().clone()
+        ours.step()
+        ref.step()
+        taken = (before - turned.down.detach()) / (lr * scale)  # the orthogonalised update each expert took
+        fresh = (plain_before - plain.down.detach()) / (lr * scale)  # what plain Muon took (same momentum)
+        refreshed = set(range(n_exp)) if step == 0 else {e % n_exp for e in range((step - 1) * n, step * n)}
+        for e in range(n_exp):
+            want = fresh[e] if e in refreshed else last[e]
+            torch.testing.assert_close(taken[e], want, atol=1e-6, rtol=1e-5, msg=f"step {step}, expert {e}")
+        assert step == 0 or not torch.allclose(taken, fresh, atol=1e-4)  # some experts really reused
+        last = taken
+        turned.down.data.copy_(plain.down)  # the same weights again, so that only the update is compared
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_training_step_lowers_the_loss(optimizer):
     torch.manual_seed(0)

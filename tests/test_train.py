@@ -91,16 +91,19 @@ def cache_env(work, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("routing,optimizer", [("default", "adamw"), ("tutorial", "adamw"), ("default", "muon"),
-                                               ("default", "muon, AdamW experts")])
+                                               ("default", "muon, AdamW experts"),
+                                               ("default", "muon, experts in turn")])
 def test_resume_is_exact(routing, optimizer, work, tmp_path):
     """Stopped at step k and resumed, a run logs the same losses and ends with the same weights as one that
     never stopped: with AdamW, with the tutorial's routing state, with Muon's momentum, and with Muon
-    beside AdamW for the experts (muon_experts=False)."""
+    beside AdamW for the experts (muon_experts=False), and with the experts orthogonalised in turn (their last
+    updates and the turn saved)."""
     k = 6
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
-    chosen = dict(optimizer="muon", muon_experts=False) if optimizer == "muon, AdamW experts" else \
-        dict(optimizer=optimizer)
+    chosen = {"muon, AdamW experts": dict(optimizer="muon", muon_experts=False),
+              "muon, experts in turn": dict(optimizer="muon", muon_experts_per_step=1)}.get(optimizer,
+                                                                                         dict(optimizer=optimizer))
     run_train(a, cfg(max_steps=2 * k, **chosen), corpus, cache, model=model)
     first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, **chosen), corpus, cache, model=model)
     assert first.step == k and not first.interrupted
@@ -142,6 +145,8 @@ def test_resume_refuses_another_optimizer(work, tmp_path):
     before = snapshot(muon)
     with pytest.raises(TrainingError, match="trained with muon_experts=True, whose expert state"):
         resume(muon, work["cache"], max_steps=4, muon_experts=False)
+    with pytest.raises(TrainingError, match="trained with muon_experts_per_step=0; a resume keeps it"):
+        resume(muon, work["cache"], max_steps=4, muon_experts_per_step=1)
     assert snapshot(muon) == before
 
 

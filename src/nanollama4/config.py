@@ -222,6 +222,7 @@ class TrainConfig(_JsonConfig):
     muon_momentum: float = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
     muon_weight_decay: float = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
     muon_experts: bool = True  # optimizer=muon: Muon for the routed experts too (False: AdamW for them)
+    muon_experts_per_step: int = 0  # optimizer=muon: experts per layer re-orthogonalised each step, in turn (0 = all)
     grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
     max_steps: int | None = None  # stop after this many optimizer steps
     max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
@@ -276,6 +277,10 @@ class TrainConfig(_JsonConfig):
                               "matrices, AdamW for the rest)")
         if not isinstance(self.muon_experts, bool):
             raise ConfigError(f"muon_experts ({self.muon_experts!r}) must be true or false")
+        if not isinstance(self.muon_experts_per_step, int) or isinstance(self.muon_experts_per_step, bool) \
+                or self.muon_experts_per_step < 0:
+            raise ConfigError(f"muon_experts_per_step ({self.muon_experts_per_step!r}) must be a whole number >= 0 "
+                              "(0: every expert every step)")
         if not isinstance(self.muon_momentum, (int, float)) or not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"muon_momentum ({self.muon_momentum!r}) must be in [0, 1)")
         if self.tokenizer not in ("char", "bpe"):

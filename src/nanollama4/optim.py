@@ -11,6 +11,13 @@ layer, (experts, in, out); `MuonAdamW` orthogonalises each expert's matrices on 
 (stored side by side as one (in, 2 x hidden) matrix per expert) each on their own, as the shared expert's
 separate gate and up projections are: all of a layer's expert matrices in one batched product. Both kinds
 of parameter live in one optimizer, so a checkpoint saves one state and a resume restores it whole.
+
+Newton–Schulz on every expert costs in proportion to N, the total parameters, which an MoE is meant not to
+pay. With `ns_experts` = n > 0 on a group of expert matrices, each step re-orthogonalises n experts of
+each layer in turn (experts (t·n) mod N … (t·n + n − 1) mod N at that parameter's t-th step) and every
+other expert steps along the orthogonalised update it got last (kept as `ortho`, in the parameter's
+dtype, saved with the momentum): Muon's momentum moves slowly (0.95 keeps ~20 steps), so a direction a few steps old
+is close to today's, and the cost per step is n experts' whatever N is. The first step orthogonalises all.
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups: list[dict[str, Any]], betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
                  momentum: float = 0.95, nesterov: bool = True) -> None:
         super().__init__(groups, dict(betas=betas, eps=eps, momentum=momentum, nesterov=nesterov, muon=False,
-                                      layout="linear", blocks=1, weight_decay=0.0))
+                                      layout="linear", blocks=1, weight_decay=0.0, ns_experts=0))
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201 (torch's signature)
@@ -98,11 +105,31 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - m)
             update = p.grad.lerp(buf, m) if group["nesterov"] else buf
-            mats = _as_matrices(update, layout, blocks)
-            fan_out, fan_in = mats.shape[-2:]
-            ortho = _from_matrices(orthogonalize(mats), p, layout, blocks)
+            fan_out, fan_in = p.shape if layout == "linear" else (p.shape[2] // blocks, p.shape[1])
+            n = group["ns_experts"]
+            if layout == "experts" and 0 < n < p.shape[0]:
+                ortho = self._in_turn(state, update, n, blocks)
+            else:
+                ortho = _from_matrices(orthogonalize(_as_matrices(update, layout, blocks)), p, layout, blocks)
             p.mul_(1 - lr * wd)
             p.add_(ortho.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, fan_out / fan_in)))
+
+    @staticmethod
+    def _in_turn(state: dict[str, Any], update: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
+        """The orthogonalised update of every expert in `update` (E, in, out), n of them computed anew this
+        step in turn and the rest as last computed (all of them at the first step)."""
+        if "ortho" not in state:
+            state["ortho"] = _from_matrices(orthogonalize(_as_matrices(update, "experts", blocks)), update,
+                                            "experts", blocks).to(update.dtype)
+            state["ns_turn"] = 0
+            return state["ortho"]
+        turn, experts = state["ns_turn"], update.shape[0]
+        chosen = torch.arange(turn * n, turn * n + n, device=update.device) % experts
+        part = update.index_select(0, chosen)
+        fresh = _from_matrices(orthogonalize(_as_matrices(part, "experts", blocks)), part, "experts", blocks)
+        state["ortho"].index_copy_(0, chosen, fresh.to(update.dtype))
+        state["ns_turn"] = (turn + 1) % experts
+        return state["ortho"]
 
     def _adamw(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
         avgs, sqs, steps = [], [], []
@@ -132,7 +159,9 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer tc names: "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest).
     With muon_experts False the routed experts' matrices go to AdamW as well: Newton-Schulz on every expert
     costs in proportion to N, the total parameters, which an MoE is meant not to pay for; AdamW's step is
-    elementwise. The loop sets each group's lr from the schedule every step (`set_lr`)."""
+    elementwise. muon_experts_per_step > 0 keeps Muon for them but orthogonalises only that many of each
+    layer's experts per step, in turn (`MuonAdamW._in_turn`). The loop sets each group's lr from the
+    schedule every step (`set_lr`)."""
     named = list(model.named_parameters())
     if tc.optimizer == "adamw":
         # weight decay on matrices only: decaying norm gains toward 0 would fight the norm
@@ -147,9 +176,10 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     taken = {id(p) for _, p in hidden}
     rest = [(n, p) for n, p in named if id(p) not in taken]
     muon = dict(muon=True, lr=tc.muon_lr, weight_decay=tc.muon_weight_decay)
+    experts = dict(muon, layout="experts", ns_experts=tc.muon_experts_per_step)
     groups = [{**muon, "params": linear, "layout": "linear", "blocks": 1},
-              {**muon, "params": gate_up, "layout": "experts", "blocks": 2},
-              {**muon, "params": down, "layout": "experts", "blocks": 1},
+              {**experts, "params": gate_up, "blocks": 2},
+              {**experts, "params": down, "blocks": 1},
               {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": tc.weight_decay},
               {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]

@@ -443,6 +443,10 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
         raise TrainingError(f"{run_dir} was trained with muon_experts={saved.get('muon_experts', True)}, whose expert "
                             "state the other optimizer cannot take over; resume without --set muon_experts, or train "
                             "a new run")
+    if tc.optimizer == "muon" and saved.get("muon_experts_per_step", 0) != tc.muon_experts_per_step:
+        raise TrainingError(f"{run_dir} was trained with muon_experts_per_step={saved.get('muon_experts_per_step', 0)}"
+                            "; a resume keeps it (its experts' saved updates follow that turn): resume without "
+                            "--set muon_experts_per_step, or train a new run")
     tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     try:
