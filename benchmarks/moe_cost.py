@@ -16,7 +16,11 @@ With --breakdown, one MoE layer of the demo model is timed piece by piece on the
 shared expert and dense FFN are timed as three nn.Linear products and as one kernel SwiGLU group, and
 the shared expert as one more group of the routed experts' call: what that fusion would save each model.
 
-    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 1,16,64] [--rounds 12] [--breakdown] [--fusion]
+With --fused, one MoE layer of the demo model with its routed experts as one autograd node (`ops.routed`)
+and in steps, for the kernel and the bucketed loop, beside the dense twin's FFN.
+
+    python benchmarks/moe_cost.py [--regimes demo,fp32] [--experts 1,16,64] [--rounds 12] [--breakdown] [--fused]
+                                  [--fusion]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from moe_scaling import timed  # (this folder is on the path when a benchmark ru
 from nanollama4.config import ModelConfig, preset
 from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from nanollama4.moe import count_per_expert
+from nanollama4.ops import kernels
 from nanollama4.ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
 from nanollama4.runtime import tune_allocator
 from nanollama4.tokenizer import CharTokenizer
@@ -161,6 +166,48 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
         print(f"| {k} | {v:.1f} |")
 
 
+def fused_layer(cfg: ModelConfig, batches: list[torch.Tensor], rounds: int) -> None:
+    """One MoE layer of the demo model (forward + backward, bf16 autocast, on the hidden states it sees) with
+    its routed experts as one autograd node (`ops.routed`) and in steps (`fuse=False`), for the kernel and
+    the bucketed loop, beside the dense twin's FFN: each timed 10 times a round, rounds alternated, medians."""
+    torch.manual_seed(0)
+    model = nanollama4.build_model(cfg)
+    moe = model.moe_layers()[0]
+    seen = {}
+    moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.loss(batches[0][:, :-1], batches[0][:, 1:])
+    x = seen["x"]
+    dense_ffn = nanollama4.build_model(dense_twin(cfg)).blocks[0].ffn
+
+    def run(module, product: str | None = None, fuse: bool = True):
+        def go():
+            if product is not None:
+                moe.experts.dispatch, moe.experts.fuse = product, fuse
+            xx = x.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = module(xx)
+            y.float().sum().backward()
+        return go
+
+    products = ["bucketed"] + (["kernel"] if kernels.bf16_available() else [])
+    cases = {"dense twin's FFN": run(dense_ffn)}
+    for name in products:
+        cases[f"MoE layer, {name}, one node"] = run(moe, name, True)
+        cases[f"MoE layer, {name}, in steps"] = run(moe, name, False)
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, go in cases.items():
+            go()
+            times[name].append(timed(go, 10, "cpu") * 1e3)
+    dense = statistics.median(times["dense twin's FFN"])
+    print(f"\none MoE layer of the demo model, forward + backward, bf16 autocast, {x.shape[0] * x.shape[1]} tokens, "
+          f"{rounds} alternated rounds of 10")
+    print("| piece | ms | over the dense FFN |\n|---|---:|---:|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.2f} | {statistics.median(ts) / dense:.2f}x |")
+
+
 def fusion(n_experts: int) -> None:
     """What one kernel call per SwiGLU would save, for the MoE and for the dense twin alike (fp32 regime,
     first layer, forward + backward on 768 random rows, alternated medians): the shared expert and the
@@ -220,6 +267,7 @@ def main() -> None:
     ap.add_argument("--experts", default="1,16,64", help="expert counts of the fp32 regime")
     ap.add_argument("--rounds", type=int, default=12, help="steps per model per run")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="the routed layer as one node against in steps (demo)")
     ap.add_argument("--fusion", action="store_true", help="what one kernel call per SwiGLU would save (fp32)")
     args = ap.parse_args()
     tune_allocator()
@@ -228,7 +276,7 @@ def main() -> None:
           "|---|---|---|---|---|---|")
     regimes = args.regimes.split(",")
     demo_cfg = demo_data = None
-    if "demo" in regimes or args.breakdown:
+    if "demo" in regimes or args.breakdown or args.fused:
         demo_cfg, demo_data = demo_batches(preset("shakespeare-char"), 16, 256, 8)
     if "demo" in regimes:
         compare("demo: shakespeare-char, bf16, 16x256", demo_cfg, demo_data, True, args.rounds)
@@ -239,6 +287,8 @@ def main() -> None:
             compare(f"fp32: width 128, {n} experts, 12x64", fp32_config(n), data, False, args.rounds)
     if args.breakdown:
         breakdown(demo_cfg, demo_data)
+    if args.fused:
+        fused_layer(demo_cfg, demo_data, 7)
     if args.fusion:
         fusion(16)
 

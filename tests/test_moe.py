@@ -90,7 +90,7 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
     for mode in modes:
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as spy, \
-                mock.patch.object(products._KernelSwiGLU, "apply", wraps=products._KernelSwiGLU.apply) as kernel, \
+                mock.patch.object(products, "kernel_forward", wraps=products.kernel_forward) as kernel, \
                 mock.patch("nanollama4.ops.experts.few_rows", wraps=products.few_rows) as few:
             y, gx, gp = run_with_grads(moe, lambda m, xi: m(xi), x, w, seed)
         # each runs exactly when asked for (unless a handful of assignments took the one-by-one path);
@@ -695,7 +695,7 @@ def test_moe_sparse_equals_dense_reference(shape, router, k, n):
     for mode in ["kernel", "loop", "padded", "bucketed"] + (["grouped"] if aligned else []):
         moe.experts.dispatch = mode
         with mock.patch.object(F, "grouped_mm", wraps=F.grouped_mm) as grouped, \
-                mock.patch.object(experts_ops._KernelSwiGLU, "apply", wraps=experts_ops._KernelSwiGLU.apply) as kernel:
+                mock.patch.object(experts_ops, "kernel_forward", wraps=experts_ops.kernel_forward) as kernel:
             y, gx, gp = run(lambda m, xi: m(xi))
         assert (grouped.called, kernel.called) == (mode == "grouped", mode == "kernel"), mode
         torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5, msg=mode)

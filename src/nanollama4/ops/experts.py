@@ -34,11 +34,13 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import ConfigError
 from ..moe import Experts, per_expert_products
-from . import kernels
+from . import kernels, routed
 from .linear import row_matmul
 
-# torch's grouped product, public as F.grouped_mm in recent releases and as torch._grouped_mm before
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped product: F.grouped_mm in recent releases, torch._grouped_mm before (looked up per call)."""
+    return (getattr(F, "grouped_mm", None) or torch._grouped_mm)(x, w, offs=offs)
 
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -100,38 +102,72 @@ def _activation_grad(d_act_AH: torch.Tensor, h_AH2: torch.Tensor, silu_AH: torch
     return dh_AH2
 
 
+# Each compiled product as a forward and a backward stage: its autograd node below calls them, and so does the
+# routed layer's single node (`ops.routed`), which wraps them in the gather, scaling and scatter of routing.
+# forward(x_AD, gate_up_EDH, down_EHD, groups) -> (y_AD, saved tensors, saved non-tensor);
+# backward(dy_AD, saved tensors, saved non-tensor, needs (x, gate_up, down)) -> (dx_AD, d_gate_up, d_down).
+def kernel_forward(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor
+                   ) -> tuple[torch.Tensor, tuple, bool]:
+    """The kernel's SwiGLU over row groups, float32 rows (`_KernelSwiGLU`) or bf16 rows (`_KernelSwiGLUBf16`)."""
+    k, x_AD = kernels.module(), x_AD.contiguous()
+    gate_up_EDH, down_EHD = gate_up_EDH.contiguous(), down_EHD.contiguous()
+    if x_AD.dtype == torch.bfloat16:
+        h_AH2 = k.forward_bf16(x_AD, gate_up_EDH, counts_E)
+        act_AH = k.swiglu(h_AH2)
+        return k.forward_bf16(act_AH, down_EHD, counts_E), (x_AD, h_AH2, None, act_AH, gate_up_EDH, down_EHD,
+                                                            counts_E), True
+    h_AH2 = k.forward(x_AD, gate_up_EDH, counts_E)
+    compiled = compiled_activation(h_AH2)
+    if compiled:  # silu is recomputed in the backward
+        silu_AH, act_AH = None, k.swiglu(h_AH2)
+    else:
+        silu_AH, act_AH = _activate(h_AH2)
+    return k.forward(act_AH, down_EHD, counts_E), (x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD,
+                                                   counts_E), compiled
+
+
+def kernel_backward(dy_AD: torch.Tensor, saved: tuple, compiled: bool, needs: tuple[bool, bool, bool]
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of `kernel_forward`'s rows and weights (each only where `needs` asks)."""
+    x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E = saved
+    k = kernels.module()
+    if x_AD.dtype == torch.bfloat16:
+        dy_AD = dy_AD.to(torch.bfloat16).contiguous()
+        d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_EHD.dtype == torch.bfloat16) if needs[2] else None
+        if not (needs[0] or needs[1]):
+            return None, None, d_down
+        dh_AH2 = k.swiglu_grad(k.input_grad_bf16(dy_AD, down_EHD, counts_E), h_AH2)
+        dx = k.input_grad_bf16(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
+        d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_EDH.dtype == torch.bfloat16) \
+            if needs[1] else None
+        return dx, d_gate_up, d_down
+    dy_AD = dy_AD.contiguous()
+    d_down = k.weight_grad(act_AH, dy_AD, counts_E) if needs[2] else None
+    if not (needs[0] or needs[1]):
+        return None, None, d_down
+    d_act = k.input_grad(dy_AD, down_EHD, counts_E)
+    dh_AH2 = k.swiglu_grad(d_act, h_AH2) if compiled else _activation_grad(d_act, h_AH2, silu_AH)
+    dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
+    return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down
+
+
 class _KernelSwiGLU(torch.autograd.Function):
     """SwiGLU_e over consecutive row groups (counts_E rows each) on our kernel, forward and backward."""
 
     @staticmethod
     def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
                 counts_E: torch.Tensor) -> torch.Tensor:
-        x_AD, gate_up_EDH, down_EHD = x_AD.contiguous(), gate_up_EDH.contiguous(), down_EHD.contiguous()
-        k = kernels.module()
-        h_AH2 = k.forward(x_AD, gate_up_EDH, counts_E)
-        ctx.compiled_activation = compiled_activation(h_AH2)
-        if ctx.compiled_activation:  # silu is recomputed in the backward
-            silu_AH, act_AH = None, k.swiglu(h_AH2)
-        else:
-            silu_AH, act_AH = _activate(h_AH2)
-        ctx.save_for_backward(x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E)
-        return k.forward(act_AH, down_EHD, counts_E)
+        y_AD, saved, ctx.compiled_activation = kernel_forward(x_AD, gate_up_EDH, down_EHD, counts_E)
+        ctx.save_for_backward(*saved)
+        return y_AD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_AD: torch.Tensor):
-        x_AD, h_AH2, silu_AH, act_AH, gate_up_EDH, down_EHD, counts_E = ctx.saved_tensors
-        k, dy_AD, needs = kernels.module(), dy_AD.contiguous(), ctx.needs_input_grad
-        d_down = k.weight_grad(act_AH, dy_AD, counts_E) if needs[2] else None
-        if not (needs[0] or needs[1]):
-            return None, None, d_down, None
-        d_act = k.input_grad(dy_AD, down_EHD, counts_E)
-        dh_AH2 = k.swiglu_grad(d_act, h_AH2) if ctx.compiled_activation else _activation_grad(d_act, h_AH2, silu_AH)
-        dx = k.input_grad(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
-        return dx, k.weight_grad(x_AD, dh_AH2, counts_E) if needs[1] else None, d_down, None
+        return *kernel_backward(dy_AD, ctx.saved_tensors, ctx.compiled_activation, ctx.needs_input_grad[:3]), None
 
 
-class _KernelSwiGLUBf16(torch.autograd.Function):
+class _KernelSwiGLUBf16(_KernelSwiGLU):
     """SwiGLU_e over consecutive row groups of bf16 rows on our kernel's bf16 products.
 
     The weights come in their own dtype and the kernel reads them as they are: each core casts the part
@@ -143,31 +179,6 @@ class _KernelSwiGLUBf16(torch.autograd.Function):
     The activation between the products is the kernel's too (`swiglu` and `swiglu_grad`, in float32 on
     bf16 rows), which recompute silu in the backward instead of saving it.
     """
-
-    @staticmethod
-    def forward(ctx, x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
-                counts_E: torch.Tensor) -> torch.Tensor:
-        k, x_AD = kernels.module(), x_AD.contiguous()
-        gate_up_EDH, down_EHD = gate_up_EDH.contiguous(), down_EHD.contiguous()
-        h_AH2 = k.forward_bf16(x_AD, gate_up_EDH, counts_E)
-        act_AH = k.swiglu(h_AH2)
-        ctx.save_for_backward(x_AD, h_AH2, act_AH, gate_up_EDH, down_EHD, counts_E)
-        return k.forward_bf16(act_AH, down_EHD, counts_E)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy_AD: torch.Tensor):
-        x_AD, h_AH2, act_AH, gate_up_EDH, down_EHD, counts_E = ctx.saved_tensors
-        k, needs = kernels.module(), ctx.needs_input_grad
-        dy_AD = dy_AD.to(torch.bfloat16).contiguous()
-        d_down = k.weight_grad_bf16(act_AH, dy_AD, counts_E, down_EHD.dtype == torch.bfloat16) if needs[2] else None
-        if not (needs[0] or needs[1]):
-            return None, None, d_down, None
-        dh_AH2 = k.swiglu_grad(k.input_grad_bf16(dy_AD, down_EHD, counts_E), h_AH2)
-        dx = k.input_grad_bf16(dh_AH2, gate_up_EDH, counts_E) if needs[0] else None
-        d_gate_up = k.weight_grad_bf16(x_AD, dh_AH2, counts_E, gate_up_EDH.dtype == torch.bfloat16) \
-            if needs[1] else None
-        return dx, d_gate_up, d_down, None
 
 
 def padded_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, counts_E: torch.Tensor,
@@ -199,6 +210,48 @@ def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: to
     return _BucketedSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E.tolist())
 
 
+def bucketed_forward(x_PD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, sizes: list[int]
+                     ) -> tuple[torch.Tensor, tuple, list[tuple[int, int]]]:
+    """One product per group and matrix, each written in place into its slice of one buffer."""
+    H, spans = down_EHD.shape[1], _spans(sizes)
+    h_PH2 = x_PD.new_empty(x_PD.shape[0], 2 * H)
+    for (lo, hi), w in zip(spans, gate_up_EDH.unbind(0), strict=True):
+        if hi > lo:
+            torch.mm(x_PD[lo:hi], w, out=h_PH2[lo:hi])
+    silu_PH, act_PH = _activate(h_PH2)
+    y_PD = x_PD.new_empty(x_PD.shape[0], down_EHD.shape[2])
+    for (lo, hi), w in zip(spans, down_EHD.unbind(0), strict=True):
+        if hi > lo:
+            torch.mm(act_PH[lo:hi], w, out=y_PD[lo:hi])
+    return y_PD, (x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD), spans
+
+
+def bucketed_backward(dy_PD: torch.Tensor, saved: tuple, spans: list[tuple[int, int]],
+                      needs: tuple[bool, bool, bool] = (True, True, True)
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `bucketed_forward`'s rows and weights (all three: they share the loops)."""
+    x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD = saved
+    dy_PD = dy_PD.to(x_PD.dtype).contiguous()
+    d_act = torch.empty_like(act_PH)
+    d_down = torch.empty_like(down_EHD)
+    for e, (lo, hi) in enumerate(spans):
+        if hi > lo:
+            torch.mm(dy_PD[lo:hi], down_EHD[e].t(), out=d_act[lo:hi])
+            torch.mm(act_PH[lo:hi].t(), dy_PD[lo:hi], out=d_down[e])
+        else:
+            d_down[e].zero_()
+    dh_PH2 = _activation_grad(d_act, h_PH2, silu_PH)
+    d_gate_up = torch.empty_like(gate_up_EDH)
+    dx_PD = torch.empty_like(x_PD)
+    for e, (lo, hi) in enumerate(spans):
+        if hi > lo:
+            torch.mm(x_PD[lo:hi].t(), dh_PH2[lo:hi], out=d_gate_up[e])
+            torch.mm(dh_PH2[lo:hi], gate_up_EDH[e].t(), out=dx_PD[lo:hi])
+        else:
+            d_gate_up[e].zero_()
+    return dx_PD, d_gate_up, d_down
+
+
 class _BucketedSwiGLU(torch.autograd.Function):
     """SwiGLU_e over consecutive row groups of the sizes given, one product per group and matrix, each
     written in place into its slice of one buffer (no per-group tensors, no cat, no split). (Padding rows
@@ -207,44 +260,14 @@ class _BucketedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor,
                 sizes: list[int]) -> torch.Tensor:
-        H, spans = down_EHD.shape[1], _spans(sizes)
-        h_PH2 = x_PD.new_empty(x_PD.shape[0], 2 * H)
-        for (lo, hi), w in zip(spans, gate_up_EDH.unbind(0), strict=True):
-            if hi > lo:
-                torch.mm(x_PD[lo:hi], w, out=h_PH2[lo:hi])
-        silu_PH, act_PH = _activate(h_PH2)
-        y_PD = x_PD.new_empty(x_PD.shape[0], down_EHD.shape[2])
-        for (lo, hi), w in zip(spans, down_EHD.unbind(0), strict=True):
-            if hi > lo:
-                torch.mm(act_PH[lo:hi], w, out=y_PD[lo:hi])
-        ctx.save_for_backward(x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD)
-        ctx.spans = spans
+        y_PD, saved, ctx.spans = bucketed_forward(x_PD, gate_up_EDH, down_EHD, sizes)
+        ctx.save_for_backward(*saved)
         return y_PD
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy_PD: torch.Tensor):
-        x_PD, h_PH2, silu_PH, act_PH, gate_up_EDH, down_EHD = ctx.saved_tensors
-        spans = ctx.spans
-        dy_PD = dy_PD.contiguous()
-        d_act = torch.empty_like(act_PH)
-        d_down = torch.empty_like(down_EHD)
-        for e, (lo, hi) in enumerate(spans):
-            if hi > lo:
-                torch.mm(dy_PD[lo:hi], down_EHD[e].t(), out=d_act[lo:hi])
-                torch.mm(act_PH[lo:hi].t(), dy_PD[lo:hi], out=d_down[e])
-            else:
-                d_down[e].zero_()
-        dh_PH2 = _activation_grad(d_act, h_PH2, silu_PH)
-        d_gate_up = torch.empty_like(gate_up_EDH)
-        dx_PD = torch.empty_like(x_PD)
-        for e, (lo, hi) in enumerate(spans):
-            if hi > lo:
-                torch.mm(x_PD[lo:hi].t(), dh_PH2[lo:hi], out=d_gate_up[e])
-                torch.mm(dh_PH2[lo:hi], gate_up_EDH[e].t(), out=dx_PD[lo:hi])
-            else:
-                d_gate_up[e].zero_()
-        return dx_PD, d_gate_up, d_down, None
+        return *bucketed_backward(dy_PD, ctx.saved_tensors, ctx.spans), None
 
 
 def _spans(sizes: list[int]) -> list[tuple[int, int]]:
@@ -381,7 +404,7 @@ def kernel_bf16_ok(x: torch.Tensor, hidden: int) -> bool:
 def grouped_mm_ok(x: torch.Tensor, hidden: int) -> bool:
     """F.grouped_mm wants 16-byte-aligned rows in every operand (widths D, 2H and the (A, H) intermediate);
     on CUDA it also wants bf16 (its Hopper kernels)."""
-    if _grouped_mm is None:
+    if not (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")):
         return False
     if x.dtype not in ((torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)):
         return False
@@ -464,11 +487,14 @@ class FastExperts(Experts):
     - Otherwise rows are sorted as in `Experts.forward` and multiplied by the product `dispatch` names
       ("auto": the fastest measured for their device, dtype and count, `auto_product`), padded per
       expert for the products that want it (`ROW_MULTIPLE`).
+    - Where that product is the kernel or the bucketed loop, the sort, the gather, the products and the
+      adding back are one autograd node (`ops.routed`, unless `fuse` is False).
     - Under autocast the products run in the autocast dtype, as every nn.Linear does (autocast does not
       know products on raw parameters, so the cast is explicit).
     """
 
     dispatch_name: str  # "auto" or a name in PRODUCTS
+    fuse: bool = True  # the kernel and the bucketed loop as one routed node (`ops.routed`); False: in steps
 
     @classmethod
     def taking_over(cls, experts: Experts) -> FastExperts:
@@ -499,6 +525,13 @@ class FastExperts(Experts):
             return few_rows(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
         if compiling and not torch.is_grad_enabled() and x_TD.shape[0] <= EVERY_EXPERT_ROWS:
             return every_expert(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
+        if self.fuse and not compiling:
+            dtype = compute_dtype(x_TD)
+            rows_like = x_TD.new_empty((0, x_TD.shape[1]), dtype=dtype)  # the rows' device, dtype and width
+            name = chosen_product(self.dispatch, rows_like, self.hidden, self.n_experts, expert_A.shape[0])
+            if name in routed.FUSED:
+                return routed.routed_experts(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, name,
+                                             dtype)
         return super().forward(x_TD, token_A, expert_A, weight_A, scale_input)  # sort -> `products` -> add back
 
     def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
