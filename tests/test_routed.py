@@ -63,7 +63,7 @@ def test_fused_equals_the_reference_in_float32(routing, product):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 48, 32, generator=g), torch.randn(2, 48, 32, generator=g)
     want = grads_of(moe, moe_reference, x, w)
-    with mock.patch.object(routed, "routed_experts", wraps=routed.routed_experts) as fused:
+    with mock.patch.object(products, "routed_experts", wraps=products.routed_experts) as fused:
         got = grads_of(moe, lambda m, xi: m(xi), x, w)
     assert fused.call_count == 1  # the layer really took the fused node
     for (name, a), (_, b) in zip(got, want, strict=True):
@@ -99,7 +99,7 @@ def test_experts_without_rows_get_zero_gradients(product):
     moe.experts.dispatch = product
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(1, 6, 32, generator=g), torch.randn(1, 6, 32, generator=g)
-    with mock.patch.object(routed, "routed_experts", wraps=routed.routed_experts) as fused:
+    with mock.patch.object(products, "routed_experts", wraps=products.routed_experts) as fused:
         got = dict(grads_of(moe, lambda m, xi: m(xi), x, w))
     assert fused.call_count == 1
     used = set(moe.last.expert_A.tolist())
@@ -128,7 +128,7 @@ def test_the_steps_stay_reachable():
     """fuse=False takes the products in steps, as before the fused node (benchmarks compare the two)."""
     moe = make(ROUTINGS["sigmoid top-1, shared"])
     moe.experts.dispatch, moe.experts.fuse = "bucketed", False
-    with mock.patch.object(routed, "routed_experts", wraps=routed.routed_experts) as fused, \
+    with mock.patch.object(products, "routed_experts", wraps=products.routed_experts) as fused, \
             mock.patch.object(products, "bucketed_forward", wraps=products.bucketed_forward) as stage:
         moe(torch.randn(1, 40, 32)).sum().backward()
     assert fused.call_count == 0 and stage.call_count == 1

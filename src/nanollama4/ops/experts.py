@@ -34,8 +34,9 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import ConfigError
 from ..moe import Experts, per_expert_products
-from . import kernels, routed
+from . import kernels
 from .linear import row_matmul
+from .routed import Stages, routed_experts
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -529,9 +530,15 @@ class FastExperts(Experts):
             dtype = compute_dtype(x_TD)
             rows_like = x_TD.new_empty((0, x_TD.shape[1]), dtype=dtype)  # the rows' device, dtype and width
             name = chosen_product(self.dispatch, rows_like, self.hidden, self.n_experts, expert_A.shape[0])
-            if name in routed.FUSED:
-                return routed.routed_experts(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, name,
-                                             dtype)
+            stages = routed_stages(name)
+            if stages is not None:
+                gate_up, down = self.weights()
+                if name == "kernel" and dtype == torch.bfloat16:  # read as they are (`kernel_product`)
+                    gate_up, down = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()
+                                     for w in (gate_up, down))
+                else:
+                    gate_up, down = gate_up.to(dtype), down.to(dtype)
+                return routed_experts(x_TD, token_A, expert_A, weight_A, gate_up, down, scale_input, stages, dtype)
         return super().forward(x_TD, token_A, expert_A, weight_A, scale_input)  # sort -> `products` -> add back
 
     def products(self, x_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -552,6 +559,18 @@ class FastExperts(Experts):
         if multiple == 1:
             return y_AD
         return y_AD.new_zeros(A, y_AD.shape[1]).index_add_(0, rows_P, y_AD)  # one row per real row again
+
+
+def routed_stages(name: str) -> Stages | None:
+    """The forward and backward stages of product `name`, for the routed layer's single node (`ops.routed`);
+    None for the products that have none (loop, grouped, padded: autograd composes them). The stage
+    functions are looked up when called, so a test's spy on them sees both paths."""
+    if name == "kernel":
+        return Stages(lambda *a: kernel_forward(*a), lambda *a: kernel_backward(*a), lambda counts_E: counts_E)
+    if name == "bucketed":
+        return Stages(lambda *a: bucketed_forward(*a), lambda *a: bucketed_backward(*a),
+                      lambda counts_E: counts_E.tolist(), ROW_MULTIPLE["bucketed"])
+    return None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -18,20 +18,33 @@ stages (`experts.kernel_forward`/`kernel_backward`, `bucketed_forward`/`bucketed
 
 What it saves is the passes over the (A, D) rows and the autograd nodes between the steps; the products
 are the same calls. `FastExperts` takes this path wherever it would run the kernel or the bucketed loop
-(`FastExperts.fuse`, on by default); `tests/test_routed.py` checks it against the plain MoE.
+(`FastExperts.fuse`, on by default), handing over those products' stages (`experts.routed_stages`);
+`tests/test_routed.py` checks it against the plain MoE.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..moe import count_per_expert
-from . import experts as products
 
-FUSED = ("kernel", "bucketed")  # the products with separate forward and backward stages
+
+@dataclass
+class Stages:
+    """A product's forward and backward stages (`experts.kernel_forward` and the like: forward(x_PD, gate_up,
+    down, groups) -> (y_PD, saved tensors, saved other); backward(dy_PD, saved tensors, saved other, needs)
+    -> (dx_PD, d_gate_up, d_down)), what it takes as groups (the counts tensor, or a list), and the row
+    multiple it wants each group padded to."""
+
+    forward: Callable[..., tuple[torch.Tensor, tuple, Any]]
+    backward: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+    groups: Callable[[torch.Tensor], Any]
+    multiple: int = 1
 
 
 @dataclass
@@ -60,20 +73,13 @@ def plan_rows(token_A: torch.Tensor, expert_A: torch.Tensor, n_experts: int, mul
 
 
 def routed_experts(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
-                   gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, scale_input: bool, product: str,
+                   gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, scale_input: bool, stages: Stages,
                    dtype: torch.dtype) -> torch.Tensor:
-    """`moe.Experts.forward`'s sum (T, D) in x's dtype, its products by `product` (one of FUSED) in `dtype`."""
+    """`moe.Experts.forward`'s sum (T, D) in x's dtype, its rows multiplied in `dtype` by `stages` (the weights
+    already as the product takes them)."""
     with torch.no_grad():
-        plan = plan_rows(token_A, expert_A, gate_up_EDH.shape[0], products.ROW_MULTIPLE.get(product, 1))
-    return _RoutedSwiGLU.apply(x_TD, gate_up_EDH, down_EHD, weight_A, plan, product, dtype, scale_input)
-
-
-def _weights_for(product: str, dtype: torch.dtype, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The weights as `product` takes them: the kernel's bf16 products read float32 or bf16 as they are
-    (`experts.kernel_product`); the others multiply in the rows' dtype."""
-    if product == "kernel" and dtype == torch.bfloat16:
-        return tuple(w if w.dtype in (torch.float32, torch.bfloat16) else w.float() for w in weights)
-    return tuple(w.to(dtype) for w in weights)
+        plan = plan_rows(token_A, expert_A, gate_up_EDH.shape[0], stages.multiple)
+    return _RoutedSwiGLU.apply(x_TD, gate_up_EDH, down_EHD, weight_A, plan, stages, dtype, scale_input)
 
 
 class _RoutedSwiGLU(torch.autograd.Function):
@@ -81,21 +87,17 @@ class _RoutedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: torch.Tensor, weight_A: torch.Tensor,
-                plan: RowPlan, product: str, dtype: torch.dtype, scale_input: bool) -> torch.Tensor:
+                plan: RowPlan, stages: Stages, dtype: torch.dtype, scale_input: bool) -> torch.Tensor:
         w_P1 = torch.cat([weight_A, weight_A.new_zeros(1)]).index_select(0, plan.assign_P).unsqueeze(1)
         x_PD = x_TD.index_select(0, plan.token_P)
         if scale_input:  # scaled in x's dtype, then cast: the rows the plain model multiplies
             x_PD = x_PD * w_P1.to(x_TD.dtype)
-        gate_up, down = _weights_for(product, dtype, gate_up_EDH, down_EHD)
-        if product == "kernel":
-            y_PD, saved, extra = products.kernel_forward(x_PD.to(dtype), gate_up, down, plan.counts_E)
-        else:
-            y_PD, saved, extra = products.bucketed_forward(x_PD.to(dtype), gate_up, down, plan.counts_E.tolist())
+        y_PD, saved, extra = stages.forward(x_PD.to(dtype), gate_up_EDH, down_EHD, stages.groups(plan.counts_E))
         y_PD = y_PD.to(x_TD.dtype)
         out_PD = y_PD if scale_input else y_PD * w_P1.to(x_TD.dtype)
         ctx.save_for_backward(x_TD, weight_A, w_P1, plan.assign_P, plan.token_P,
                               None if scale_input else y_PD, *saved)
-        ctx.plan_extra, ctx.product, ctx.scale_input = extra, product, scale_input
+        ctx.extra, ctx.stages, ctx.scale_input = extra, stages, scale_input
         ctx.weight_dtypes = (gate_up_EDH.dtype, down_EHD.dtype)
         return torch.zeros_like(x_TD).index_add_(0, plan.token_P, out_PD)
 
@@ -113,8 +115,8 @@ class _RoutedSwiGLU(torch.autograd.Function):
                 d_w_P = (dy_PD * y_PD).sum(1)
             dy_PD = dy_PD * w_P1
         needs_rows = needs_x or (needs_w and scale_input)
-        stage = products.kernel_backward if ctx.product == "kernel" else products.bucketed_backward
-        dx_PD, d_gate_up, d_down = stage(dy_PD, tuple(saved), ctx.plan_extra, (needs_rows, needs_gate_up, needs_down))
+        dx_PD, d_gate_up, d_down = ctx.stages.backward(dy_PD, tuple(saved), ctx.extra,
+                                                       (needs_rows, needs_gate_up, needs_down))
         dx_TD = None
         if dx_PD is not None:
             dx_PD = dx_PD.to(x_TD.dtype)
