@@ -23,7 +23,6 @@ from .config import (
     PRESETS,
     SEED_LIMIT,
     ModelConfig,
-    TrainConfig,
     parse_duration,
     parse_overrides,
     preset,
@@ -208,7 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.max_time is not None:
         train_over["max_time"] = args.max_time
     if args.resume:
-        refused = [f"--{name}" for name in ("preset", "out") if getattr(args, name) is not None]
+        refused = [f"--{name}" for name in ("preset", "out", "config") if getattr(args, name) is not None]
         refused += [f"--set {key}" for key in sorted(model_over)]
         refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
         if refused:
@@ -222,11 +221,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         run_dir, model_cfg, tc = args.resume, None, resume_config(args.resume, **train_over)
     else:
-        name = args.preset or DEFAULT_PRESET
-        tc = TrainConfig(**train_over)
+        from .configfile import read_config_file, resolve
+
+        file = read_config_file(args.config) if args.config else None
+        name, model_cfg, tc = resolve(file, args.preset, model_over, train_over, DEFAULT_PRESET)
         run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        model_cfg = preset(name, **model_over)
-    result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet)
+        if args.data is None and file is not None and file.data is not None:
+            args.data = str((file.path.parent / file.data) if not Path(file.data).is_absolute() else file.data)
+    result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet,
+                   summary=True)
     from .distributed import World
 
     code = (EXIT_CTRL_C if not result.saved else EXIT_INTERRUPTED) if result.interrupted else 0
@@ -248,6 +251,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"plot: {path}")
     print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
     return 0
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    from .configfile import defaults_toml
+
+    print(defaults_toml(args.preset), end="")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -373,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
     add_preset(p, default=None)
+    p.add_argument("--config", type=_path, metavar="FILE.toml",
+                   help="settings from a config file ([model], [train], data); the command line wins over it")
     p.add_argument("--data", type=_path,
                    help="a text file or a folder of .txt files (default: Shakespeare's works); with --resume, the "
                         "run's corpus at a new path")
@@ -385,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in RUN_DIR exactly where it stopped")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("config", help="print the full default config file for a preset, every field explained")
+    add_preset(p)
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", type=_path,

@@ -204,7 +204,8 @@ class TrainConfig(_JsonConfig):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
     The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
-    optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU.
+    optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU, and
+    muon_experts_per_step=2 (docs/experiments.md section 7).
     """
 
     batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)

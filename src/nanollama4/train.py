@@ -46,12 +46,13 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
+from .configfile import run_config_toml
 from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
 from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
-from .files import open_owned, read_json, read_safetensors, write_failed
-from .memory import format_bytes, training_memory
+from .files import atomic_write, open_owned, read_json, read_safetensors, write_failed
+from .memory import format_bytes, format_count, param_counts, training_memory
 from .model import Transformer
 from .ops import build_model, kernels
 from .optim import make_optimizer, set_lr
@@ -171,7 +172,8 @@ def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
 
 
 def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, data: str | None = None,
-          resume: bool = False, progress: bool = True, cache_dir: Path | None = None) -> TrainResult:
+          resume: bool = False, progress: bool = True, cache_dir: Path | None = None,
+          summary: bool | None = None) -> TrainResult:
     """Train a model in run_dir (new) or continue the run there (resume=True). Returns where it stopped.
 
     model_cfg's vocab_size is replaced by the tokenizer's, and tc.seq_len None by the model's max_seq_len.
@@ -179,9 +181,10 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     with `runs.resume_config(run_dir, ...)` so that everything but what you mean to change (usually the budget)
     stays as the run had it; `data` then replaces the run's corpus path (the text must suit its tokenizer).
 
-    The process (under torchrun: rank 0) holds run_dir's lock throughout (`runs.run_lock`): a second
-    training there stops at once. A new run goes only into a new, empty, or never-checkpointed folder of
-    ours. Under torchrun every rank calls this with the same arguments.
+    Before the first step rank 0 prints what the run is (`run_summary`) where `summary` is true (default:
+    with the progress bar). The process (under torchrun: rank 0) holds run_dir's lock throughout
+    (`runs.run_lock`): a second training there stops at once. A new run goes only into a new, empty, or
+    never-checkpointed folder of ours. Under torchrun every rank calls this with the same arguments.
     """
     run_dir = Path(run_dir)
     world = World.from_env()
@@ -212,7 +215,9 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     device = distributed.join(world, tc)
     try:
         with distributed.peers_fail_as_errors(world), owning(run_dir, resume, world):
-            result = _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device)
+            announce = (progress if summary is None else summary) and world.main
+            result = _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device,
+                            announce)
     except BaseException:
         distributed.leave(finished=False)  # as it is: a peer waiting on this rank must see it fail at once
         raise
@@ -221,7 +226,8 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
 
 
 def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
-           progress: bool, cache_dir: Path | None, world: World, device: torch.device) -> TrainResult:
+           progress: bool, cache_dir: Path | None, world: World, device: torch.device,
+           announce: bool = False) -> TrainResult:
     """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
     if resume:
         run = resume_run(tc, run_dir, data, cache_dir, world, device)
@@ -233,6 +239,9 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
         truncate_metrics(metrics_path, run.step)
     elif world.main:
         open_owned(metrics_path, "w").close()
+    if world.main:  # every field resolved (bf16 decided, seq_len filled in): `train --config` repeats the run
+        text = run_config_toml(run.model.cfg, tc, run.data)
+        atomic_write(run_dir / "config.toml", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     if tc.compile:
         run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     sequences = tc.batch_size * tc.grad_accum * world.size
@@ -240,6 +249,8 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     if world.distributed and world.main:
         print(f"torchrun: {run.parallel.describe()}; global batch {world.size} ranks x {tc.batch_size} x "
               f"{tc.grad_accum} accumulated = {sequences} sequences of {tc.seq_len} tokens per step", flush=True)
+    if announce:
+        print(run_summary(run, world), flush=True)
     if device.type == "cpu":
         kernels.load()  # a first-time build (~20 s) stays out of the run's clock, its times and --max-time
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
@@ -283,6 +294,39 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
                        tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=bool(stopped),
                        saved=holds_run(run_dir))
+
+
+def run_summary(run: Run, world: World) -> str:
+    """What a run is, in a few lines before its first step: parameters, data, step and budget, precision and
+    optimizer (each line's numbers recomputable from config.toml and the corpus)."""
+    cfg, tc, data = run.model.cfg, run.tc, run.dataset
+    counts = param_counts(cfg)
+    shape = f"{cfg.n_layers} layers of width {cfg.d_model}"
+    if cfg.n_experts:
+        shape += (f", {cfg.n_experts} experts top-{cfg.experts_per_token}"
+                  f"{' + shared' if cfg.shared_expert else ''}")
+    sequences = tc.batch_size * tc.grad_accum * world.size
+    parts = [f"{tc.max_steps:,} steps"] if tc.max_steps else []
+    parts += [f"{tc.max_time:g} s (the schedule follows the clock)"] if tc.max_time else []
+    at = f", resuming at step {run.step:,}" if run.step else ""
+    precision = "bf16 autocast (weights and optimizer state float32)" if tc.bf16 is True else "float32"
+    if tc.optimizer == "muon":
+        experts = ""
+        if cfg.n_experts:
+            experts = ("; routed experts on AdamW" if not tc.muon_experts else
+                       f"; {tc.muon_experts_per_step} of {cfg.n_experts} experts a layer orthogonalised per step"
+                       if 0 < tc.muon_experts_per_step < cfg.n_experts else "; every expert every step")
+        optimizer = (f"Muon at {tc.muon_lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest")
+    else:
+        optimizer = f"AdamW at {tc.lr:g}"
+    return "\n".join([
+        f"run {run.dir}",
+        f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token ({shape})",
+        f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tc.tokenizer} vocabulary of "
+        f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens",
+        f"  steps: {sequences:,} x {tc.seq_len} = {sequences * tc.seq_len:,} tokens each; budget "
+        f"{' or '.join(parts)}{at}; validation every {tc.eval_interval:,} steps and at the end",
+        f"  {precision}; {optimizer}"])
 
 
 # ---------------------------------------------------------------------------------------------- what the loop carries

@@ -1,0 +1,246 @@
+"""Config files: a run's settings as TOML, read and written from the config dataclasses' own declarations.
+
+A file holds up to three things: `data` (the corpus: a text file or a folder), a `[model]` table (`preset`,
+a preset's name, plus any `ModelConfig` fields) and a `[train]` table (any `TrainConfig` fields):
+
+    data = "corpus/"
+
+    [model]
+    preset = "shakespeare-char"
+    n_experts = 16
+
+    [train]
+    optimizer = "muon"
+    max_time = 300.0
+
+`nanollama4 train --config FILE` resolves a field by the first of: the command line (`--set`, `--preset`,
+`--max-steps`/`--max-time`, `--data`), the file, the preset, the dataclass's default. Every run writes its
+resolved file, every field filled in, as `config.toml` at its root, and `train --config RUN/config.toml
+--out NEW` trains the same run again. `nanollama4 config [--preset P]` prints the full default file.
+
+There is no second list of fields: the names, types and defaults are the dataclasses' (`config.py`), and
+each field's one-line meaning is the comment on its line there (`field_help`). TOML has no null, so a
+field that may be None takes the string "none".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import ModelConfig, TrainConfig, preset
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover (Python 3.10)
+    import tomli as tomllib
+
+TABLES = {"model": ModelConfig, "train": TrainConfig}
+VOCAB_NOTE = "vocab_size is the tokenizer's (char: the corpus's characters; bpe: set bpe_vocab_size)"
+
+
+@dataclass
+class ConfigFile:
+    """What a config file set: the preset named, the [model] and [train] fields, the corpus."""
+
+    path: Path
+    preset: str | None = None
+    model: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+    data: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- the declarations
+def field_help(cls: type) -> dict[str, str]:
+    """Each field's one-line meaning: the comment on its line in the class's source."""
+    out = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"    (\w+): [^=]+= .*?  # (.*)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def _expected(hint: Any) -> str:
+    """What a field takes, in words, from its resolved annotation."""
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    words = []
+    for option in options:
+        if option is type(None):
+            words.append('"none"')
+        elif typing.get_origin(option) is Literal:
+            words.append(" or ".join(json.dumps(v) for v in typing.get_args(option)))
+        elif option is str:
+            words.append('"auto"' if bool in options else "a string")
+        else:
+            words.append({bool: "true or false", int: "a whole number", float: "a number"}[option])
+    return " or ".join(words)
+
+
+def _is_union(hint: Any) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+
+
+def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
+    """`value` as read from TOML, if its type is one the field declares (ints where floats go are widened);
+    else a ConfigError naming where, the key and what it takes. Ranges are the config's own checks."""
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if type(None) in options and value == "none":
+        return None
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str) and (bool not in options or value == "auto"):
+            return value
+        if typing.get_origin(option) is Literal and value in typing.get_args(option) and isinstance(value, str):
+            return value
+    raise ConfigError(f"{where}: {key} = {_toml_value(value)} takes {_expected(hint)}")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_config_file(path: str | Path) -> ConfigFile:
+    """The file at `path`, every key checked against the declarations; one ConfigError line otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (`nanollama4 config > {path.name}` writes one)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.__class__.__name__}: {e})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    out = ConfigFile(path)
+    for key, value in raw.items():
+        if key == "data":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{path}: data = {_toml_value(value)} takes a path (a text file or a folder)")
+            out.data = value
+        elif key in TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: {key} must be a table, [{key}]")
+            getattr(out, key).update(_read_table(path, key, value, out))
+        else:
+            raise ConfigError(f"{path}: unknown key {key!r}; a config file holds data, [model] and [train]")
+    return out
+
+
+def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile) -> dict[str, Any]:
+    cls = TABLES[table]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    checked = {}
+    for key, value in values.items():
+        where = f"{path}: [{table}]"
+        if table == "model" and key == "preset":
+            if not isinstance(value, str):
+                raise ConfigError(f"{where} preset = {_toml_value(value)} takes a preset's name")
+            try:
+                preset(value)  # an unknown name fails here, listing the presets
+            except ConfigError as e:
+                raise ConfigError(f"{where} preset: {e}") from None
+            out.preset = value
+            continue
+        if table == "model" and key == "vocab_size":
+            raise ConfigError(f"{where} vocab_size cannot be set: {VOCAB_NOTE}")
+        if key not in known:
+            other = next((t for t, c in TABLES.items() if key in {f.name for f in dataclasses.fields(c)}), None)
+            hint = f"; it belongs in [{other}]" if other else f"; valid keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{where} has no key {key!r}{hint}")
+        checked[key] = check_value(where, key, value, hints[key])
+    return checked
+
+
+def resolve(file: ConfigFile | None, cli_preset: str | None, model_over: dict[str, Any], train_over: dict[str, Any],
+            default_preset: str) -> tuple[str, ModelConfig, TrainConfig]:
+    """The preset's name, the ModelConfig and the TrainConfig of a new run: command line > file > preset >
+    defaults. A budget given on the command line replaces the file's (of either kind)."""
+    file = file or ConfigFile(Path("-"))
+    name = cli_preset or file.preset or default_preset
+    train_values = dict(file.train)
+    if "max_steps" in train_over or "max_time" in train_over:
+        train_values.pop("max_steps", None)
+        train_values.pop("max_time", None)
+    where = f"{file.path}" if file.path.name != "-" else "the command line"
+    try:
+        model_cfg = preset(name, **{**file.model, **model_over})
+        tc = TrainConfig(**{**train_values, **train_over})
+    except ConfigError as e:
+        raise ConfigError(f"{e} (from {where} and the command line)" if file.path.name != "-" else str(e)) from None
+    return name, model_cfg, tc
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    return json.dumps(value, default=str)
+
+
+def _table(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    helps = field_help(type(cfg))
+    lines = []
+    for f in dataclasses.fields(cfg):
+        if f.name in skip:
+            continue
+        entry = f"{f.name} = {_toml_value(getattr(cfg, f.name))}"
+        lines.append(f"{entry:<40}  # {helps[f.name]}" if f.name in helps else entry)
+    return lines
+
+
+def config_toml(model_cfg: ModelConfig, tc: TrainConfig, data: str | None = None, header: str = "",
+                preset_name: str | None = None) -> str:
+    """A complete config file: every field of both tables, each with its meaning."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    if lines:
+        lines.append("")
+    if data is not None:
+        lines += [f"data = {_toml_value(data)}", ""]
+    lines.append("[model]")
+    if preset_name is not None:
+        lines.append(f"{'preset = ' + _toml_value(preset_name):<40}  # the preset the fields below start from")
+    lines += _table(model_cfg, skip=("vocab_size",))
+    lines.append(f"# vocab_size = {model_cfg.vocab_size}  ({VOCAB_NOTE})")
+    lines += ["", "[train]"] + _table(tc)
+    return "\n".join(lines) + "\n"
+
+
+def run_config_toml(model_cfg: ModelConfig, tc: TrainConfig, data: str | None) -> str:
+    """A run's resolved config.toml: `train --config` on it trains the same run again."""
+    return config_toml(model_cfg, tc, data, header=(
+        "nanollama4: this run's settings, every field resolved. Train it again with\n"
+        "  nanollama4 train --config config.toml --out NEW_RUN\n"
+        "(the command line wins over this file: --set KEY=VALUE, --max-steps, --max-time, --data)"))
+
+
+def defaults_toml(preset_name: str) -> str:
+    """`nanollama4 config --preset P`: the full default file for a preset."""
+    return config_toml(preset(preset_name), TrainConfig(), header=(
+        f"nanollama4 config file: the preset {preset_name!r} and the training defaults, every field.\n"
+        "Keep the lines you change; train with: nanollama4 train --config FILE --max-time 5m\n"
+        "Precedence: command line (--set, --preset, --max-steps/--max-time, --data) > this file > preset > "
+        "defaults.\n"
+        'A field that may be None takes "none". data = "PATH" (a text file or folder) picks the corpus.'),
+        preset_name=preset_name)

@@ -1,0 +1,137 @@
+"""Config files: `train --config FILE.toml`, the precedence command line > file > preset > defaults, one-line
+errors naming the file and the key, a run's resolved config.toml that trains the same run again, and
+`nanollama4 config` listing every field with its meaning from the one declaration in config.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from nanollama4.config import ModelConfig, TrainConfig, preset
+from nanollama4.configfile import defaults_toml, field_help, read_config_file, resolve, tomllib
+from nanollama4.errors import ConfigError
+from nanollama4.memory import format_count, param_counts
+from tests.helpers import assert_cli_error, assert_one_line, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_every_field_has_its_meaning_in_the_one_declaration():
+    for cls in (ModelConfig, TrainConfig):
+        helps = field_help(cls)
+        assert set(helps) == {f.name for f in dataclasses.fields(cls)}, cls
+        assert all(len(h) > 5 for h in helps.values())
+    assert field_help(TrainConfig)["muon_experts_per_step"].startswith("optimizer=muon: experts per layer")
+
+
+def test_the_default_file_lists_every_field_and_reads_back_as_the_defaults(tmp_path, capsys):
+    rc, out, err = run_cli(["config", "--preset", "tiny"], capsys)
+    assert rc == 0 and not err
+    raw = tomllib.loads(out)
+    assert set(raw) == {"model", "train"}
+    assert set(raw["model"]) == {f.name for f in dataclasses.fields(ModelConfig)} - {"vocab_size"} | {"preset"}
+    assert set(raw["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
+    body = [line for line in out.splitlines() if "=" in line and not line.startswith("#")]
+    assert all("  # " in line for line in body)  # each field with its meaning
+    file = read_config_file(write(tmp_path, out))
+    name, model_cfg, tc = resolve(file, None, {}, {}, "shakespeare-char")
+    assert name == "tiny" and model_cfg == preset("tiny") and tc == TrainConfig()
+    assert defaults_toml("tiny") == out
+
+
+def test_precedence_command_line_over_file_over_preset_over_defaults(tmp_path):
+    path = write(tmp_path, '[model]\npreset = "tiny"\nn_experts = 2\n\n[train]\nbatch_size = 3\nlr = 0.01\n'
+                           'max_time = 60\nbf16 = "auto"\nseq_len = "none"\n')
+    file = read_config_file(path)
+    name, model_cfg, tc = resolve(file, None, {"d_model": 48}, {"lr": 0.02}, "shakespeare-char")
+    assert name == "tiny"
+    assert model_cfg == preset("tiny", n_experts=2, d_model=48)  # file over preset, command line over file
+    assert (tc.batch_size, tc.lr, tc.max_time, tc.bf16, tc.seq_len) == (3, 0.02, 60.0, "auto", None)
+    assert tc.min_lr == TrainConfig().min_lr  # neither said: the default
+    name, model_cfg, _ = resolve(file, "shakespeare-char", {}, {}, "tiny")  # --preset over the file's preset
+    assert name == "shakespeare-char" and model_cfg.n_experts == 2
+    _, _, tc = resolve(file, None, {}, {"max_steps": 5}, "tiny")  # a budget on the command line replaces the file's
+    assert (tc.max_steps, tc.max_time) == (5, None)
+    _, model_cfg, tc = resolve(None, None, {}, {}, "tiny")
+    assert model_cfg == preset("tiny") and tc == TrainConfig()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("[model]\nn_expert = 2\n", r"run\.toml: \[model\] has no key 'n_expert'; valid keys: "),
+    ("[model]\nn_experts = \"eight\"\n", r'run\.toml: \[model\]: n_experts = "eight" takes a whole number'),
+    ("[model]\nshared_expert = 1\n", r"run\.toml: \[model\]: shared_expert = 1 takes true or false"),
+    ("[model]\nrouter = \"top\"\n", r'router = "top" takes "sigmoid" or "softmax"'),
+    ("[model]\nbatch_size = 8\n", r"\[model\] has no key 'batch_size'; it belongs in \[train\]"),
+    ("[train]\nbf16 = \"yes\"\n", r'bf16 = "yes" takes true or false or "auto"'),
+    ("[train]\nmax_steps = 2.5\n", r'max_steps = 2.5 takes a whole number or "none"'),
+    ("[model]\nvocab_size = 99\n", r"vocab_size cannot be set: vocab_size is the tokenizer's"),
+    ("[model]\npreset = \"huge\"\n", r"unknown preset 'huge'"),
+    ("[trian]\nlr = 1\n", r"run\.toml: unknown key 'trian'; a config file holds data, \[model\] and \[train\]"),
+    ("data = 3\n", r"run\.toml: data = 3 takes a path"),
+    ("[model\nn_experts = 2\n", r"run\.toml: not valid TOML"),
+])
+def test_a_bad_file_is_one_line_naming_the_file_and_the_key(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected) as e:
+        read_config_file(write(tmp_path, text))
+    assert_one_line(e.value)
+
+
+def test_a_value_out_of_range_is_the_configs_own_message(tmp_path):
+    file = read_config_file(write(tmp_path, "[train]\nlr = -1.0\n"))
+    with pytest.raises(ConfigError, match=r"lr .* \(from .*run\.toml and the command line\)"):
+        resolve(file, None, {}, {}, "tiny")
+
+
+def test_the_cli_refuses_a_bad_or_missing_file_in_one_line(tmp_path, capsys):
+    rc, _, err = run_cli(["train", "--config", str(tmp_path / "nope.toml"), "--max-steps", "1"], capsys)
+    assert "nope.toml: no such config file" in assert_cli_error(rc, err, "train")
+    bad = write(tmp_path, "[model]\nn_experts = -3\n")
+    rc, _, err = run_cli(["train", "--config", str(bad), "--max-steps", "1", "--out", str(tmp_path / "r")], capsys)
+    assert_cli_error(rc, err, "train")
+    assert not (tmp_path / "r").exists()
+
+
+def tokens_of(run: Path) -> int:
+    """The run's vocabulary size, from its checkpoint's model config."""
+    return json.loads((run / "last" / "config.json").read_text())["vocab_size"]
+
+
+def metrics_losses(run: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {x["step"]: x["lm_loss"] for x in lines if "lm_loss" in x}
+
+
+def test_a_file_trains_and_the_runs_config_toml_trains_the_same_run_again(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path, f'data = "{corpus}"\n\n[model]\npreset = "tiny"\nn_experts = 2\n\n[train]\n'
+                           "seq_len = 32\nbatch_size = 4\neval_batches = 2\nwarmup_steps = 2\nthreads = 1\n"
+                           "lr = 0.003\nmax_steps = 6\noptimizer = \"muon\"\nmuon_experts_per_step = 1\n")
+    first, again = tmp_path / "first", tmp_path / "again"
+    rc, out, err = run_cli(["train", "--config", str(path), "--out", str(first), "--quiet"], capsys)
+    assert rc == 0, err
+    # the run says what it is before its first step (Workbench item 6)
+    counts = param_counts(preset("tiny", n_experts=2, vocab_size=tokens_of(first)))
+    assert f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token" in out
+    assert "  steps: 4 x 32 = 128 tokens each; budget 6 steps;" in out
+    assert "Muon at 0.02 on the hidden matrices; 1 of 2 experts a layer orthogonalised per step" in out
+    saved = tomllib.loads((first / "config.toml").read_text())
+    assert saved["model"]["n_experts"] == 2 and saved["model"]["d_model"] == preset("tiny").d_model
+    assert saved["train"]["max_steps"] == 6 and saved["train"]["bf16"] is False  # resolved: no "auto" left
+    assert Path(saved["data"]) == corpus.resolve()
+    rc, out, err = run_cli(["train", "--config", str(first / "config.toml"), "--out", str(again), "--quiet"], capsys)
+    assert rc == 0, err
+    a, b = metrics_losses(first), metrics_losses(again)
+    assert sorted(a) == list(range(1, 7)) and a == b  # the same losses, step for step
+    assert len(set(a.values())) > 1
+    rc, _, err = run_cli(["train", "--resume", str(first), "--config", str(path), "--max-steps", "8"], capsys)
+    assert "--config cannot change on --resume" in assert_cli_error(rc, err, "train")
+
