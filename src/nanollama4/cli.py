@@ -256,7 +256,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> None:
     from .configfile import defaults_toml
 
-    print(defaults_toml(args.preset), end="")
+    model_over, train_over = split_overrides(args.set or [])
+    print(defaults_toml(args.preset, model_over, train_over), end="")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -397,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("config", help="print the full default config file for a preset, every field explained")
+    p = sub.add_parser("config", help="print the full default config file for a preset (with --set applied), every "
+                                      "field explained")
     add_preset(p)
     p.set_defaults(func=cmd_config)
 

@@ -235,9 +235,10 @@ def run_config_toml(model_cfg: ModelConfig, tc: TrainConfig, data: str | None) -
         "(the command line wins over this file: --set KEY=VALUE, --max-steps, --max-time, --data)"))
 
 
-def defaults_toml(preset_name: str) -> str:
-    """`nanollama4 config --preset P`: the full default file for a preset."""
-    return config_toml(preset(preset_name), TrainConfig(), header=(
+def defaults_toml(preset_name: str, model_over: dict[str, Any] | None = None,
+                  train_over: dict[str, Any] | None = None) -> str:
+    """`nanollama4 config --preset P [--set ...]`: the full default file for a preset, with any changes."""
+    return config_toml(preset(preset_name, **(model_over or {})), TrainConfig(**(train_over or {})), header=(
         f"nanollama4 config file: the preset {preset_name!r} and the training defaults, every field.\n"
         "Keep the lines you change; train with: nanollama4 train --config FILE --max-time 5m\n"
         "Precedence: command line (--set, --preset, --max-steps/--max-time, --data) > this file > preset > "

@@ -169,6 +169,10 @@ def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
                  "world_size": run.world.size}
         save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
                         _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
+        # with each checkpoint, so that a resume that fails before saving leaves the run as it was: every
+        # field resolved (bf16 decided, seq_len filled in), and `train --config` on it repeats the run
+        text = run_config_toml(run.model.cfg, run.tc, run.data)
+        atomic_write(run.dir / "config.toml", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, data: str | None = None,
@@ -239,9 +243,6 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
         truncate_metrics(metrics_path, run.step)
     elif world.main:
         open_owned(metrics_path, "w").close()
-    if world.main:  # every field resolved (bf16 decided, seq_len filled in): `train --config` repeats the run
-        text = run_config_toml(run.model.cfg, tc, run.data)
-        atomic_write(run_dir / "config.toml", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     if tc.compile:
         run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     sequences = tc.batch_size * tc.grad_accum * world.size
