@@ -110,8 +110,8 @@ def _median_ms(times: list[list[float]], phase: int) -> float:
     return statistics.median(t[phase] for t in times) * 1e3
 
 
-def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
-    """The first MoE layer's pieces, forward + backward each, on the hidden states the layer sees."""
+def first_moe_layer(cfg: ModelConfig, batches: list[torch.Tensor]):
+    """The demo model's first MoE layer and the hidden states it sees on the first batch (bf16 autocast)."""
     torch.manual_seed(0)
     model = nanollama4.build_model(cfg)
     moe = model.moe_layers()[0]
@@ -119,7 +119,13 @@ def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
     moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach()))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model.loss(batches[0][:, :-1], batches[0][:, 1:])
-    x = seen["x"].reshape(-1, cfg.d_model)
+    return moe, seen["x"]
+
+
+def breakdown(cfg: ModelConfig, batches: list[torch.Tensor]) -> None:
+    """The first MoE layer's pieces, forward + backward each, on the hidden states the layer sees."""
+    moe, x = first_moe_layer(cfg, batches)
+    x = x.reshape(-1, cfg.d_model)
     dense_ffn = nanollama4.build_model(dense_twin(cfg)).blocks[0].ffn
 
     def ms(fn) -> float:
@@ -170,14 +176,7 @@ def fused_layer(cfg: ModelConfig, batches: list[torch.Tensor], rounds: int) -> N
     """One MoE layer of the demo model (forward + backward, bf16 autocast, on the hidden states it sees) with
     its routed experts as one autograd node (`ops.routed`) and in steps (`fuse=False`), for the kernel and
     the bucketed loop, beside the dense twin's FFN: each timed 10 times a round, rounds alternated, medians."""
-    torch.manual_seed(0)
-    model = nanollama4.build_model(cfg)
-    moe = model.moe_layers()[0]
-    seen = {}
-    moe.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0].detach()))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model.loss(batches[0][:, :-1], batches[0][:, 1:])
-    x = seen["x"]
+    moe, x = first_moe_layer(cfg, batches)
     dense_ffn = nanollama4.build_model(dense_twin(cfg)).blocks[0].ffn
 
     def run(module, product: str | None = None, fuse: bool = True):
