@@ -175,12 +175,13 @@ def resolve(file: ConfigFile | None, cli_preset: str | None, model_over: dict[st
     if "max_steps" in train_over or "max_time" in train_over:
         train_values.pop("max_steps", None)
         train_values.pop("max_time", None)
-    where = f"{file.path}" if file.path.name != "-" else "the command line"
     try:
         model_cfg = preset(name, **{**file.model, **model_over})
         tc = TrainConfig(**{**train_values, **train_over})
     except ConfigError as e:
-        raise ConfigError(f"{e} (from {where} and the command line)" if file.path.name != "-" else str(e)) from None
+        if file.path.name == "-":  # no file: the command line alone
+            raise
+        raise ConfigError(f"{e} (from {file.path} and the command line)") from None
     return name, model_cfg, tc
 
 

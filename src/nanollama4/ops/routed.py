@@ -98,7 +98,6 @@ class _RoutedSwiGLU(torch.autograd.Function):
         ctx.save_for_backward(x_TD, weight_A, w_P1, plan.assign_P, plan.token_P,
                               None if scale_input else y_PD, *saved)
         ctx.extra, ctx.stages, ctx.scale_input = extra, stages, scale_input
-        ctx.weight_dtypes = (gate_up_EDH.dtype, down_EHD.dtype)
         return torch.zeros_like(x_TD).index_add_(0, plan.token_P, out_PD)
 
     @staticmethod
@@ -130,6 +129,6 @@ class _RoutedSwiGLU(torch.autograd.Function):
         if needs_w:  # padding rows add into a slot past the last assignment, which is dropped
             d_weight_A = weight_A.new_zeros(weight_A.shape[0] + 1).index_add_(0, assign_P, d_w_P.to(weight_A.dtype))
             d_weight_A = d_weight_A[:-1]
-        gate_up_dtype, down_dtype = ctx.weight_dtypes
-        return (dx_TD, d_gate_up.to(gate_up_dtype) if needs_gate_up else None,
-                d_down.to(down_dtype) if needs_down else None, d_weight_A, None, None, None, None)
+        # the stages return weight gradients in the weights' own dtype
+        return (dx_TD, d_gate_up if needs_gate_up else None, d_down if needs_down else None, d_weight_A,
+                None, None, None, None)
