@@ -228,7 +228,8 @@ class TrainConfig(_JsonConfig):
     max_steps: int | None = None  # stop after this many optimizer steps
     max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
     decay_steps: int | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
-    eval_interval: int = 250  # validate (and checkpoint) every this many steps
+    eval_interval: int = 250  # validate (and checkpoint) every this many steps (under --max-time: see eval_share)
+    eval_share: float = 0.1  # under --max-time: validate each time this share of the budget has passed (0 = by steps)
     eval_batches: int = 16  # fixed validation batches per evaluation
     bf16: bool | str = False  # autocast products to bfloat16 (weights, optimizer stay float32); "auto": if it pays
     compile: bool = False  # torch.compile the model
@@ -241,6 +242,7 @@ class TrainConfig(_JsonConfig):
     # under torchrun (see distributed/); batch_size and grad_accum are then per rank
     parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
     expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
+    log: str = "jsonl"  # "jsonl" (metrics.jsonl) or "tensorboard" (also TensorBoard events in RUN/tensorboard/)
     dist_timeout: float = 600.0  # seconds a rank waits for its peers in one collective before giving up
 
     def __post_init__(self) -> None:
@@ -262,6 +264,13 @@ class TrainConfig(_JsonConfig):
             raise ConfigError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
         if self.warmup_steps < 0 or self.threads < 0:
             raise ConfigError("warmup_steps and threads must be non-negative")
+        if not isinstance(self.eval_share, (int, float)) or isinstance(self.eval_share, bool) \
+                or not 0 <= self.eval_share <= 1:
+            raise ConfigError(f"eval_share ({self.eval_share!r}) must be a share of the time budget in [0, 1] (0: "
+                              "validate by eval_interval steps alone)")
+        if self.log not in ("jsonl", "tensorboard"):
+            raise ConfigError(f"log ({self.log!r}) must be 'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard "
+                              "events as well)")
         if not isinstance(self.warmup_frac, (int, float)) or not 0 <= self.warmup_frac < 1:
             raise ConfigError(f"warmup_frac ({self.warmup_frac!r}) must be a share of the time budget in [0, 1)")
         if self.max_steps is not None and self.max_steps <= 0:

@@ -120,7 +120,9 @@ class MoE(nn.Module):
     def stats(self) -> dict[str, torch.Tensor]:
         """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
         expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
-        rerouted and dropped fractions and the router entropy; {} before the first pass."""
+        rerouted and dropped fractions, the router entropy (nats), and the balancing loss and z-loss without
+        their coefficients (`Router.auxiliary_loss`'s terms, whether or not the run trains on them);
+        {} before the first pass."""
         counts_E = self.counts
         if counts_E is None:
             return {}
@@ -129,7 +131,9 @@ class MoE(nn.Module):
             probs_TE = last.logits_TE.softmax(-1)
             extra = {"rerouted_frac": last.rerouted.float() / last.slots,
                      "dropped_frac": last.dropped.float() / last.slots,
-                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()}
+                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean(),
+                     "balance_loss": self.n_experts * (counts_E.float() / last.slots * probs_TE.mean(0)).sum(),
+                     "z_loss": torch.logsumexp(last.logits_TE, dim=-1).pow(2).mean()}
         mean_load = last.slots / self.n_experts
         return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
                 "min_load": counts_E.min().float() / mean_load}

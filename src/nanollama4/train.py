@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,7 +51,7 @@ from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, rea
 from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
-from .files import atomic_write, open_owned, read_json, read_safetensors, write_failed
+from .files import atomic_write, open_owned, own_folder, read_json, read_safetensors, write_failed
 from .memory import format_bytes, format_count, param_counts, training_memory
 from .model import Transformer
 from .ops import build_model, kernels
@@ -135,10 +135,11 @@ def train_step(run: Run, scale: float) -> StepResult:
                 out = run.parallel.loss(x.to(run.device), y.to(run.device))
             (out.total / tc.grad_accum).backward()
         sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
-    counts = expert_counts(model)
+    counts, routing = expert_counts(model), routing_stats(model)
     lm, aux = (run.parallel.sum_over_ranks(sums) / (tc.grad_accum * world.size)).tolist()
-    if counts is not None:
-        counts = run.parallel.sum_over_ranks(counts.cpu())
+    if counts is not None:  # one collective for both; the shares and losses are averaged over the ranks
+        both = run.parallel.sum_over_ranks(torch.cat([counts, routing], dim=1).cpu())
+        counts, routing = both[:, :counts.shape[1]], both[:, counts.shape[1]:] / world.size
     if not math.isfinite(lm + aux):
         raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
     run.parallel.after_backward()
@@ -149,17 +150,22 @@ def train_step(run: Run, scale: float) -> StepResult:
     run.optimizer.zero_grad(set_to_none=True)
     model.update_router_biases()
     run.step += 1
-    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts)
+    return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts, routing=routing)
 
 
 def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
-    """Validate on the fixed batches, log it, and checkpoint the step reached (`last`, and `best` when it is).
-    A non-finite validation loss stops the run instead."""
+    """Validate on the fixed batches, log it with the routing since the last validation (`Telemetry`), and
+    checkpoint the step reached (`last`, and `best` when it is). A non-finite validation loss stops the run
+    instead."""
     val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16, run.world.rank, run.world.size,
                    run.parallel.sum_over_ranks)
     if not math.isfinite(val):
         raise _diverged(f"the validation loss became {val} after step {run.step}", run.step, run.dir, applied=True)
-    metrics.write(json.dumps({"step": run.step, "time": round(elapsed, 3), "val_loss": val}) + "\n")
+    line = {"step": run.step, "time": round(elapsed, 3), "val_loss": val}
+    routing = run.telemetry.take(run.model)
+    if routing:
+        line["routing"] = routing
+    metrics.record(line)
     is_best = run.best is None or val < run.best
     run.val, run.best = val, val if is_best else run.best
     tensors = model_tensors(run.model, whole=run.parallel.whole)  # whole on every rank: one file for any world size
@@ -214,6 +220,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         distributed.check(world, tc, model_cfg)
         bpe = tc.tokenizer == "bpe"  # a char vocabulary is the corpus's: the preset's size stands in for it
         check_step_fits(model_cfg.replace(vocab_size=tc.bpe_vocab_size) if bpe else model_cfg, tc, world)
+    check_log(tc)
     pick_device(tc.device)
     # every rank has made the checks above; rank 0 alone creates and locks the run directory
     device = distributed.join(world, tc)
@@ -263,20 +270,29 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     def elapsed() -> float:
         return run.elapsed_before + time.perf_counter() - t0
 
-    with stop_on_signals() as flag, MetricsFile(metrics_path if world.main else None, run_dir) as metrics:
+    by_clock = eval_period(tc)
+    next_eval = (math.floor(run.elapsed_before / by_clock) + 1) * by_clock if by_clock else math.inf
+    log = tensorboard_dir(run_dir, resume) if tc.log == "tensorboard" and world.main else None
+    with stop_on_signals() as flag, MetricsFile(metrics_path if world.main else None, run_dir, log, run.step) \
+            as metrics:
         while True:
             # taken alike by every rank: their clocks and signals differ, and ranks that decided differently
             # would wait on each other's collectives forever
             now, stopped, step_time = run.parallel.max_over_ranks([elapsed(), flag["stop"], dt])
             if (tc.max_steps and run.step >= tc.max_steps) or (tc.max_time and now >= tc.max_time) or stopped:
                 break
+            if now >= next_eval:  # under --max-time: a share of the budget has passed since the last one
+                next_eval = (math.floor(now / by_clock) + 1) * by_clock
+                if run.step != saved_step:
+                    validate_and_save(run, metrics, now)
+                    saved_step = run.step
             scale = lr_scale(tc, run.step, now, step_time)
             t_step = time.perf_counter()
             result = train_step(run, scale)
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
-            log_step(metrics, run, result, tc.lr * scale, elapsed(), tokens_per_step / dt)
-            if run.step % tc.eval_interval == 0:
+            log_step(metrics, run, result, tc.lr * scale, elapsed(), tokens_per_step / dt, tokens_per_step)
+            if not by_clock and run.step % tc.eval_interval == 0:
                 validate_and_save(run, metrics, elapsed())
                 saved_step = run.step
             metrics.flush()
@@ -310,6 +326,8 @@ def run_summary(run: Run, world: World) -> str:
     parts = [f"{tc.max_steps:,} steps"] if tc.max_steps else []
     parts += [f"{tc.max_time:g} s (the schedule follows the clock)"] if tc.max_time else []
     at = f", resuming at step {run.step:,}" if run.step else ""
+    when = (f"every {eval_period(tc):g} s ({tc.eval_share:.0%} of the budget)" if eval_period(tc)
+            else f"every {tc.eval_interval:,} steps")
     precision = "bf16 autocast (weights and optimizer state float32)" if tc.bf16 is True else "float32"
     if tc.optimizer == "muon":
         experts = ""
@@ -326,7 +344,7 @@ def run_summary(run: Run, world: World) -> str:
         f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tc.tokenizer} vocabulary of "
         f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens",
         f"  steps: {sequences:,} x {tc.seq_len} = {sequences * tc.seq_len:,} tokens each; budget "
-        f"{' or '.join(parts)}{at}; validation every {tc.eval_interval:,} steps and at the end",
+        f"{' or '.join(parts)}{at}; validation {when} and at the end",
         f"  {precision}; {optimizer}"])
 
 
@@ -334,11 +352,17 @@ def run_summary(run: Run, world: World) -> str:
 class MetricsFile:
     """metrics.jsonl, appended to without following a planted symlink; a write that fails (a full disk) is
     a WriteError naming the file, the checkpoints being intact. Without a path (ranks other than 0) writes
-    go nowhere."""
+    go nowhere. With `tensorboard` (a folder of ours) every record's numbers also go to TensorBoard events
+    there, the steps past `step` (a resume's) replacing what an earlier process logged."""
 
-    def __init__(self, path: Path | None, run_dir: Path) -> None:
+    def __init__(self, path: Path | None, run_dir: Path, tensorboard: Path | None = None, step: int = 0) -> None:
         self.path, self.run_dir = path, run_dir
         self.file = open_owned(path) if path is not None else open(os.devnull, "a")
+        self.board = None
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(str(tensorboard), purge_step=step + 1 if step else None)
 
     def __enter__(self) -> MetricsFile:
         return self
@@ -346,14 +370,25 @@ class MetricsFile:
     def __exit__(self, *exc: object) -> None:
         try:
             self.file.close()
+            if self.board is not None:
+                self.board.close()
         except OSError:
             pass  # the error that matters was raised by write or flush
+
+    def record(self, line: dict) -> None:
+        """One line of metrics.jsonl (and its numbers as TensorBoard scalars)."""
+        self.write(json.dumps(line) + "\n")
+        if self.board is not None:
+            for tag, value in board_scalars(line):
+                self.board.add_scalar(tag, value, line["step"])
 
     def write(self, text: str) -> None:
         self._guarded(self.file.write, text)
 
     def flush(self) -> None:
         self._guarded(self.file.flush)
+        if self.board is not None:
+            self._guarded(self.board.flush)
 
     def _guarded(self, call, *args) -> None:
         try:
@@ -395,6 +430,7 @@ class Run:
     best: float | None = None  # best validation loss so far
     val: float | None = None  # validation loss at the last evaluation
     elapsed_before: float = 0.0  # seconds trained by earlier processes of this run
+    telemetry: Telemetry = field(default_factory=lambda: Telemetry())  # routing since the last validation
 
 
 @dataclass
@@ -403,24 +439,91 @@ class StepResult:
     aux: float  # mean MoE auxiliary loss
     grad_norm: float  # before clipping
     counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
+    routing: torch.Tensor | None = None  # (layers, ROUTING) the last micro-batch's `routing_stats`, rank mean
 
 
 # ---------------------------------------------------------------------------------------------- logging and checks
 def log_step(metrics: MetricsFile, run: Run, result: StepResult, lr: float, elapsed: float,
-             tokens_per_s: float) -> None:
-    """One metrics.jsonl line for the step just taken (with each MoE layer's expert load)."""
-    line = {"step": run.step, "time": round(elapsed, 3), "loss": result.lm + result.aux, "lm_loss": result.lm,
-            "aux_loss": result.aux, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
+             tokens_per_s: float, tokens_per_step: int) -> None:
+    """One metrics.jsonl line for the step just taken (with each MoE layer's expert load); the step's
+    routing also counts toward the next validation's telemetry."""
+    line = {"step": run.step, "time": round(elapsed, 3), "tokens": run.step * tokens_per_step,
+            "loss": result.lm + result.aux, "lm_loss": result.lm, "aux_loss": result.aux, "lr": lr,
+            "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s}
     load = expert_load(result.counts)
     if load:
         line["expert_load"] = [[round(v, 4) for v in row] for row in load]
-    metrics.write(json.dumps(line) + "\n")
+    run.telemetry.add(result)
+    metrics.record(line)
 
 
 def expert_counts(model: Transformer) -> torch.Tensor | None:
     """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
     counts = [c for c in (m.counts for m in model.moe_layers()) if c is not None]
     return torch.stack(counts).float() if counts else None
+
+
+ROUTING = ("rerouted_frac", "dropped_frac", "entropy", "balance_loss", "z_loss")  # `MoE.stats` a step logs
+ROUTING_NAMES = ("rerouted", "dropped", "entropy", "balance_loss", "z_loss")  # ... as metrics.jsonl names them
+
+
+def routing_stats(model: Transformer) -> torch.Tensor | None:
+    """(layers, ROUTING): each MoE layer's rerouted and dropped shares, router entropy, balancing loss and
+    z-loss in the last training pass (`MoE.stats`), None without MoE."""
+    rows = [torch.stack([s[k].float() for k in ROUTING]) for s in (m.stats for m in model.moe_layers()) if s]
+    return torch.stack(rows) if rows else None
+
+
+@dataclass
+class Telemetry:
+    """The routing of the steps since the last validation, summed; `take` turns it into the validation
+    line's "routing" block (means over those steps) and starts again."""
+
+    counts: torch.Tensor | None = None  # (layers, experts) assignments
+    sums: torch.Tensor | None = None  # (layers, ROUTING)
+    steps: int = 0
+
+    def add(self, result: StepResult) -> None:
+        if result.counts is None or result.routing is None:
+            return
+        first = self.counts is None
+        self.counts = result.counts.double() if first else self.counts + result.counts.double()
+        self.sums = result.routing.double() if first else self.sums + result.routing.double()
+        self.steps += 1
+
+    def take(self, model: Transformer) -> dict | None:
+        """Per MoE layer: the expert-load shares, the ROUTING means over the steps taken, and the balancing
+        bias's range now; None when no step was counted (or no MoE)."""
+        if not self.steps:
+            return None
+        block = {"load": [[round(v, 4) for v in row] for row in expert_load(self.counts)]}
+        means = (self.sums / self.steps).T.tolist()  # (ROUTING, layers)
+        for name, values in zip(ROUTING_NAMES, means, strict=True):
+            block[name] = [round(v, 6) for v in values]
+        bias = [m.router.expert_bias.detach().float().cpu() for m in model.moe_layers()]
+        block["bias_min"] = [round(b.min().item(), 6) for b in bias]
+        block["bias_max"] = [round(b.max().item(), 6) for b in bias]
+        self.counts, self.sums, self.steps = None, None, 0
+        return block
+
+
+def board_scalars(line: dict) -> Iterator[tuple[str, float]]:
+    """A metrics.jsonl line's numbers as TensorBoard (tag, value) pairs: the losses and rates under train/,
+    the validation loss under val/, each MoE layer's routing under routing/layerN/ (the most and least
+    loaded expert over uniform stand for the load shares)."""
+    for key, value in line.items():
+        if key in ("step", "time", "tokens") or not isinstance(value, int | float):
+            continue
+        yield ("val/" if key == "val_loss" else "train/") + key, float(value)
+    routing = line.get("routing") or {}
+    for name, values in routing.items():
+        if name == "load":
+            for i, shares in enumerate(values):
+                yield f"routing/layer{i}/max_load", max(shares) * len(shares)
+                yield f"routing/layer{i}/min_load", min(shares) * len(shares)
+        else:
+            for i, value in enumerate(values):
+                yield f"routing/layer{i}/{name}", float(value)
 
 
 def expert_load(counts: torch.Tensor | None) -> list[list[float]]:
@@ -563,6 +666,32 @@ def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> 
                         f"{format_bytes(step.total)} (of it {format_bytes(step.state)} weights, gradients and "
                         f"optimizer state) and {format_bytes(free)} is free; pass --set batch_size={fits:,} or "
                         "less (with --set grad_accum=N for as many tokens per step)")
+
+
+def eval_period(tc: TrainConfig) -> float:
+    """Seconds between validations when they follow the clock (under --max-time with eval_share > 0), else 0:
+    validation every eval_interval steps. A run's plot then has as many points on a slow machine as on a
+    fast one."""
+    return tc.max_time * tc.eval_share if tc.max_time and tc.eval_share else 0.0
+
+
+def tensorboard_dir(run_dir: Path, resume: bool) -> Path:
+    """RUN/tensorboard/, a folder of ours (never through a planted link). A new run starts it empty."""
+    folder = own_folder(run_dir, "tensorboard")
+    if not resume:
+        for old in folder.glob("events.out.tfevents.*"):
+            old.unlink()
+    return folder
+
+
+def check_log(tc: TrainConfig) -> None:
+    """log=tensorboard needs the tensorboard package: say so before anything starts."""
+    if tc.log == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise TrainingError("log=tensorboard needs the tensorboard package: pip install 'nanollama4[tensorboard]' "
+                                "(or --set log=jsonl)")
 
 
 def _set_threads(tc: TrainConfig) -> None:
