@@ -176,6 +176,13 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
     ("export", "--checkpoint"): [["RUN", "OUT", "--checkpoint", "worst"]],
 }
+# --import on every command, after what the command needs to get that far
+_BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"],
+                  "export": ["RUN", "OUT"], "eval": ["RUN"], "plot": ["RUN"], "experiment": ["gqa"]}
+for _command in {command for command, _ in CASES}:
+    _before = _BEFORE_IMPORT.get(_command, [])
+    CASES[_command, "--import"] = [[*_before, "--import", ""], [*_before, "--import", "no_such_module_of_anyone"],
+                                   [*_before, "--import", "MISSING/code.py"]]
 
 
 @pytest.fixture(scope="module")

@@ -495,6 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a smoke test of a few seconds (tiny models, 3 steps)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_experiment)
+
+    for p in sub.choices.values():  # every command can meet a model built with your code
+        p.add_argument("--import", dest="imports", action="append", type=_text, metavar="MODULE",
+                       help="import your code first (a module name or a .py file): it may register a router kind "
+                            "or another part; repeatable (see docs/training.md)")
     return parser
 
 
@@ -541,6 +546,11 @@ def main(argv: list[str] | None = None) -> int:
             from .runtime import tune_allocator
 
             tune_allocator()
+        if args.imports:
+            from .plugins import load
+
+            for spec in args.imports:
+                load(spec)
         return args.func(args) or 0
     except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
         where = f" (rank {os.environ.get('RANK', '?')})" if under_torchrun else ""

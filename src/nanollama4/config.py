@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from .errors import ConfigError
 
-RouterKind = Literal["sigmoid", "softmax"]  # the kinds router.py defines (a new one registers there)
+RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
 CapacityOverflow = Literal["next", "drop"]
 SoftmaxOver = Literal["chosen", "all"]
@@ -93,6 +93,7 @@ class ModelConfig(_JsonConfig):
     norm_eps: float = 1e-5  # epsilon of every RMSNorm and of the QK norm
     tie_embeddings: bool = False  # LM head shares the token embedding matrix
     init_std: float = 0.02  # std of the normal initialisation of matrices
+    imports: str = ""  # the modules (--import) that define this model's parts, comma-separated; filled in for you
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,9 +154,17 @@ class ModelConfig(_JsonConfig):
                                  f"({self.n_experts})")
         # the kinds are router.py's classes; imported here, not above, because it brings torch and the command
         # line reads configs (the presets' names) before it needs torch
+        from .plugins import origin
         from .router import ROUTERS, router_class
 
+        if self.router not in ROUTERS and self.imports:
+            needed = " ".join(f"--import {m}" for m in self.imports.split(","))
+            raise ConfigError(f"router {self.router!r} is defined by code this model was built with ({self.imports}), "
+                              f"which is not imported: pass {needed}")
         router = router_class(self.router)  # a ConfigError naming the kinds there are
+        module = origin(router)
+        if module is not None and module not in self.imports.split(","):  # what a run records it needs
+            self.imports = ",".join(filter(None, [*self.imports.split(","), module]))
         if self.router_noise not in ("none", "fixed", "learned"):
             raise ConfigError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
         if self.capacity_overflow not in ("next", "drop"):

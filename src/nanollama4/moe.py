@@ -21,6 +21,7 @@ tokens' input, experts_TK each token's chosen experts, counts_E the rows per exp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +33,18 @@ from .router import Routing, router_class
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases: the dense FFN and the shared expert."""
+    """down(silu(gate(x)) * up(x)), no biases: the dense FFN and the shared expert. With `std`, the matrices
+    start as the model starts them (Normal(0, std), `down` at out_std); else as nn.Linear does."""
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, std: float | None = None, out_std: float | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        if std is not None:
+            for linear in (self.gate_proj, self.up_proj):
+                nn.init.normal_(linear.weight, std=std)
+            nn.init.normal_(self.down_proj.weight, std=std if out_std is None else out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -72,9 +78,12 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
+        # each part starts as `Transformer.reset_parameters` starts it, so that an MoE(cfg) swapped into a
+        # built model trains like one built with it (the outputs into the residual stream shrunk alike)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.router = router_class(cfg.router)(cfg)
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim)
-        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim) if cfg.shared_expert else None
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, out_std)
+        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim, cfg.init_std, out_std) if cfg.shared_expert else None
         self.last, self._counts = None, None
         self.aux_loss = torch.zeros(())
 
@@ -151,11 +160,13 @@ class Experts(nn.Module):
     this module.
     """
 
-    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+    def __init__(self, n_experts: int, d_model: int, hidden: int, std: float = 0.02, out_std: float | None = None
+                 ) -> None:
         super().__init__()
         self.n_experts, self.hidden = n_experts, hidden
-        self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden))
-        self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        out_std = std if out_std is None else out_std
+        self.gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * hidden).normal_(std=std))
+        self.down = nn.Parameter(torch.empty(n_experts, hidden, d_model).normal_(std=out_std))
 
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:

@@ -43,7 +43,8 @@ def router_class(kind: str) -> type[Router]:
     """The router class of a kind (config's `router`), or a ConfigError naming the kinds there are."""
     if kind not in ROUTERS:
         raise ConfigError(f"router ({kind!r}) must be one of: " +
-                          ", ".join(f"'{k}' ({c.about})" for k, c in ROUTERS.items()))
+                          ", ".join(f"'{k}' ({c.about})" for k, c in ROUTERS.items()) +
+                          "; a kind of your own: define it in a module and pass --import MODULE")
     return ROUTERS[kind]
 
 
@@ -63,6 +64,7 @@ class RouterSettings(Protocol):
     z_loss_coef: float
     bias_balance_rate: float
     softmax_over: str  # "chosen" or "all"
+    init_std: float  # the router matrix starts Normal(0, init_std)
 
 
 @dataclass
@@ -127,7 +129,7 @@ class Router(nn.Module):
         self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
         self.overflow = cfg.capacity_overflow == "next"
         self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
-        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model).normal_(std=cfg.init_std))
         self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
