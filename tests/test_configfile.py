@@ -74,7 +74,7 @@ def test_precedence_command_line_over_file_over_preset_over_defaults(tmp_path):
     ("[train]\nmax_steps = 2.5\n", r'max_steps = 2.5 takes a whole number or "none"'),
     ("[model]\nvocab_size = 99\n", r"vocab_size cannot be set: vocab_size is the tokenizer's"),
     ("[model]\npreset = \"huge\"\n", r"unknown preset 'huge'"),
-    ("[trian]\nlr = 1\n", r"run\.toml: unknown key 'trian'; a config file holds data, \[model\] and \[train\]"),
+    ("[trian]\nlr = 1\n", r"run\.toml: unknown key 'trian'; a config file holds data, \[model\], \[train\]"),
     ("data = 3\n", r"run\.toml: data = 3 takes a path"),
     ("[model\nn_experts = 2\n", r"run\.toml: not valid TOML"),
 ])

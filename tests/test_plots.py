@@ -12,10 +12,12 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from nanollama4.plots import _parse_metrics, plot_run, read_metrics
+from nanollama4.plots import _parse_metrics, plot_run, read_metrics, routing_of
 
 
-def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: int = 50) -> None:
+def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: int = 50,
+               routing: dict[str, object] | None = None) -> None:
+    """300 steps of a falling loss; with `routing`, every val line carries it (see `_routing`)."""
     rng = random.Random(0)
     lines = []
     for step in range(1, n_steps + 1):
@@ -37,7 +39,10 @@ def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: i
             rec["expert_load"] = load
         lines.append(json.dumps(rec))
         if step % val_every == 0:
-            lines.append(json.dumps({"step": step, "time": step * 0.1, "val_loss": 2.5 - step / 1000}))
+            val = {"step": step, "time": step * 0.1, "val_loss": 2.5 - step / 1000}
+            if routing is not None:
+                val["routing"] = {k: v(step) if callable(v) else v for k, v in routing.items()}
+            lines.append(json.dumps(val))
     lines.append('{"step": 301, "time": 30.1, "lo')  # killed mid-write
     (run_dir / "metrics.jsonl").write_text("\n".join(lines))
 
@@ -123,6 +128,14 @@ CRAFTED = [
     {"step": 11, "loss": 2.0, "expert_load": [[0.25] * 4] * 3000},  # 3,000 "layers"
     {"step": 12, "loss": 2.0, "expert_load": [["a", "b", "c", "d"]] * 2},
     ["step", 13],
+    {"step": 14, "val_loss": 2.0, "routing": {"rerouted": [0.1, 0.2], "dropped": [0.1]}},  # layers disagree
+    {"step": 15, "val_loss": 2.0, "routing": {"entropy": ["1.3", 1.2]}},
+    {"step": 16, "val_loss": 2.0, "routing": [0.1, 0.2]},
+    {"step": 17, "val_loss": 2.0, "routing": {"load": [[0.5, 0.5], [1.0]], "entropy": [1.0, 1.0]}},
+    {"step": 18, "val_loss": 2.0, "routing": {"z_loss": [1.0] * 3000}},
+    {"step": 19, "val_loss": 2.0, "routing": {"z_loss": []}},
+    {"step": 20, "val_loss": 2.0, "routing": {}},  # says nothing: not one of ours
+    {"step": 21, "val_loss": 2.0, "routing": {"load": [[0.5, 0.5]] * 2, "entropy": [0.6] * 3}},
 ]
 
 
@@ -164,3 +177,61 @@ def test_a_planted_plots_link_is_refused_in_one_line_and_its_target_untouched(tm
     with pytest.raises(OSError, match="is a symlink"):
         plot_run(run)
     assert snapshot(elsewhere) == before
+
+
+def _routing(n_layers: int = 2, n_experts: int = 4) -> dict[str, object]:
+    """A routing block as train.py writes it: one number per MoE layer, changing with the step."""
+    def per_layer(f):
+        return lambda step: [f(step / 300, layer) for layer in range(n_layers)]
+
+    return {
+        "load": [[1 / n_experts] * n_experts] * n_layers,
+        "rerouted": per_layer(lambda t, i: 0.2 * (1 - t) + 0.05 * i),
+        "dropped": per_layer(lambda t, i: 0.01 * (1 - t)),
+        "entropy": per_layer(lambda t, i: 1.0 + 0.2 * t - 0.1 * i),
+        "bias_min": per_layer(lambda t, i: -0.2 * t),
+        "bias_max": per_layer(lambda t, i: 0.3 * t),
+        "balance_loss": per_layer(lambda t, i: 1.2 - 0.2 * t),
+        "z_loss": per_layer(lambda t, i: 3.0 - t + i),
+    }
+
+
+def test_routing_plot_one_line_per_layer(tmp_path: Path) -> None:
+    _write_run(tmp_path, routing=_routing())
+    _, val = read_metrics(tmp_path / "metrics.jsonl")
+    routing = routing_of(val)
+    assert routing.steps.tolist() == [50, 100, 150, 200, 250, 300] and routing.n_experts == 4
+    assert routing.values["rerouted"].shape == (6, 2)
+    assert routing.values["z_loss"][-1].tolist() == pytest.approx([2.0, 3.0])
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png", "expert_load.png", "routing.png"]
+    _assert_png(paths[2])
+    image = matplotlib.image.imread(paths[2])
+    assert image.shape[1] > 1200  # three panels across
+    for colour in ("tab:blue", "tab:orange"):  # a line for each of the two layers, in every panel
+        assert len(_pixels_like(paths[2], matplotlib.colors.to_rgb(colour), tol=0.05)) > 1000
+    assert len(_pixels_like(paths[2], matplotlib.colors.to_rgb("tab:green"), tol=0.05)) == 0  # no third layer
+
+
+def test_routing_with_some_entries_draws_only_those(tmp_path: Path) -> None:
+    """Telemetry a model does not produce may be left out of the block: only the panels it has are drawn."""
+    full = _routing()
+    _write_run(tmp_path, routing={k: full[k] for k in ("entropy", "balance_loss")})
+    path = plot_run(tmp_path)[2]
+    two_panels = matplotlib.image.imread(path).shape
+    _write_run(tmp_path, routing=full)
+    six_panels = matplotlib.image.imread(plot_run(tmp_path)[2]).shape
+    assert two_panels[0] < 0.7 * six_panels[0]  # one row of panels, not two
+
+
+def test_dense_and_untelemetered_runs_get_no_routing_plot(tmp_path: Path) -> None:
+    _write_run(tmp_path)
+    assert "routing.png" not in [p.name for p in plot_run(tmp_path)]
+    assert not (tmp_path / "plots" / "routing.png").exists()
+
+
+def test_load_shares_alone_make_no_routing_plot(tmp_path: Path) -> None:
+    """A block of load shares only is well formed (the lines are kept), but expert_load.png already shows them."""
+    _write_run(tmp_path, routing={"load": [[0.25] * 4] * 2})
+    assert len(read_metrics(tmp_path / "metrics.jsonl")[1]) == 6
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png", "expert_load.png"]

@@ -336,11 +336,16 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .evaluation import full_validation_loss_of_run
+    from .checkpoint import resolve_checkpoint
+    from .evaluation import full_validation_loss_of_run, record_full_validation
+    from .runs import is_run_dir
 
     loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
     print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "
           f"(non-overlapping windows of {seq_len})")
+    if is_run_dir(Path(args.run_dir)):  # kept for `compare` (and a sweep's rerun), beside the run's metrics
+        record_full_validation(args.run_dir, resolve_checkpoint(args.run_dir, prefer=args.checkpoint), loss,
+                               n_tokens, seq_len)
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -348,6 +353,38 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
     for path in plot_run(args.run_dir):
         print(f"plot: {path}")
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from .compare import compare_runs
+
+    out = args.out or "runs/compare-" + time.strftime("%Y%m%d-%H%M%S")
+    table, paths = compare_runs(args.runs, out)
+    print(table)
+    for path in paths:
+        print(f"{'table' if path.suffix == '.md' else 'plot'}: {path}")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .data import find_corpus_files
+    from .sweep import data_path, paired_lines, read_sweep, run_sweep
+
+    sweep = read_sweep(args.file)
+    find_corpus_files(data_path(sweep))  # a missing corpus fails before anything is created
+    out = Path(args.out or f"runs/sweeps/{sweep.path.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    started = time.perf_counter()
+    try:
+        paths = run_sweep(sweep, out, progress=not args.quiet, tiny=args.tiny, seeds=args.seeds)
+    except KeyboardInterrupt:  # each arm's run saved its checkpoint: the sweep can continue
+        print(f"nanollama4 sweep: interrupted; the arms trained so far are kept in {out}: rerun the same command "
+              f"with --out {out} to continue where it stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    for line in paired_lines(out) if (out / "table.md").exists() and sweep.experiment is None else []:
+        print(line.removeprefix("- ").replace("**", ""))
+    for path in paths:
+        print(f"{ {'.json': 'results', '.md': 'table'}.get(path.suffix, 'plot')}: {path}")
+    print(f"sweep {out}: {time.perf_counter() - started:.0f} s")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -481,6 +518,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
     p.add_argument("run_dir", type=_path)
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("compare", help="compare runs side by side: one table and overlaid plots (losses by step, "
+                                       "tokens and time; expert load; routing)")
+    p.add_argument("runs", nargs="+", type=_path, metavar="RUN", help="run directories (two or more to compare)")
+    p.add_argument("--out", type=_path, help="folder for compare.md and the plots (default: runs/compare-TIMESTAMP)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="train the arms of a sweep file seed by seed and read them with paired "
+                                     "statistics (docs/training.md)")
+    p.add_argument("file", type=_path, metavar="FILE.toml", help="a sweep file: [model], [train], [sweep], [[arm]]")
+    p.add_argument("--out", type=_path, help="folder of the sweep (default: runs/sweeps/NAME-TIMESTAMP); the same "
+                                             "folder again continues an interrupted sweep")
+    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds instead of the file's")
+    p.add_argument("--tiny", action="store_true", help="a smoke test: tiny models, 3 steps an arm (seconds each)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_sweep)
 
     from .experiments import EXPERIMENTS
 

@@ -364,6 +364,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                      max_seq_len=256, attention_chunk_size=64, nope_interval=4, floor_scale=64, attn_scale=0.1,
                      ffn_dim=768, n_experts=8, experts_per_token=2, expert_dim=192, rope_theta=10000.0,
                      router="softmax", router_noise="learned", capacity_factor=1.25, capacity_overflow="next"),
+    # The experiments' model (docs/experiments.md): dense, width 128, 4 layers of 8 query heads over 2 KV heads,
+    # all RoPE, unchunked; an FFN of 384 = the active width of top-1 + a shared expert of 192. A minute an arm.
+    "experiments": dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, max_seq_len=128,
+                        ffn_dim=384, n_experts=0, expert_dim=192, nope_interval=0, attention_chunk_size=None),
     # The mission's arithmetic example: Llama-3-8B-like attention shapes, dense.
     "seed-example": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          head_dim=128, max_seq_len=8192, attention_chunk_size=None, nope_interval=0,

@@ -57,6 +57,7 @@ class ConfigFile:
     model: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     data: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # the top-level keys a caller allowed (a sweep's)
 
 
 # ---------------------------------------------------------------------------------------------- the declarations
@@ -111,8 +112,9 @@ def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_config_file(path: str | Path) -> ConfigFile:
-    """The file at `path`, every key checked against the declarations; one ConfigError line otherwise."""
+def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFile:
+    """The file at `path`, every key checked against the declarations; one ConfigError line otherwise. The
+    top-level keys in `extra` (a sweep file's) are kept unchecked in `ConfigFile.extra`, for the caller."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -134,8 +136,11 @@ def read_config_file(path: str | Path) -> ConfigFile:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {key} must be a table, [{key}]")
             getattr(out, key).update(_read_table(path, key, value, out))
+        elif key in extra:
+            out.extra[key] = value
         else:
-            raise ConfigError(f"{path}: unknown key {key!r}; a config file holds data, [model] and [train]")
+            holds = ", ".join(["data", "[model]", "[train]", *(f"[{k}]" for k in extra)])
+            raise ConfigError(f"{path}: unknown key {key!r}; a{' sweep' if extra else ''} config file holds {holds}")
     return out
 
 

@@ -1,8 +1,9 @@
 """Validation losses: the fixed batches training checks every eval_interval steps (`evaluate`), and every
-validation token of a finished run (`full_validation_loss`)."""
+validation token of a finished run (`full_validation_loss`), kept in RUN/evaluation.json for `compare`."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -13,7 +14,8 @@ import torch
 
 from .checkpoint import load_run, load_train_state, resolve_checkpoint
 from .data import default_cache_dir, find_corpus_files, windows
-from .errors import TrainingError
+from .errors import CheckpointError, TrainingError
+from .files import atomic_write, read_json
 from .model import Transformer
 from .runs import corpus_of, saved_train_config, token_dataset
 from .runtime import pick_device
@@ -84,3 +86,35 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: st
     tokens = dataset.val_tokens if max_tokens is None else dataset.val_tokens[:max_tokens]
     loss = full_validation_loss(model.to(device), tokens, seq_len, device, tc.bf16)
     return loss, len(tokens), seq_len
+
+
+EVALUATION_FILE = "evaluation.json"  # in a run directory: its last full validation (`record_full_validation`)
+
+
+def record_full_validation(run_dir: str | Path, ckpt: Path, loss: float, n_tokens: int, window: int) -> Path:
+    """Keep a full validation's result in RUN/evaluation.json (written atomically, replacing the previous
+    one), so that `compare` can show it beside the runs' sampled validation losses without recomputing it."""
+    ckpt = Path(ckpt)
+    name = ckpt.resolve().name if ckpt.is_symlink() else ckpt.name  # RUN/last: the step folder it stands for
+    record = {"checkpoint": name, "full_val_loss": float(loss), "tokens": int(n_tokens),
+              "window": int(window)}
+    path = Path(run_dir) / EVALUATION_FILE
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8"))
+    return path
+
+
+def read_full_validation(run_dir: str | Path) -> dict | None:
+    """RUN/evaluation.json as `record_full_validation` wrote it, or None: missing, unreadable, edited into
+    another shape or holding a non-finite loss, it is only a missing number in a comparison, not an error
+    (keys beyond the four are allowed, so that a later version may add some)."""
+    try:
+        record = read_json(Path(run_dir) / EVALUATION_FILE, limit=2**16)
+    except CheckpointError:
+        return None
+    fields = {"checkpoint": str, "full_val_loss": (int, float), "tokens": int, "window": int}
+    if not set(fields) <= set(record) or any(not isinstance(record[k], t) or isinstance(record[k], bool)
+                                         for k, t in fields.items()):
+        return None
+    if not record["checkpoint"] or record["tokens"] <= 0 or record["window"] <= 0:
+        return None
+    return record

@@ -17,10 +17,10 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from ..checkpoint import read_model_config, resolve_checkpoint
+from ..checkpoint import load_train_state, read_model_config, resolve_checkpoint
 from ..config import ModelConfig, TrainConfig
 from ..errors import CheckpointError
-from ..evaluation import full_validation_loss_of_run
+from ..evaluation import full_validation_loss_of_run, read_full_validation, record_full_validation
 from ..files import atomic_write, read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
@@ -62,15 +62,6 @@ class Setting:
         return self.batch_size * self.seq_len
 
 
-def base_model(**changes: Any) -> ModelConfig:
-    """The small character-level model every experiment starts from: width 128, 4 layers, 8 query heads of
-    16 over 2 KV heads, a dense FFN of 384 (an MoE of top-1 + shared expert of 192 has the same active
-    size), context 128, no NoPE layers, no chunking. Small enough that an arm trains in about a minute."""
-    base = dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, max_seq_len=128, ffn_dim=384,
-                n_experts=0, expert_dim=192, nope_interval=0, attention_chunk_size=None)
-    return ModelConfig(**{**base, **changes})
-
-
 def tiny_model(cfg: ModelConfig) -> ModelConfig:
     """The same layout at smoke-test size (the arm's routing and attention options kept)."""
     return cfg.replace(d_model=32, n_layers=min(cfg.n_layers, 4), head_dim=8,
@@ -105,67 +96,58 @@ def slug(name: str) -> str:
 def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
               train_changes: dict[str, Any] | None = None) -> ArmResult:
     """Train one arm to setting.steps in OUT/runs/SLUG-seedS (with `train_changes` to its TrainConfig, e.g.
-    another tokenizer) and read back what it logged. A run directory already there is continued: read
-    back when finished, resumed exactly when interrupted."""
+    another tokenizer) and read back what it logged (`train_run`)."""
     if setting.tiny:
         cfg = tiny_model(cfg)
     tc = TrainConfig(max_steps=setting.steps, batch_size=setting.batch_size, seq_len=setting.seq_len,
                      eval_interval=setting.eval_interval, eval_batches=setting.eval_batches, seed=seed,
                      warmup_steps=min(50, setting.steps), **(train_changes or {}))
-    run_dir = out / "runs" / f"{slug(name)}-seed{seed}"
-    done = finished_steps(run_dir)
+    return train_run(name, cfg, tc, out, progress, setting.data, TINY_SCORE_TOKENS if setting.tiny else None)
+
+
+def train_run(name: str, cfg: ModelConfig, tc: TrainConfig, out: Path, progress: bool = True,
+              data: str | None = None, max_tokens: int | None = None) -> ArmResult:
+    """Train arm `name` with TrainConfig `tc` (its seed and budget, of steps or time, included) in
+    OUT/runs/SLUG-seedS and read back what it logged, scored on `max_tokens` validation tokens (None: all).
+    A run directory already there is continued: read back when its budget is spent, resumed exactly when
+    it was interrupted. Sweeps and experiments train every arm through this."""
+    run_dir = out / "runs" / f"{slug(name)}-seed{tc.seed}"
+    state = run_progress(run_dir)
+    done = state is not None and bool((tc.max_steps and state["step"] >= tc.max_steps)
+                                      or (tc.max_time and state["elapsed"] >= tc.max_time))
     if progress:
-        state = "" if done is None else " (finished)" if done >= setting.steps else f" (continuing from step {done})"
-        print(f"- {name} (seed {seed}){state}", flush=True)
-    if done is None:
-        result = train(cfg, tc, run_dir, data=setting.data, progress=progress)
-    elif done < setting.steps:  # an interrupted arm: its run resumes exactly where it stopped
-        result = train(None, resume_config(run_dir, max_steps=setting.steps), run_dir, data=setting.data,
-                       resume=True, progress=progress)
+        note = "" if state is None else " (finished)" if done else f" (continuing from step {state['step']})"
+        print(f"- {name} (seed {tc.seed}){note}", flush=True)
+    if state is None:
+        result = train(cfg, tc, run_dir, data=data, progress=progress)
+    elif not done:  # an interrupted arm: its run resumes exactly where it stopped
+        budget = {"max_steps": tc.max_steps} if tc.max_steps else {"max_time": tc.max_time}
+        result = train(None, resume_config(run_dir, **budget), run_dir, data=data, resume=True, progress=progress)
     else:
         result = None
     if result is not None and result.interrupted:  # Ctrl-C or SIGTERM stops the whole experiment, not just this arm
         raise KeyboardInterrupt
-    return read_arm(name, seed, run_dir, setting.tokens_per_step,
-                    max_tokens=TINY_SCORE_TOKENS if setting.tiny else None)
+    return read_arm(name, tc.seed, run_dir, tc.batch_size * tc.grad_accum * tc.seq_len, max_tokens=max_tokens)
+
+
+def run_progress(run_dir: Path) -> dict[str, float] | None:
+    """The step and elapsed seconds of a run directory's last checkpoint, or None when there is none (no
+    run, or one that stopped before its first checkpoint, which starts afresh)."""
+    if not is_run_dir(run_dir) or not (run_dir / "last").exists():
+        return None
+    state, _ = load_train_state(resolve_checkpoint(run_dir, prefer="last"))
+    return {"step": int(state["step"]), "elapsed": float(state.get("elapsed", 0.0))}
 
 
 def finished_steps(run_dir: Path) -> int | None:
-    """The step of a run directory's last checkpoint, or None when there is none (no run, or one that
-    stopped before its first checkpoint, which starts afresh)."""
-    if not is_run_dir(run_dir) or not (run_dir / "last").exists():
-        return None
-    name = resolve_checkpoint(run_dir, prefer="last").name  # step-0000123
-    return int(name.removeprefix("step-")) if name.removeprefix("step-").isdigit() else None
+    """The step of a run directory's last checkpoint, or None when there is none."""
+    state = run_progress(run_dir)
+    return None if state is None else int(state["step"])
 
 
-def train_with_repeats(arms: Sequence[tuple[str, ModelConfig]], base: str, setting: Setting, out: Path,
-                       progress: bool = True, always: Sequence[str] = (),
-                       done: Sequence[ArmResult] = ()) -> list[ArmResult]:
-    """Train the baseline arm `base` with every seed (its spread), every other arm with the first seed,
-    and again with the other seeds unless its difference from `base` on the first seed is over GATE x
-    that spread (a difference that large needs no interval to be read). Arms named in `always` get every
-    seed anyway. Arms already in `done` (name and seed) are kept, not retrained; so is an arm whose run
-    directory already holds its finished run (see `train_arm`)."""
-    results = list(done)
-    have = {(r.name, r.seed) for r in results}
-
-    def ensure(name: str, cfg: ModelConfig, seeds: Sequence[int]) -> None:
-        for seed in seeds:
-            if (name, seed) not in have:
-                results.append(train_arm(name, cfg, setting, out, seed, progress))
-                have.add((name, seed))
-
-    first, rest = setting.seeds[0], setting.seeds[1:]
-    configs = dict(arms)
-    ensure(base, configs[base], setting.seeds)
-    tie = spread(results, base)
-    for name, cfg in arms:
-        ensure(name, cfg, setting.seeds if name in always else [first])
-        diff = paired(results, name, base)
-        if rest and name != base and (not diff or math.isnan(tie) or abs(diff[0]) <= GATE * tie):
-            ensure(name, cfg, rest)
-    return results
+def arm_names(doc: dict[str, Any]) -> list[str]:
+    """The arms of a results.json in the order its sweep file lists them."""
+    return [a["name"] for a in doc["sweep"]["arms"]]
 
 
 def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val_loss: float | None = None,
@@ -177,8 +159,10 @@ def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val
     validation and checkpoint write, which take longer for a model with more parameters, and would
     charge that to the MoE arms whose speed is being measured.
     """
-    loss = full_validation_loss_of_run(run_dir, prefer="last", max_tokens=max_tokens)[0] \
-        if full_val_loss is None else full_val_loss
+    if full_val_loss is None:
+        loss = scored_loss(run_dir, max_tokens)
+    else:
+        loss = full_val_loss
     train_rows, val_rows = read_metrics(run_dir / "metrics.jsonl")
     clock, seconds = {}, 0.0  # step -> seconds spent in training steps up to and including it
     for row in train_rows:
@@ -193,6 +177,21 @@ def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val
                      params_active=counts.active, steps=steps, seconds=seconds,
                      tokens_per_s=steps * tokens_per_step / max(seconds, 1e-9), full_val_loss=loss, val_curve=curve,
                      expert_load=load)
+
+
+def scored_loss(run_dir: Path, max_tokens: int | None) -> float:
+    """The run's full validation loss at its last checkpoint: the one RUN/evaluation.json recorded for that
+    checkpoint, else measured and recorded there (so that a rerun or `compare` need not measure it again).
+    With `max_tokens` (a smoke test's sample) measured on that many tokens, and not recorded."""
+    ckpt = resolve_checkpoint(run_dir, prefer="last")
+    if max_tokens is not None:
+        return full_validation_loss_of_run(run_dir, prefer="last", max_tokens=max_tokens)[0]
+    kept = read_full_validation(run_dir)
+    if kept is not None and kept["checkpoint"] == ckpt.name:
+        return float(kept["full_val_loss"])
+    loss, n_tokens, window = full_validation_loss_of_run(run_dir, prefer="last")
+    record_full_validation(run_dir, ckpt, loss, n_tokens, window)
+    return loss
 
 
 def spread(results: Sequence[ArmResult], name: str) -> float:
@@ -360,7 +359,7 @@ def paired_note(first: int, base: str, effect: float = EFFECT) -> str:
             "the mean difference and its 95% t-interval; better/worse when the interval excludes 0, a tie when "
             f"it lies within +-{effect} nats, undecided otherwise. Arms other than those trained on every seed "
             f"got the other seeds unless their seed-{first} difference exceeded {GATE:g}x {base}'s seed-to-seed "
-            "spread.")
+            "spread over its first two seeds.")
 
 
 def per_seed(results: Sequence[ArmResult], name: str) -> str:

@@ -19,10 +19,10 @@ from ..checkpoint import load_run
 from ..generation import generate_ids
 from ..memory import kv_cache
 from ..model import Transformer
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "GQA: KV heads at 8 query heads"
-STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 KV_HEADS = (1, 2, 4, 8)
 
 
@@ -39,14 +39,13 @@ def decode_rates(model: Transformer, new_tokens: int, batch: int = 4, repeats: i
     return rates
 
 
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
-    layouts = [(f"kv_heads={h}", common.base_model(n_kv_heads=h)) for h in KV_HEADS]
-    results = common.train_with_repeats(layouts, "kv_heads=8", setting, out, progress,
-                                        always=["kv_heads=2"])  # the default
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """Measure the cache and decoding of the first seed's models (`results`, the arms the sweep trained),
+    then write results.json, table.md and the plots."""
     measured = {}
     for h in KV_HEADS:
-        first = next(r for r in results if r.name == f"kv_heads={h}" and r.seed == setting.seeds[0])
+        first = next(r for r in results if r.name == f"kv_heads={h}" and r.seed == sweep.seeds[0])
         model, _, _ = load_run(first.run_dir, prefer="last")
         model.eval()
         context = model.cfg.max_seq_len
@@ -56,7 +55,8 @@ def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]
         measured[str(h)] = {"calculator_bytes": kv_cache(model.cfg, context, "float32").bytes_for_sequence,
                             "live_bytes": cache.nbytes, "context": context,
                             "decode_tokens_per_s": decode_rates(model, min(100, context - 2))}
-    return [common.save(out, "gqa", setting, results, {"measured": measured}), *report(out)]
+    return [common.save(out, "gqa", setting_of(sweep, tiny), results, {"measured": measured, "sweep": sweep.to_dict()}),
+            *report(out)]
 
 
 def report(out: Path) -> list[Path]:

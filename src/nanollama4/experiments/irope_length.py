@@ -17,24 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import load_run
-from ..config import ModelConfig
 from ..data import TokenDataset, default_cache_dir, find_corpus_files
 from ..errors import DataError
 from ..model import Transformer
 from ..ops import build_model
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "iRoPE: loss past the training context"
-STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
-MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths, in training contexts
+MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths, in training contexts (the models are built for the last)
 EVAL_TOKENS = 32_768  # per length: the same number of predicted tokens at every length
-
-
-def arms(context: int) -> list[tuple[str, ModelConfig]]:
-    longest = context * MULTIPLES[-1]
-    return [("all RoPE", common.base_model(max_seq_len=longest, attn_temperature_tuning=False)),
-            ("iRoPE", common.base_model(max_seq_len=longest, nope_interval=4, attention_chunk_size=context,
-                                        attn_temperature_tuning=True, floor_scale=context))]
 
 
 @torch.no_grad()
@@ -61,10 +53,12 @@ def with_temperature(model: Transformer, on: bool) -> Transformer:
     return other.eval()
 
 
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """Evaluate every arm the sweep trained (`results`) at each length, then write results.json, table.md and
+    the plot."""
+    setting = setting_of(sweep, tiny)
     context = setting.seq_len
-    results = common.train_with_repeats(arms(context), "all RoPE", setting, out, progress, always=["all RoPE", "iRoPE"])
     lengths = [context * m for m in MULTIPLES]
     budget = EVAL_TOKENS if not setting.tiny else 4 * lengths[-1]
     curves: dict[str, list[list[float]]] = {}  # variant -> per seed, loss per length
@@ -82,7 +76,7 @@ def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]
             curves.setdefault(name, []).append([loss for loss, _ in scored])
             counted = [count for _, count in scored]
     extra = {"lengths": lengths, "curves": curves, "scored_tokens": counted}
-    return [common.save(out, "irope_length", setting, results, extra), *report(out)]
+    return [common.save(out, "irope_length", setting, results, {**extra, "sweep": sweep.to_dict()}), *report(out)]
 
 
 def report(out: Path) -> list[Path]:

@@ -20,14 +20,12 @@ Rerun into the same folder with the same options, an interrupted experiment cont
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "MoE where capacity is short"
-STEPS = 2500  # optimizer steps per arm (of 16 x 128 tokens): 5.1M characters, ~1.1 passes over the corpus
 BASE = "dense"
 NS = (4, 16, 64)
 BPE_VOCAB = 512
@@ -35,31 +33,21 @@ FRACTIONS = (0.25, 0.5, 1.0)  # points of the run at which the gain is read
 FLAT = 0.02  # nats: dense has flattened when its last third of training gains less than this
 
 
-def small_model(**changes) -> ModelConfig:
-    """The small character model of this experiment: width 64, 2 layers, 4 query heads of 16 over 2 KV heads,
-    context 128, all RoPE and unchunked; dense FFN 128 = the active width of top-1 + shared experts of 64."""
-    base = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=128, ffn_dim=128,
-                n_experts=0, expert_dim=64, nope_interval=0, attention_chunk_size=None)
-    return ModelConfig(**{**base, **changes})
-
-
-def arms() -> list[tuple[str, ModelConfig]]:
-    return [(BASE, small_model()), *((f"moe N={n}", small_model(n_experts=n)) for n in NS)]
-
-
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm with every seed into OUT/runs, then the BPE pair; write results.json, table.md, plots."""
-    setting = replace(setting, eval_interval=max(setting.eval_interval, setting.steps // 40))
-    results: list[common.ArmResult] = []
-    for seed in setting.seeds:  # seed by seed, so an early stop leaves complete pairs
-        for name, cfg in arms():
-            results.append(common.train_arm(name, cfg, setting, out, seed, progress))
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """After the sweep's arms (`results`, every seed), the BPE pair; then results.json, table.md and the plots."""
     best = min(NS, key=lambda n: common.mean(r.full_val_loss for r in results if r.name == f"moe N={n}"))
     bpe = {"tokenizer": "bpe", "bpe_vocab_size": BPE_VOCAB}
-    for seed in setting.seeds:
-        for name, cfg in ((f"{BASE} (BPE)", small_model()), (f"moe N={best} (BPE)", small_model(n_experts=best))):
-            results.append(common.train_arm(name, cfg, setting, out, seed, progress, train_changes=bpe))
-    return [common.save(out, "moe_capacity", setting, results, {"best_n": best}), *report(out)]
+    arms = {arm.name: arm for arm in sweep.arms}
+    for seed in sweep.seeds:
+        for name, arm in ((f"{BASE} (BPE)", arms[BASE]), (f"moe N={best} (BPE)", arms[f"moe N={best}"])):
+            model, tc = sweep.configs(arm, tiny)
+            tc = tc.replace(seed=seed, max_steps=sweep.max_steps, warmup_steps=min(tc.warmup_steps, sweep.max_steps),
+                            **bpe)
+            results.append(common.train_run(name, model, tc, out, progress, setting_of(sweep, tiny).data,
+                                            sweep.score_tokens))
+    return [common.save(out, "moe_capacity", setting_of(sweep, tiny), results,
+                        {"best_n": best, "sweep": sweep.to_dict()}), *report(out)]
 
 
 def gains(results: list[common.ArmResult], name: str, fraction: float, key: str = "tokens", at: float | None = None
@@ -93,7 +81,7 @@ def report(out: Path) -> list[Path]:
     char = [r for r in results if not r.name.endswith("(BPE)")]
     equal_time = min(r.val_curve[-1]["time"] for r in char if r.val_curve)  # the quickest run's end
     rows = []
-    for name, _ in arms():
+    for name in common.arm_names(doc):
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
         if not mine:
             continue
@@ -125,19 +113,19 @@ def report(out: Path) -> list[Path]:
                   + f"\n\n{moe} minus {BASE} (BPE): {test.interval}, {test.reading}"
                   + (f" (N={best}: the lowest mean loss of the character arms)" if best else ""))
     return [common.write_table(out, table), common.plot_curves(char, out / "moe_capacity.png", TITLE),
-            plot_gains(char, out)]
+            plot_gains(char, out, common.arm_names(doc))]
 
 
-def plot_gains(results: list[common.ArmResult], out: Path) -> Path:
+def plot_gains(results: list[common.ArmResult], out: Path, arms: list[str]) -> Path:
     """The paired gain over dense against tokens seen, one line per N (mean over seeds, the 95% interval
     shaded), and the final gain against N on a log axis."""
     fig, (by_tokens, by_n) = common.figure(2)
-    names = [name for name, _ in arms() if name != BASE and any(r.name == name for r in results)]
+    names = [name for name in arms if name != BASE and any(r.name == name for r in results)]
     fractions = [i / 20 for i in range(2, 21)]
     for name in names:
         tests = [common.paired_test(gains(results, name, f)) for f in fractions]
         tokens = [f * max(r.val_curve[-1]["tokens"] for r in results if r.name == name) for f in fractions]
-        colour = f"C{[n for n, _ in arms()].index(name)}"  # the colours of the curves' plot
+        colour = f"C{arms.index(name)}"  # the colours of the curves' plot
         line, = by_tokens.plot(tokens, [t.mean for t in tests], label=name, color=colour)
         if all(t.low == t.low for t in tests):  # intervals exist (3+ seeds)
             by_tokens.fill_between(tokens, [t.low for t in tests], [t.high for t in tests], alpha=0.2,

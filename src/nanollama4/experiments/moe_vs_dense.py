@@ -12,28 +12,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "MoE vs dense at equal active parameters"
-STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 BASE = "dense"
 
 
-def arms() -> list[tuple[str, ModelConfig, bool]]:
-    """(name, model config, trained with every seed whatever its first seed shows)."""
-    out = [(BASE, common.base_model(), True)]
-    for n in (4, 8, 16, 32):
-        out.append((f"moe N={n} k=1", common.base_model(n_experts=n, expert_dim=192), n == 8))
-    out.append(("moe N=8 k=2", common.base_model(n_experts=8, experts_per_token=2, expert_dim=128), False))
-    return out
-
-
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
-    results = common.train_with_repeats([(name, cfg) for name, cfg, _ in arms()], BASE, setting, out, progress,
-                                        always=[name for name, _, again in arms() if again])
-    return [common.save(out, "moe_vs_dense", setting, results), *report(out)]
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """Write results.json (the arms the sweep trained, `results`), table.md and the plot."""
+    return [common.save(out, "moe_vs_dense", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}),
+            *report(out)]
 
 
 def report(out: Path) -> list[Path]:
@@ -41,10 +31,11 @@ def report(out: Path) -> list[Path]:
     doc, results = common.load_results(out)
     first = doc["setting"]["seeds"][0]
     tie, repeated = common.largest_spread(results)
-    speed = {name: common.mean(r.tokens_per_s for r in results if r.name == name) for name, _, _ in arms()}
+    names = common.arm_names(doc)
+    speed = {name: common.mean(r.tokens_per_s for r in results if r.name == name) for name in names}
     equal_time = min(r.val_curve[-1]["time"] for r in results)  # the quickest arm's whole run
     rows = []
-    for name, _, _ in arms():
+    for name in names:
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
         rows.append([name, mine[0].params_total, mine[0].params_active, common.per_seed(results, name),
                      *common.paired_cells(results, name, BASE), speed[name] / speed[BASE],

@@ -13,30 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "router tricks: per-expert load over training"
-STEPS = 500  # per arm (of 16 x 128 characters): ten arms of three seeds, so fewer steps each than the others
 N_EXPERTS = 8
-
-
-def arms() -> list[tuple[str, dict[str, object]]]:
-    return [("no tricks", {}),
-            ("learned noise", {"router_noise": "learned"}),
-            ("fixed noise", {"router_noise": "fixed"}),
-            ("softmax over all logits", {"softmax_over": "all"}),
-            ("capacity 1.0, overflow", {"capacity_factor": 1.0}),
-            ("capacity 1.0, drop", {"capacity_factor": 1.0, "capacity_overflow": "drop"}),
-            ("capacity 1.25, overflow", {"capacity_factor": 1.25}),
-            ("capacity 1.25, drop", {"capacity_factor": 1.25, "capacity_overflow": "drop"}),
-            ("aux loss 0.01", {"aux_loss_coef": 0.01}),
-            ("bias balancing 0.001", {"bias_balance_rate": 0.001})]
-
-
-def config(changes: dict[str, object]) -> ModelConfig:
-    return common.base_model(n_experts=N_EXPERTS, experts_per_token=2, expert_dim=192, shared_expert=False,
-                             router="softmax", **changes)
 
 
 def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> tuple[int, int]:
@@ -48,21 +29,22 @@ def starved(load: list[list[list[float]]], fair: float, below: float = 0.1) -> t
     return sum(v < below * fair for row in mean for v in row), layers * experts
 
 
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm into OUT/runs, measure, then write results.json, table.md and the plots."""
-    results = common.train_with_repeats([(name, config(changes)) for name, changes in arms()], arms()[0][0],
-                                        setting, out, progress)
-    return [common.save(out, "router_tricks", setting, results), *report(out)]
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """Write results.json (the arms the sweep trained, `results`), table.md and the plot."""
+    return [common.save(out, "router_tricks", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}),
+            *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the heatmaps, from results.json."""
     doc, results = common.load_results(out)
     first_seed = doc["setting"]["seeds"][0]
-    base = arms()[0][0]
+    names = common.arm_names(doc)
+    base = names[0]
     tie, repeated = common.largest_spread(results)
     rows = []
-    for name, _ in arms():
+    for name in names:
         first = next(r for r in results if r.name == name and r.seed == first_seed)
         n, total = starved(first.expert_load, 1 / N_EXPERTS)
         rows.append([name, f"{n} of {total}", max(max(row) for row in first.expert_load[-1]) * N_EXPERTS,
@@ -72,7 +54,6 @@ def report(out: Path) -> list[Path]:
                                    "minus no tricks, per seed", "mean [95% CI]", "reading"], rows)
     table += (f"\n\n{common.paired_note(first_seed, base)} Seed-to-seed spread of the raw losses (largest of "
               f"{', '.join(repeated)}): {common.format_spread(tie)}; load columns from seed {first_seed}.")
-    names = [name for name, _ in arms()]
     plots = []
     for part, chunk in enumerate((names[:5], names[5:]), start=1):
         fig, axes = common.figure(len(chunk), width=3.2, height=3.0)

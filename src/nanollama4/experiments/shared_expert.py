@@ -10,31 +10,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..sweep import Sweep, setting_of
 from . import common
 
 TITLE = "shared expert on / off"
-STEPS = 800  # optimizer steps per arm (of 16 x 128 characters)
 
 
-def arms() -> list[tuple[str, ModelConfig]]:
-    return [("shared on (k=1 + shared)", common.base_model(n_experts=8, expert_dim=192)),
-            ("shared off (k=2)", common.base_model(n_experts=8, experts_per_token=2, expert_dim=192,
-                                                   shared_expert=False))]
-
-
-def run(out: Path, setting: common.Setting, progress: bool = True) -> list[Path]:
-    """Train every arm into OUT/runs, then write results.json, table.md and the plot."""
-    names = [name for name, _ in arms()]
-    results = common.train_with_repeats(arms(), names[0], setting, out, progress, always=names)
-    return [common.save(out, "shared_expert", setting, results), *report(out)]
+def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool = True, tiny: bool = False
+        ) -> list[Path]:
+    """Write results.json (the arms the sweep trained, `results`), table.md and the plot."""
+    return [common.save(out, "shared_expert", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}),
+            *report(out)]
 
 
 def report(out: Path) -> list[Path]:
     """table.md and the plot, from results.json."""
     doc, results = common.load_results(out)
     first = doc["setting"]["seeds"][0]
-    names = [name for name, _ in arms()]
+    names = common.arm_names(doc)
     tie, _ = common.largest_spread(results)
     rows = []
     for name in names:

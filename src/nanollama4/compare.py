@@ -1,0 +1,439 @@
+"""Compare training runs: one table of what each run reached and the settings they differ in, and plots that
+set their curves side by side.
+
+`compare_runs(runs, out)` reads each run directory (metrics.jsonl, config.toml, its `last` checkpoint's
+config, evaluation.json) and writes into OUT:
+    compare.md       the table (also returned): size, steps, tokens, speed, validation losses, then one
+                     column per setting that differs between the runs
+    losses.png       validation and smoothed training loss against step, tokens seen and wall-clock time
+    expert_load.png  each MoE run's expert load per layer over training (MoE runs only)
+    routing.png      the routing telemetry of the MoE runs' validations (when their metrics carry it)
+Every run gets one colour, the same in every plot. A run still training, or one without a checkpoint yet,
+is shown with what it has so far ("-" for the rest).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter
+
+from .checkpoint import LINKS, STEP_NAME, read_model_config, resolve_checkpoint
+from .configfile import read_config_file
+from .errors import CheckpointError, ConfigError, MissingRunFile
+from .evaluation import read_full_validation
+from .files import atomic_write, own_folder, regular_file, write_failed
+from .memory import ParamCounts, format_count, param_counts
+from .plots import (
+    ROUTING_PANELS,
+    Routing,
+    draw_load_heatmap,
+    expert_load_of,
+    load_norm,
+    max_entropy_line,
+    moving_average,
+    read_metrics,
+    routing_axes,
+    routing_of,
+    save_png,
+)
+
+
+# ---------------------------------------------------------------------------------------------- reading runs
+@dataclass
+class RunRecord:
+    """What compare knows of one run; None (or empty) for what the run does not have (yet)."""
+
+    path: Path
+    name: str  # the folder's name, made unique among the runs compared
+    train: list[dict]  # metrics.jsonl's step lines, by step
+    val: list[dict]  # ... and its validation lines
+    settings: dict[str, Any] | None  # config.toml flattened: data, preset, [model] and [train] fields
+    params: ParamCounts | None  # from the `last` checkpoint's config
+    full_val: dict | None  # evaluation.json
+    notes: list[str]  # what could not be read, for the lines below the table
+    max_seq_len: int | None = None  # the checkpoint's: a run's windows when its config.toml says seq_len = none
+
+    @property
+    def tokens(self) -> np.ndarray | None:
+        """Training tokens seen at each step line: the line's own count, else step x tokens per step from the
+        config (runs from before the count was logged), else None."""
+        if all(isinstance(r.get("tokens"), int) for r in self.train):
+            return np.array([r["tokens"] for r in self.train], dtype=float)
+        per_step = self.tokens_per_step()
+        return None if per_step is None else np.array([r["step"] for r in self.train], dtype=float) * per_step
+
+    def tokens_per_step(self) -> int | None:
+        """batch_size x grad_accum x seq_len from config.toml (one process's share under torchrun)."""
+        s = self.settings or {}
+        seq_len = s.get("seq_len") or self.max_seq_len
+        if not all(isinstance(v, int) for v in (s.get("batch_size"), s.get("grad_accum"), seq_len)):
+            return None
+        return s["batch_size"] * s["grad_accum"] * seq_len
+
+
+def read_run(path: str | os.PathLike, name: str | None = None) -> RunRecord:
+    """One run directory as compare reads it; a folder without metrics.jsonl is a MissingRunFile."""
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        what = "does not exist" if not path.exists() else "holds no metrics.jsonl"
+        raise MissingRunFile(f"{path} {what}; compare takes training run directories (the --out of "
+                             "`nanollama4 train`, such as runs/NAME)")
+    train, val = read_metrics(metrics)
+    record = RunRecord(path, name or _abs(path).name, sorted(train, key=lambda r: r["step"]),
+                       sorted(val, key=lambda r: r["step"]), None, None, read_full_validation(path), [])
+    record.settings = _settings(path, record.notes)
+    try:
+        cfg = read_model_config(resolve_checkpoint(path, prefer="last"))
+        record.params, record.max_seq_len = param_counts(cfg), cfg.max_seq_len
+    except CheckpointError as e:
+        saved = any(os.path.lexists(path / link) for link in LINKS)
+        record.notes.append(f"no parameter count: {e}" if saved else "no checkpoint yet, so no parameter count")
+    return record
+
+
+def _abs(path: Path) -> Path:
+    """The absolute path without resolving links: a run reached through a link keeps the name it was given."""
+    return Path(os.path.abspath(path))
+
+
+def _settings(run: Path, notes: list[str]) -> dict[str, Any] | None:
+    """config.toml as one flat table (the [model] and [train] fields share no names), None if unreadable."""
+    path = run / "config.toml"
+    if not path.exists():
+        notes.append("no config.toml (written with the first checkpoint): its settings are not compared")
+        return None
+    try:
+        file = read_config_file(regular_file(path))  # a FIFO planted there would block the read forever
+    except (ConfigError, CheckpointError) as e:
+        notes.append(f"config.toml unreadable, its settings are not compared: {e}")
+        return None
+    out: dict[str, Any] = {}
+    if file.data is not None:
+        out["data"] = file.data
+    if file.preset is not None:
+        out["preset"] = file.preset
+    return {**out, **file.model, **file.train}
+
+
+def _unique_names(paths: list[Path]) -> list[str]:
+    """Folder names; where two runs share one, parent/name; where that too is shared, a number after it."""
+    names = [p.name for p in paths]
+    names = [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if names.count(name) == 1 else f"{name} ({seen[name]})")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _value(v: Any) -> str:
+    """A setting as config.toml spells it, without the quotes."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def differing_settings(runs: Sequence[RunRecord]) -> list[str]:
+    """The settings whose value is not the same in every run that has a config.toml, in the file's order."""
+    known = [r.settings for r in runs if r.settings is not None]
+    keys = list(dict.fromkeys(k for s in known for k in s))
+    missing = object()
+    return [k for k in keys if len({repr(s.get(k, missing)) for s in known}) > 1]
+
+
+def _loss_cell(loss: float, step: int | None = None) -> str:
+    return f"{loss:.4f}" if step is None else f"{loss:.4f} ({step:,})"
+
+
+def _row(run: RunRecord, keys: list[str]) -> list[str]:
+    last = run.train[-1] if run.train else None
+    tokens = run.tokens
+    rates = [r["tokens_per_s"] for r in run.train if _number(r.get("tokens_per_s"))]
+    if not rates and tokens is not None and last is not None and _seconds(last) > 0:
+        rates = [tokens[-1] / _seconds(last)]
+    best = min(run.val, key=lambda r: r["val_loss"]) if run.val else None
+    full = run.full_val
+    if full is not None:
+        where = full["checkpoint"]
+        where = f"step {int(where[5:]):,}" if STEP_NAME.fullmatch(where) else where
+        full_cell = f"{full['full_val_loss']:.4f} ({where})"
+    cells = [
+        run.name,
+        format_count(run.params.total) if run.params else "-",
+        format_count(run.params.active) if run.params else "-",
+        f"{last['step']:,}" if last else "-",
+        format_count(tokens[-1]) if tokens is not None and len(tokens) else "-",
+        f"{float(np.mean(rates)):,.0f}" if rates else "-",
+        _loss_cell(best["val_loss"], best["step"]) if best else "-",
+        _loss_cell(run.val[-1]["val_loss"]) if run.val else "-",
+        full_cell if full is not None else "-",
+    ]
+    for key in keys:
+        if run.settings is None:
+            cells.append("?")
+        else:
+            cells.append(_value(run.settings[key]) if key in run.settings else "-")
+    return cells
+
+
+HEADER = ["run", "params", "active/token", "steps", "tokens", "tokens/s", "best val (step)", "last val",
+          "full val (checkpoint)"]
+
+
+def markdown_table(runs: Sequence[RunRecord]) -> str:
+    """The comparison as Markdown: the table (columns padded, so that it also reads as plain text), then what
+    the table cannot say: whether any setting differs, and what could not be read for which run."""
+    keys = differing_settings(runs)
+    rows = [HEADER + keys] + [_row(r, keys) for r in runs]
+    rows = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = set(range(1, len(HEADER)))
+
+    def line(row: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths, strict=True))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i in numeric else ":" + "-" * (w + 1)
+                          for i, w in enumerate(widths)) + "|"
+    lines = [line(rows[0]), rule] + [line(r) for r in rows[1:]]
+    notes = ["Losses in nats per token. best/last val: the fixed validation batches checked during training; "
+             "full val: every validation token (`nanollama4 eval`), of the checkpoint named."]
+    with_settings = sum(r.settings is not None for r in runs)
+    if with_settings > 1 and not keys:
+        notes.append("No setting differs between these runs (config.toml: data, [model], [train]).")
+    elif keys:
+        notes.append(f"The last {len(keys)} column(s) are the settings that differ between the runs "
+                     "(config.toml; '-': the run's file lacks the key, '?': the run has no readable config.toml).")
+    notes += [f"{r.name}: {note}" for r in runs for note in r.notes]
+    return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the plots
+def run_colours(n: int) -> list:
+    """One qualitative colour per run: tab10 up to ten runs, tab20 up to twenty, then evenly spaced hues."""
+    if n <= 10:
+        return [matplotlib.colormaps["tab10"](i) for i in range(n)]
+    if n <= 20:
+        return [matplotlib.colormaps["tab20"](i) for i in range(n)]
+    return [matplotlib.colormaps["hsv"](i / n) for i in range(n)]
+
+
+def _legend(fig: Figure, handles: list[Line2D]) -> None:
+    """One legend below the panels for the whole figure: one row of up to six entries, else rows of four."""
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles) if len(handles) <= 6 else 4,
+               fontsize=9, frameon=False)
+
+
+def _run_handles(runs: Sequence[RunRecord], colours: list) -> list[Line2D]:
+    return [Line2D([], [], color=c, lw=2.5, label=r.name) for r, c in zip(runs, colours, strict=True)]
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    return (3600.0, "hours") if seconds >= 3 * 3600 else (60.0, "minutes") if seconds >= 180 else (1.0, "seconds")
+
+
+def _smooth(loss: np.ndarray) -> np.ndarray:
+    """The run plot's smoothing, so that a curve here matches the run's own RUN/plots/loss.png."""
+    window = min(max(len(loss) // 25, 1), 200)
+    return moving_average(loss, window) if window > 1 else loss
+
+
+def _seconds(line: dict) -> float:
+    return float(line["time"]) if _number(line.get("time")) else math.nan
+
+
+def _x_axes(run: RunRecord, time_scale: float) -> tuple[list, list]:
+    """The x of the run's train lines and of its val lines on each panel: step, tokens seen, time; None where
+    the run has no token count."""
+    tokens = run.tokens
+    steps = np.array([r["step"] for r in run.train], dtype=float)
+    val_steps = np.array([r["step"] for r in run.val], dtype=float)
+    val_tokens = None
+    if tokens is not None:  # a val line comes after its step's train line: the tokens seen by then
+        val_tokens = np.interp(val_steps, steps, tokens) if len(steps) else np.full(len(val_steps), math.nan)
+    train_x = [steps, tokens, np.array([_seconds(r) for r in run.train]) / time_scale]
+    val_x = [val_steps, val_tokens, np.array([_seconds(r) for r in run.val]) / time_scale]
+    return train_x, val_x
+
+
+def plot_losses(runs: Sequence[RunRecord], colours: list, out: Path) -> Path:
+    """Validation (markers) and smoothed training loss of every run against step, tokens and wall-clock time."""
+    fig = Figure(figsize=(15, 5.2), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    scale, unit = _time_unit(max([_seconds(r.train[-1]) for r in runs if r.train] + [0.0]))
+    shown: list[float] = []  # the values the y range is fitted to
+    for run, colour in zip(runs, colours, strict=True):
+        train_x, val_x = _x_axes(run, scale)
+        smooth = _smooth(np.array([r["loss"] for r in run.train], dtype=float))
+        val = np.array([r["val_loss"] for r in run.val], dtype=float)
+        shown += list(smooth[len(smooth) // 10:]) + list(val[len(val) // 10:])
+        for ax, x, vx in zip(axes, train_x, val_x, strict=True):
+            if x is not None and len(smooth):
+                ax.plot(x, smooth, color=colour, lw=1.1, alpha=0.55)
+            if vx is not None and len(val):
+                ax.plot(vx, val, "o-", color=colour, lw=1.8, ms=4)
+    no_tokens = [r.name for r in runs if r.train and r.tokens is None]
+    titles = ("against optimizer step", "against training tokens seen", "against wall-clock time (with validation)")
+    labels = ("step", "tokens", f"time ({unit})")
+    for ax, title, label in zip(axes, titles, labels, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_count(v)))
+    axes[0].set_ylabel("loss (nats/token)")
+    if no_tokens:
+        axes[1].text(0.02, 0.02, "no token count: " + ", ".join(no_tokens), transform=axes[1].transAxes,
+                     fontsize=8, color="gray", va="bottom")
+    finite = [v for v in shown if math.isfinite(v)]
+    if finite:  # the first steps' loss is far above the rest: fit the range to where runs differ
+        lo, hi = min(finite), max(finite)
+        pad = 0.05 * (hi - lo) or 0.05
+        axes[0].set_ylim(lo - pad, hi + pad)
+    else:
+        axes[0].text(0.5, 0.5, "no steps logged yet", transform=axes[0].transAxes, ha="center", color="gray")
+    fig.suptitle(f"Loss of {_runs_word(len(runs))}: validation (dots) and training (thin line, running mean)",
+                 fontsize=12)
+    style = [Line2D([], [], color="gray", marker="o", lw=1.8, ms=4, label="validation"),
+             Line2D([], [], color="gray", lw=1.1, alpha=0.55, label="training, smoothed")]
+    _legend(fig, _run_handles(runs, colours) + style)
+    return save_png(fig, out / "losses.png")
+
+
+def _runs_word(n: int, what: str = "run") -> str:
+    return f"1 {what}" if n == 1 else f"{n} {what}s"
+
+
+def plot_expert_load(runs: Sequence[RunRecord], colours: list, out: Path) -> Path | None:
+    """A grid of heatmaps, MoE layers down and runs across, of each expert's load over uniform during training;
+    None when no run is MoE."""
+    found = [(run, colour, load) for run, colour in zip(runs, colours, strict=True)
+             if (load := expert_load_of(run.train)) is not None]
+    if not found:
+        return None
+    n_layers = max(load[1].shape[1] for _, _, load in found)
+    n_experts = max(load[1].shape[2] for _, _, load in found)
+    norm = load_norm(max(float(np.nanmax(load[1])) for _, _, load in found))
+    panel_h = min(max(0.12 * n_experts + 0.6, 1.0), 2.2)
+    fig = Figure(figsize=(min(max(1.8 + 3.2 * len(found), 7.0), 24), min(1.8 + panel_h * n_layers, 40)),
+                 layout="constrained")
+    grid = fig.subplots(n_layers, len(found), squeeze=False)
+    mesh = None
+    for col, (run, colour, (steps, load)) in enumerate(found):
+        for layer in range(n_layers):
+            ax: Axes = grid[layer, col]
+            if layer >= load.shape[1]:
+                ax.set_visible(False)
+                continue
+            mesh = draw_load_heatmap(ax, steps, load[:, layer, :], norm)
+            if col == 0:
+                ax.set_ylabel(f"MoE layer {layer}\nexpert", fontsize=8)
+            if layer == load.shape[1] - 1:
+                ax.set_xlabel("step", fontsize=8)
+            else:
+                ax.tick_params(labelbottom=False)
+        grid[0, col].set_title(run.name, color=colour, fontsize=10, fontweight="bold")
+    fig.suptitle("Expert load / uniform over training\nwhite = balanced, red = overloaded, blue = starved", fontsize=11)
+    fig.colorbar(mesh, ax=grid.ravel().tolist(), label="load / uniform", aspect=max(20.0, fig.get_figheight() / 0.2))
+    return save_png(fig, out / "expert_load.png")
+
+
+def plot_routing(runs: Sequence[RunRecord], colours: list, out: Path) -> Path | None:
+    """The routing telemetry of every MoE run: per run the mean over its MoE layers (line) and the range over
+    them (band); None when no run's validations carry it."""
+    found: list[tuple[RunRecord, Any, Routing]] = [
+        (run, colour, routing) for run, colour in zip(runs, colours, strict=True)
+        if (routing := routing_of(run.val)) is not None]
+    if not found:
+        return None
+    panels = [p for p in ROUTING_PANELS if any(r.has(*p[2]) for _, _, r in found)]
+    if not panels:  # load shares alone: expert_load.png shows them
+        return None
+    fig = Figure(figsize=(14, 3.3 * -(-len(panels) // 3) + 1.4), layout="constrained")
+    experts = sorted({r.n_experts for _, _, r in found if r.n_experts})
+    for ax, (title, ylabel, keys, factor) in zip(routing_axes(fig, len(panels)), panels, strict=True):
+        for _, colour, routing in found:
+            if not routing.has(*keys):
+                continue
+            if keys == ("bias_min", "bias_max"):
+                per_layer = routing.values["bias_max"] - routing.values["bias_min"]
+            else:
+                per_layer = routing.values[keys[0]] * factor
+            with np.errstate(all="ignore"):
+                mean = np.nanmean(per_layer, axis=1)
+            ax.fill_between(routing.steps, np.nanmin(per_layer, axis=1), np.nanmax(per_layer, axis=1),
+                            color=colour, alpha=0.1, lw=0)
+            ax.plot(routing.steps, mean, ".-", color=colour, lw=1.5, ms=4)
+        if keys == ("entropy",):
+            for n in experts:
+                max_entropy_line(ax, n)
+        if keys == ("bias_min", "bias_max"):
+            title, ylabel = "Balancing bias spread (max − min of router.expert_bias)", "max − min"
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+    fig.suptitle(f"Routing of {_runs_word(len(found), 'MoE run')} between validations: line = mean over the MoE "
+                 "layers, band = their range", fontsize=11)
+    _legend(fig, _run_handles([r for r, _, _ in found], [c for _, c, _ in found]))
+    return save_png(fig, out / "routing.png")
+
+
+# ---------------------------------------------------------------------------------------------- compare
+def _out_folder(out: str | os.PathLike) -> Path:
+    """OUT, made if missing; a file there is refused, and so is a symlink (`files.own_folder`: we never write
+    where a planted link points)."""
+    out = _abs(Path(out))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file; compare writes compare.md and its plots into a folder: pass a "
+                          "folder's path as the output")
+    if out.parent == out:  # the root folder
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_failed(out.parent, e) from None
+    return own_folder(out.parent, out.name)
+
+
+def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike) -> tuple[str, list[Path]]:
+    """Compare training runs: returns (the Markdown table, the files written in OUT). The table goes to
+    OUT/compare.md and the plots beside it (PLOTS); a plot that no longer applies (no MoE run, no routing)
+    is removed from OUT, so that a folder used twice shows no picture of other runs."""
+    if not runs:
+        raise ConfigError("compare needs at least one run: pass the run directories to compare (runs/NAME ...)")
+    paths = [_abs(Path(r)) for r in runs]
+    records = [read_run(p, name) for p, name in zip(paths, _unique_names(paths), strict=True)]
+    folder = _out_folder(out)
+    text = markdown_table(records)
+    colours = run_colours(len(records))
+    written = [plot_losses(records, colours, folder)]
+    for plot, name in ((plot_expert_load, "expert_load.png"), (plot_routing, "routing.png")):
+        path = plot(records, colours, folder)
+        if path is not None:
+            written.append(path)
+        elif os.path.lexists(folder / name):
+            (folder / name).unlink()
+    pictures = "".join(f"\n![{p.stem}]({p.name})\n" for p in written)
+    md = folder / "compare.md"
+    atomic_write(md, lambda tmp: Path(tmp).write_text(text + pictures, encoding="utf-8"))
+    return text, [md, *written]

@@ -1,0 +1,327 @@
+"""Sweeps: your own comparison, as a file. Arms x seeds, each arm a normal run, read with paired statistics.
+
+A sweep file is a config file (`configfile`: `data`, `[model]`, `[train]`: what every arm starts from)
+with a `[sweep]` table and the arms:
+
+    [model]
+    preset = "experiments"
+
+    [train]
+    batch_size = 16
+    seq_len = 128
+
+    [sweep]
+    title = "4 against 8 experts"
+    seeds = [0, 1, 2]
+    max_steps = 800                  # each arm's budget: max_steps, or max_time ("5m" or seconds)
+    grid = { n_experts = [4, 8] }    # arms from every combination of these fields (model or train)
+    pairs = [["n_experts=8", "n_experts=4"]]   # named pairs read (default: each arm against the first)
+
+    [[arm]]                          # and/or arms named by hand, each with its own fields
+    name = "dense"
+    n_experts = 0
+
+`nanollama4 sweep FILE` trains the arms seed by seed, each seed's arms one after the other (so a slow
+stretch of the machine falls on every arm alike), into OUT/runs/ARM-seedS. Run again into the same
+folder, it continues: a finished arm is read back, an interrupted one resumes exactly. Each arm is
+scored by its full validation loss (every validation token); the report is a table per arm and, per
+named pair, the per-seed differences, their mean with a 95% t-interval and the reading (better / worse /
+tie / undecided: `experiments.common.PairedTest`).
+
+The experiments of docs/experiments.md are sweep files in this package (experiments/NAME.toml) run by the
+same machinery; the file's `experiment` names the module that measures more and writes their tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ModelConfig, TrainConfig, parse_duration, preset
+from .configfile import TABLES, ConfigFile, _toml_value, check_value, read_config_file
+from .errors import ConfigError
+from .memory import format_count
+
+DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
+SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "pairs", "baseline", "gate", "always", "experiment",
+              "score_tokens"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training: its name and the fields it changes over the file's [model] and [train]."""
+
+    name: str
+    model: dict[str, Any] = field(default_factory=dict)
+    train: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Sweep:
+    """A sweep file, checked: the base settings, the arms, the seeds and budget, and how to read them."""
+
+    path: Path
+    title: str
+    base: ConfigFile
+    arms: list[Arm]
+    seeds: tuple[int, ...]
+    max_steps: int | None
+    max_time: float | None
+    pairs: list[tuple[str, str]]  # (arm, against): arm minus against, seed by seed
+    gate: float | None = None  # arms not in `always` get the later seeds only when within gate x the spread
+    always: tuple[str, ...] = ()
+    experiment: str | None = None  # a module of nanollama4.experiments that measures more and reports
+    score_tokens: int | None = None  # score each arm on the first this many validation tokens (None: all)
+
+    @property
+    def baseline(self) -> str:
+        return self.pairs[0][1] if self.pairs else self.arms[0].name
+
+    def configs(self, arm: Arm, tiny: bool = False) -> tuple[ModelConfig, TrainConfig]:
+        """The arm's ModelConfig and TrainConfig (without seed and budget); `tiny`: the smoke-test scale."""
+        from .experiments.common import tiny_model
+
+        try:
+            model = preset(self.base.preset or DEFAULT_PRESET, **{**self.base.model, **arm.model})
+            tc = TrainConfig(**{**self.base.train, **arm.train, **(TINY_TRAIN if tiny else {})})
+        except ConfigError as e:
+            raise ConfigError(f"{self.path}: arm {arm.name!r}: {e}") from None
+        return (tiny_model(model) if tiny else model), tc
+
+    def to_dict(self) -> dict[str, Any]:
+        """What a rerun into the same folder must match to continue it (JSON)."""
+        return json.loads(json.dumps({"path": str(self.path), "title": self.title, "preset": self.base.preset,
+                                      "model": self.base.model, "train": self.base.train, "data": self.base.data,
+                                      "arms": [dataclasses.asdict(a) for a in self.arms], "seeds": self.seeds,
+                                      "max_steps": self.max_steps, "max_time": self.max_time, "pairs": self.pairs,
+                                      "gate": self.gate, "always": self.always, "experiment": self.experiment}))
+
+
+# the smoke-test scale of `--tiny`: a few steps of tiny windows, one validation; numbers that mean nothing
+TINY_TRAIN = dict(batch_size=2, seq_len=16, eval_interval=3, eval_batches=1, warmup_steps=1)
+TINY_STEPS = 3
+TINY_SCORE_TOKENS = 4096  # validation tokens a --tiny arm is scored on (the full split takes minutes)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def read_sweep(path: str | Path) -> Sweep:
+    """The sweep file at `path`, every key checked; one ConfigError line naming the file and key otherwise."""
+    base = read_config_file(path, extra=("sweep", "arm"))
+    path = base.path
+    table = base.extra.get("sweep")
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: a sweep file needs a [sweep] table (seeds, a budget, the grid or [[arm]]s)")
+    unknown = sorted(set(table) - SWEEP_KEYS)
+    if unknown:
+        raise ConfigError(f"{path}: [sweep] has no key {unknown[0]!r}; it takes {', '.join(sorted(SWEEP_KEYS))}")
+    arms = _arms(path, base.extra.get("arm", []), table.get("grid", {}))
+    names = [a.name for a in arms]
+    seeds = table.get("seeds", [0, 1, 2])
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                      for s in seeds) and len(set(seeds)) == len(seeds)):
+        raise ConfigError(f"{path}: [sweep] seeds = {_toml_value(seeds)} takes a list of distinct whole numbers")
+    max_steps, max_time = table.get("max_steps"), table.get("max_time")
+    if (max_steps is None) == (max_time is None):
+        raise ConfigError(f"{path}: [sweep] takes one budget per arm: max_steps = N or max_time = \"5m\"")
+    if max_steps is not None and not (isinstance(max_steps, int) and not isinstance(max_steps, bool)
+                                      and max_steps > 0):
+        raise ConfigError(f"{path}: [sweep] max_steps = {_toml_value(max_steps)} takes a positive whole number")
+    if max_time is not None:
+        try:
+            max_time = parse_duration(str(max_time)) if not isinstance(max_time, bool) else math.nan
+        except ConfigError as e:
+            raise ConfigError(f"{path}: [sweep] max_time: {e}") from None
+    pairs = table.get("pairs")
+    if pairs is None:
+        first = table.get("baseline", names[0])
+        pairs = [[n, first] for n in names if n != first]
+    if not (isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 for p in pairs)):
+        raise ConfigError(f"{path}: [sweep] pairs = {_toml_value(pairs)} takes a list of [arm, against] pairs")
+    for name in [n for p in pairs for n in p] + list(table.get("always", [])) + [table.get("baseline", names[0])]:
+        if name not in names:
+            raise ConfigError(f"{path}: [sweep] names the arm {name!r}, which the file does not define; its arms "
+                              f"are: {', '.join(names)}")
+    gate = table.get("gate")
+    if gate is not None and not (isinstance(gate, (int, float)) and not isinstance(gate, bool) and gate > 0):
+        raise ConfigError(f"{path}: [sweep] gate = {_toml_value(gate)} takes a positive number")
+    title = table.get("title", path.stem)
+    experiment = table.get("experiment")
+    if experiment is not None:
+        from .experiments import EXPERIMENTS
+
+        if experiment not in EXPERIMENTS:
+            raise ConfigError(f"{path}: [sweep] experiment = {_toml_value(experiment)} takes one of "
+                              f"{', '.join(EXPERIMENTS)}")
+    sweep = Sweep(path=path, title=str(title), base=base, arms=arms, seeds=tuple(seeds), max_steps=max_steps,
+                  max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
+                  always=tuple(table.get("always", ())), experiment=experiment,
+                  score_tokens=table.get("score_tokens"))
+    for arm in arms:
+        sweep.configs(arm)  # a bad value in any arm fails now, not after the first arms have trained
+    return sweep
+
+
+def _arms(path: Path, listed: Any, grid: Any) -> list[Arm]:
+    """The [[arm]] tables, then the grid's combinations (named "key=value key=value")."""
+    if not isinstance(listed, list) or not all(isinstance(a, dict) for a in listed):
+        raise ConfigError(f"{path}: arms are tables: [[arm]] with a name and the fields it changes")
+    if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
+        raise ConfigError(f"{path}: [sweep] grid takes lists of values, e.g. grid = {{ n_experts = [4, 8] }}")
+    arms = []
+    for i, table in enumerate(listed):
+        table = dict(table)
+        name = table.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{path}: [[arm]] number {i + 1} needs a name = \"...\"")
+        arms.append(_arm(path, name, table))
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)) if keys else ():
+        arms.append(_arm(path, " ".join(f"{k}={_plain(v)}" for k, v in zip(keys, values, strict=True)),
+                         dict(zip(keys, values, strict=True))))
+    if not arms:
+        raise ConfigError(f"{path}: the sweep has no arms; add [[arm]] tables or a [sweep] grid")
+    names = [a.name for a in arms]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ConfigError(f"{path}: two arms are named {twice!r}; give each arm its own name")
+    return arms
+
+
+def _plain(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+NOT_PER_ARM = {"seed": "the seeds are [sweep] seeds", "vocab_size": "it is the tokenizer's",
+               "max_steps": "the budget is [sweep]'s", "max_time": "the budget is [sweep]'s"}
+
+
+def _arm(path: Path, name: str, values: dict[str, Any]) -> Arm:
+    """An arm's fields, each put in the table it belongs to and checked against its declaration."""
+    model, train = {}, {}
+    for key, value in values.items():
+        table = next((t for t, cls in TABLES.items() if key in {f.name for f in dataclasses.fields(cls)}), None)
+        if table is None or key in NOT_PER_ARM:
+            why = NOT_PER_ARM.get(key, "no such field in [model] or [train]")
+            raise ConfigError(f"{path}: arm {name!r} sets {key!r}: {why}")
+        hint = typing.get_type_hints(TABLES[table])[key]
+        checked = check_value(f"{path}: arm {name!r}", key, value, hint)
+        (model if table == "model" else train)[key] = checked
+    return Arm(name, model, train)
+
+
+# ---------------------------------------------------------------------------------------------- running
+def run_sweep(sweep: Sweep, out: str | Path, progress: bool = True, tiny: bool = False,
+              seeds: tuple[int, ...] | None = None, max_steps: int | None = None) -> list[Path]:
+    """Train the sweep's arms into folder `out` (new, empty, or an unfinished run of the same sweep), then
+    write results.json, table.md and the plot (an experiment's own, when the file names one). Returns the
+    paths written. `tiny`, `seeds` and `max_steps` replace the file's (the smoke-test scale; fewer seeds)."""
+    from .experiments import common, start_folder
+
+    if seeds:
+        sweep = dataclasses.replace(sweep, seeds=tuple(seeds))
+    if tiny:
+        sweep = dataclasses.replace(sweep, max_steps=TINY_STEPS, max_time=None, score_tokens=TINY_SCORE_TOKENS)
+    elif max_steps:
+        sweep = dataclasses.replace(sweep, max_steps=max_steps, max_time=None)
+    out = Path(out)
+    start_folder(out, {"sweep": sweep.to_dict(), "tiny": tiny})
+    if sweep.experiment is not None:
+        from importlib import import_module
+
+        module = import_module(f".experiments.{sweep.experiment}", __package__)
+        return module.run(out, sweep, train_arms(sweep, out, progress, tiny), progress, tiny)
+    results = train_arms(sweep, out, progress, tiny)
+    return [common.save(out, "sweep", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}), *report(out)]
+
+
+def train_arms(sweep: Sweep, out: Path, progress: bool = True, tiny: bool = False) -> list[Any]:
+    """Every arm with every seed, seed by seed (each seed's arms one after the other), as `ArmResult`s.
+
+    With a gate, the first seed trains every arm; later seeds train the baseline and the `always` arms, and
+    the others only when their first-seed difference from the baseline is within gate x the baseline's
+    seed-to-seed spread over the first two seeds (the baseline trains first in each seed): a difference far
+    past the noise needs no interval to be read."""
+    from .experiments import common
+
+    results: list[common.ArmResult] = []
+    base, gated_out = sweep.baseline, set()
+    order = sorted(sweep.arms, key=lambda a: a.name != base)  # the baseline first: its spread gates the others
+    for i, seed in enumerate(sweep.seeds):
+        for arm in order:
+            if i == 1 and sweep.gate and arm.name != base and arm.name not in sweep.always:
+                diff, tie = common.paired(results, arm.name, base), common.spread(results, base)
+                if diff and not math.isnan(tie) and abs(diff[0]) > sweep.gate * tie:
+                    gated_out.add(arm.name)
+            if arm.name in gated_out:
+                continue
+            model, tc = sweep.configs(arm, tiny)
+            tc = tc.replace(seed=seed, max_steps=sweep.max_steps, max_time=sweep.max_time)
+            if sweep.max_steps:
+                tc = tc.replace(warmup_steps=min(tc.warmup_steps, sweep.max_steps))
+            results.append(common.train_run(arm.name, model, tc, out, progress, data_path(sweep),
+                                            sweep.score_tokens))
+    return results
+
+
+def data_path(sweep: Sweep) -> str | None:
+    """The corpus, a path in the file taken relative to the file."""
+    data = sweep.base.data
+    if data is None:
+        return None
+    return str(sweep.path.parent / data) if not Path(data).expanduser().is_absolute() else data
+
+
+def setting_of(sweep: Sweep, tiny: bool = False) -> Any:
+    """The sweep as an experiment's `Setting` (what results.json records and the reports read)."""
+    from .experiments.common import Setting
+
+    tc = TrainConfig(**{**sweep.base.train, **(TINY_TRAIN if tiny else {})})
+    return Setting(steps=sweep.max_steps, batch_size=tc.batch_size, seq_len=tc.seq_len or 0,
+                   eval_interval=tc.eval_interval, eval_batches=tc.eval_batches, data=data_path(sweep),
+                   seeds=sweep.seeds, tiny=tiny)
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def report(out: Path) -> list[Path]:
+    """table.md (a row per arm, a paired line per named pair) and sweep.png (the validation curves), from
+    results.json alone."""
+    from .experiments import common
+
+    doc, results = common.load_results(out)
+    pairs = [tuple(p) for p in doc["sweep"]["pairs"]]
+    names = [a["name"] for a in doc["sweep"]["arms"]]
+    rows = []
+    for name in names:
+        mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
+        if not mine:
+            continue
+        rows.append([name, format_count(mine[0].params_total), format_count(mine[0].params_active),
+                     round(common.mean(r.steps for r in mine)), round(common.mean(r.tokens_per_s for r in mine)),
+                     common.per_seed(results, name), common.mean(r.full_val_loss for r in mine)])
+    table = common.markdown_table(["arm", "params", "active", "steps (mean)", "tokens/s (mean)",
+                                   "full val loss per seed", "mean"], rows)
+    lines = []
+    for a, b in pairs:
+        test = common.paired_test(common.paired(results, a, b))
+        lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**")
+    budget = (f"{doc['sweep']['max_steps']:,} steps" if doc["sweep"]["max_steps"]
+              else f"{doc['sweep']['max_time']:g} s")
+    text = (f"# {doc['sweep']['title']}\n\n{table}\n\n" + "\n".join(lines) +
+            f"\n\nEach arm trained for {budget} per seed (seeds {', '.join(map(str, doc['sweep']['seeds']))}), "
+            "scored by its full validation loss (nats/token). Pairs are read seed by seed (same seed: same "
+            "initialisation and batches): the mean difference and its 95% t-interval; better/worse when the "
+            f"interval excludes 0, a tie when it lies within +-{common.EFFECT} nats, undecided otherwise (fewer "
+            "than 3 seeds: undecided).")
+    return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", doc["sweep"]["title"])]
+
+
+def paired_lines(out: Path) -> list[str]:
+    """The report's paired lines, as printed after a sweep."""
+    text = (out / "table.md").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.startswith("- ") and " minus " in line]
