@@ -312,3 +312,22 @@ def test_differing_settings_treats_a_missing_key_as_a_difference(runs) -> None:
     assert differing_settings([a, b]) == ["lr", "beta1"]  # in the file's order
     b.settings = None  # a run without config.toml takes no part
     assert differing_settings([a, b]) == []
+
+
+def test_the_compare_command_on_two_real_runs(trained, tmp_path, capsys) -> None:
+    """`nanollama4 compare RUN RUN --out DIR` as a user types it, on two real runs with their real telemetry:
+    the table printed (and in compare.md) and every plot path it names, and `plot` of one of them draws
+    its routing."""
+    from tests.helpers import run_cli
+
+    out = tmp_path / "cmp"
+    rc, printed, err = run_cli(["compare", str(trained["moe"]), str(trained["dense"]), "--out", str(out)], capsys)
+    assert rc == 0, err
+    rows = table_rows(printed)
+    assert [r[0] for r in rows[1:]] == ["moe", "dense"] and "lr" in rows[0] and "n_experts" in rows[0]
+    paths = [Path(line.split(": ", 1)[1]) for line in printed.splitlines() if line.startswith(("plot: ", "table: "))]
+    assert {p.name for p in paths} == {"compare.md", "losses.png", "expert_load.png", "routing.png"}
+    for p in paths:
+        assert p.parent == out and (p.suffix == ".md" or assert_png(p) is not None)
+    rc, printed, err = run_cli(["plot", str(trained["moe"])], capsys)
+    assert rc == 0 and "routing.png" in printed, err
