@@ -124,7 +124,7 @@ def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(cor
         run_experiment("moe_capacity", out, setting, progress=False)
     other = tmp_path / "other"
     other.mkdir()
-    (other / "experiment.json").write_text(json.dumps({"experiment": "moe_capacity", "setting": {}}))
+    (other / "sweep.json").write_text(json.dumps({"experiment": "moe_capacity", "setting": {}}))
     with pytest.raises(Exception, match="not an unfinished run of this experiment"):
         run_experiment("moe_capacity", other, setting, progress=False)
 
