@@ -238,7 +238,7 @@ class TrainConfig(_JsonConfig):
     max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
     decay_steps: int | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
     eval_interval: int = 250  # validate (and checkpoint) every this many steps (under --max-time: see eval_share)
-    eval_share: float = 0.1  # under --max-time: validate each time this share of the budget has passed (0 = by steps)
+    eval_share: float = 0.2  # under --max-time: validate each time this share of the budget has passed (0 = by steps)
     eval_batches: int = 16  # fixed validation batches per evaluation
     bf16: bool | str = False  # autocast products to bfloat16 (weights, optimizer stay float32); "auto": if it pays
     compile: bool = False  # torch.compile the model

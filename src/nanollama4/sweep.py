@@ -96,7 +96,7 @@ class Sweep:
 
     def to_dict(self) -> dict[str, Any]:
         """What a rerun into the same folder must match to continue it (JSON)."""
-        return json.loads(json.dumps({"path": str(self.path), "title": self.title, "preset": self.base.preset,
+        return json.loads(json.dumps({"path": str(self.path.resolve()), "title": self.title, "preset": self.base.preset,
                                       "model": self.base.model, "train": self.base.train, "data": self.base.data,
                                       "arms": [dataclasses.asdict(a) for a in self.arms], "seeds": self.seeds,
                                       "max_steps": self.max_steps, "max_time": self.max_time, "pairs": self.pairs,
@@ -150,6 +150,11 @@ def read_sweep(path: str | Path) -> Sweep:
     gate = table.get("gate")
     if gate is not None and not (isinstance(gate, (int, float)) and not isinstance(gate, bool) and gate > 0):
         raise ConfigError(f"{path}: [sweep] gate = {_toml_value(gate)} takes a positive number")
+    score_tokens = table.get("score_tokens")
+    if score_tokens is not None and not (isinstance(score_tokens, int) and not isinstance(score_tokens, bool)
+                                         and score_tokens > 0):
+        raise ConfigError(f"{path}: [sweep] score_tokens = {_toml_value(score_tokens)} takes a positive whole number "
+                          "(validation tokens each arm is scored on; leave it out for all of them)")
     title = table.get("title", path.stem)
     experiment = table.get("experiment")
     if experiment is not None:
@@ -161,7 +166,7 @@ def read_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(path=path, title=str(title), base=base, arms=arms, seeds=tuple(seeds), max_steps=max_steps,
                   max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
                   always=tuple(table.get("always", ())), experiment=experiment,
-                  score_tokens=table.get("score_tokens"))
+                  score_tokens=score_tokens)
     for arm in arms:
         sweep.configs(arm)  # a bad value in any arm fails now, not after the first arms have trained
     return sweep
