@@ -175,10 +175,18 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("export", "run_dir"): [["MISSING", "OUT"], ["EMPTY", "OUT"]],
     ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
     ("export", "--checkpoint"): [["RUN", "OUT", "--checkpoint", "worst"]],
+    ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
+    ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],
+    ("sweep", "file"): [["MISSING"], ["FILE"], ["EMPTY"]],
+    ("sweep", "--out"): [["SWEEP", "--out", "FILE"], ["SWEEP", "--out", ""]],
+    ("sweep", "--seeds"): [["SWEEP", "--seeds", "a"], ["SWEEP", "--seeds", "1,1"]],
+    ("sweep", "--tiny"): [["SWEEP", "--tiny=1"]],
+    ("sweep", "--quiet"): [["SWEEP", "--quiet=1"]],
 }
 # --import on every command, after what the command needs to get that far
 _BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"],
-                  "export": ["RUN", "OUT"], "eval": ["RUN"], "plot": ["RUN"], "experiment": ["gqa"]}
+                  "export": ["RUN", "OUT"], "eval": ["RUN"], "plot": ["RUN"], "experiment": ["gqa"],
+                  "compare": ["RUN"], "sweep": ["SWEEP"]}
 for _command in {command for command, _ in CASES}:
     _before = _BEFORE_IMPORT.get(_command, [])
     CASES[_command, "--import"] = [[*_before, "--import", ""], [*_before, "--import", "no_such_module_of_anyone"],
@@ -190,8 +198,10 @@ def places(tmp_path_factory, corpus, tiny_run) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cli-errors")
     (root / "file.txt").write_text("not a run")
     (root / "empty").mkdir()
+    (root / "sweep.toml").write_text(f'data = "{corpus}"\n[model]\npreset = "tiny"\n[sweep]\nmax_steps = 1\n'
+                                     'grid = { n_experts = [2, 4] }\n')
     return {"RUN": str(tiny_run), "CORPUS": str(corpus), "MISSING": str(root / "missing"),
-            "FILE": str(root / "file.txt"), "EMPTY": str(root / "empty")}
+            "FILE": str(root / "file.txt"), "EMPTY": str(root / "empty"), "SWEEP": str(root / "sweep.toml")}
 
 
 def _fill(arg: str, places: dict[str, str]) -> str:
