@@ -16,7 +16,7 @@ import pytest
 
 from nanollama4.errors import ConfigError
 from nanollama4.experiments import EXPERIMENTS, common, sweep_file
-from nanollama4.sweep import read_sweep
+from nanollama4.experiments.sweep import read_sweep
 from tests.helpers import assert_cli_error, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

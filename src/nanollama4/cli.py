@@ -351,8 +351,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def cmd_plot(args: argparse.Namespace) -> None:
     from .plots import plot_run
 
-    for path in plot_run(args.run_dir):
-        print(f"plot: {path}")
+    for run in args.run_dir:
+        for path in plot_run(run):
+            print(f"plot: {path}")
+    if len(args.run_dir) > 1:
+        print(f"side by side: nanollama4 compare {' '.join(args.run_dir)}")
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
@@ -367,7 +370,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .data import find_corpus_files
-    from .sweep import data_path, paired_lines, read_sweep, run_sweep
+    from .experiments.sweep import data_path, paired_lines, read_sweep, run_sweep
 
     sweep = read_sweep(args.file)
     find_corpus_files(data_path(sweep))  # a missing corpus fails before anything is created
@@ -515,8 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=_path, help="the run's corpus, if it has moved since training (the same text)")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("plot", help="(re)draw a run's loss curves and expert-load heatmap")
-    p.add_argument("run_dir", type=_path)
+    p = sub.add_parser("plot", help="(re)draw a run's loss curves, expert-load heatmap and routing telemetry")
+    p.add_argument("run_dir", type=_path, nargs="+", metavar="RUN_DIR", help="one or more runs, each drawn in its "
+                   "own plots/ folder (`compare` sets runs side by side)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("compare", help="compare runs side by side: one table and overlaid plots (losses by step, "

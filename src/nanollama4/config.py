@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -154,7 +155,6 @@ class ModelConfig(_JsonConfig):
                                  f"({self.n_experts})")
         # the kinds are router.py's classes; imported here, not above, because it brings torch and the command
         # line reads configs (the presets' names) before it needs torch
-        from .plugins import origin
         from .router import ROUTERS, router_class
 
         if self.router not in ROUTERS and self.imports:
@@ -162,7 +162,7 @@ class ModelConfig(_JsonConfig):
             raise ConfigError(f"router {self.router!r} is defined by code this model was built with ({self.imports}), "
                               f"which is not imported: pass {needed}")
         router = router_class(self.router)  # a ConfigError naming the kinds there are
-        module = origin(router)
+        module = code_of(router)
         if module is not None and module not in self.imports.split(","):  # what a run records it needs
             self.imports = ",".join(filter(None, [*self.imports.split(","), module]))
         if self.router_noise not in ("none", "fixed", "learned"):
@@ -379,6 +379,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama4-maverick": dict(_llama4_common(), n_experts=128, moe_every=2, use_qk_norm=False,
                             max_seq_len=1048576),
 }
+
+
+def code_of(cls: type) -> str | None:
+    """What `--import` takes for class `cls` to exist (`plugins.load` marks each module it imports with it: a
+    file's path, or the module's name); None for nanollama4's own classes."""
+    module = cls.__module__
+    if module.split(".")[0] == "nanollama4":
+        return None
+    return getattr(sys.modules.get(module), "__nanollama4_import__", module)
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from .errors import ConfigError
 
-LOADED: dict[str, str] = {}  # module name -> how it was named to --import (a module name or a .py file's path)
+MARK = "__nanollama4_import__"  # set on each module `load` imports: what --import it takes (a name or a path)
 
 
 def load(spec: str) -> ModuleType:
@@ -37,7 +37,7 @@ def load(spec: str) -> ModuleType:
         if str(Path.cwd()) not in sys.path and "" not in sys.path:
             sys.path.insert(0, str(Path.cwd()))  # as `python -c` would: the working directory's modules first
         module, recorded = _running(spec, spec, lambda: importlib.import_module(spec)), spec
-    LOADED[module.__name__] = recorded
+    setattr(module, MARK, recorded)  # what `config.code_of` records for the parts it defines
     return module
 
 
@@ -55,12 +55,3 @@ def _running(spec: str, name: str, run) -> ModuleType:
         sys.modules.pop(name, None)
         raise ConfigError(f"--import {spec}: the module raised {type(e).__name__}: {e} (python -c 'import "
                           f"{name}' shows where)") from None
-
-
-def origin(cls: type) -> str | None:
-    """What to pass to --import for class `cls` to exist: None for nanollama4's own, else its module as it
-    was imported (the path of a file loaded by path)."""
-    module = cls.__module__
-    if module == "nanollama4" or module.startswith("nanollama4."):
-        return None
-    return LOADED.get(module, module)

@@ -1,6 +1,6 @@
 """Experiments that test the claims of the documents this project implements, rerunnable by anyone:
 `nanollama4 experiment NAME`. Each is a sweep file here (NAME.toml: the model, the arms, the seeds and
-steps) run by the sweep machinery (`nanollama4.sweep`: every arm a normal run, seed by seed, resumable),
+steps) run by the sweep machinery (`experiments.sweep`: every arm a normal run, seed by seed, resumable),
 and a module (NAME.py) that measures what the arms' runs do not log and writes results.json, table.md and
 PNG plots. docs/experiments.md shows the plots and reads them.
 
@@ -10,7 +10,6 @@ This module stays light (the CLI reads EXPERIMENTS to build its parser); the exp
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,7 +45,7 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
     are read back, an interrupted arm resumes exactly from its last checkpoint, the rest are trained."""
     from dataclasses import replace
 
-    from ..sweep import read_sweep, run_sweep
+    from .sweep import read_sweep, run_sweep
 
     sweep = read_sweep(sweep_file(name))
     tiny = steps = seeds = None
@@ -55,39 +54,6 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
             sweep = replace(sweep, base=replace(sweep.base, data=str(Path(setting.data).expanduser().resolve())))
         tiny, steps, seeds = setting.tiny, setting.steps, setting.seeds
     return run_sweep(sweep, out, progress, tiny=bool(tiny), seeds=seeds, max_steps=steps)
-
-
-def start_folder(out: Path, started: dict) -> None:
-    """Make `out` the folder of a sweep or experiment: new or empty (then `started` is written there), or the
-    folder of an unfinished run of the same one (`started` equal to what it holds); refused otherwise."""
-    from ..files import atomic_write
-
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; pass a new or empty folder")
-    started = json.loads(json.dumps(started))
-    if out.is_dir() and any(out.iterdir()):
-        if (out / "results.json").exists():
-            raise ConfigError(f"{out} already holds results; pass a new or empty --out (experiments and sweeps "
-                              "never overwrite)")
-        if not (out / STARTED).exists() or _started(out) != started:
-            raise ConfigError(f"{out} is not empty and not an unfinished run of this experiment or sweep with these "
-                              "options; pass a new or empty --out (or the same options as the interrupted run)")
-    else:  # what a rerun into this folder must match to continue it
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / STARTED, lambda tmp: Path(tmp).write_text(json.dumps(started, indent=1) + "\n"))
-
-
-STARTED = "sweep.json"  # written when a sweep starts: the sweep and its options
-
-
-def _started(out: Path) -> dict | None:
-    from ..errors import Nanollama4Error
-    from ..files import read_json
-
-    try:
-        return read_json(out / STARTED)
-    except Nanollama4Error:
-        return None
 
 
 __all__ = ["EXPERIMENTS", "run_experiment", "sweep_file"]

@@ -19,8 +19,8 @@ from ..checkpoint import load_run
 from ..generation import generate_ids
 from ..memory import kv_cache
 from ..model import Transformer
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "GQA: KV heads at 8 query heads"
 KV_HEADS = (1, 2, 4, 8)

@@ -21,8 +21,8 @@ from ..data import TokenDataset, default_cache_dir, find_corpus_files
 from ..errors import DataError
 from ..model import Transformer
 from ..ops import build_model
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "iRoPE: loss past the training context"
 MULTIPLES = (1, 2, 4, 8, 16)  # evaluation lengths, in training contexts (the models are built for the last)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "MoE where capacity is short"
 BASE = "dense"

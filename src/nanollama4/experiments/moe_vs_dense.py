@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "MoE vs dense at equal active parameters"
 BASE = "dense"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "router tricks: per-expert load over training"
 N_EXPERTS = 8

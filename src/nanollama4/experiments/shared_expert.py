@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..sweep import Sweep, setting_of
 from . import common
+from .sweep import Sweep, setting_of
 
 TITLE = "shared expert on / off"
 

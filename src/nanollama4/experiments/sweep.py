@@ -43,12 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig, TrainConfig, parse_duration, preset
-from .configfile import TABLES, ConfigFile, _toml_value, check_value, read_config_file
-from .errors import ConfigError
-from .memory import format_count
+from ..config import ModelConfig, TrainConfig, parse_duration, preset
+from ..configfile import TABLES, ConfigFile, _toml_value, check_value, read_config_file
+from ..errors import ConfigError, Nanollama4Error
+from ..files import atomic_write, read_json
+from ..memory import format_count
+from . import common
 
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
+EXPERIMENT_MODULES = sorted(p.stem for p in Path(__file__).parent.glob("*.toml"))  # each has its NAME.py
 SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "pairs", "baseline", "gate", "always", "experiment",
               "score_tokens"}
 
@@ -85,14 +88,12 @@ class Sweep:
 
     def configs(self, arm: Arm, tiny: bool = False) -> tuple[ModelConfig, TrainConfig]:
         """The arm's ModelConfig and TrainConfig (without seed and budget); `tiny`: the smoke-test scale."""
-        from .experiments.common import tiny_model
-
         try:
             model = preset(self.base.preset or DEFAULT_PRESET, **{**self.base.model, **arm.model})
             tc = TrainConfig(**{**self.base.train, **arm.train, **(TINY_TRAIN if tiny else {})})
         except ConfigError as e:
             raise ConfigError(f"{self.path}: arm {arm.name!r}: {e}") from None
-        return (tiny_model(model) if tiny else model), tc
+        return (common.tiny_model(model) if tiny else model), tc
 
     def to_dict(self) -> dict[str, Any]:
         """What a rerun into the same folder must match to continue it (JSON)."""
@@ -157,12 +158,9 @@ def read_sweep(path: str | Path) -> Sweep:
                           "(validation tokens each arm is scored on; leave it out for all of them)")
     title = table.get("title", path.stem)
     experiment = table.get("experiment")
-    if experiment is not None:
-        from .experiments import EXPERIMENTS
-
-        if experiment not in EXPERIMENTS:
-            raise ConfigError(f"{path}: [sweep] experiment = {_toml_value(experiment)} takes one of "
-                              f"{', '.join(EXPERIMENTS)}")
+    if experiment is not None and experiment not in EXPERIMENT_MODULES:
+        raise ConfigError(f"{path}: [sweep] experiment = {_toml_value(experiment)} takes one of "
+                          f"{', '.join(EXPERIMENT_MODULES)} (the experiments' modules)")
     sweep = Sweep(path=path, title=str(title), base=base, arms=arms, seeds=tuple(seeds), max_steps=max_steps,
                   max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
                   always=tuple(table.get("always", ())), experiment=experiment,
@@ -226,8 +224,6 @@ def run_sweep(sweep: Sweep, out: str | Path, progress: bool = True, tiny: bool =
     """Train the sweep's arms into folder `out` (new, empty, or an unfinished run of the same sweep), then
     write results.json, table.md and the plot (an experiment's own, when the file names one). Returns the
     paths written. `tiny`, `seeds` and `max_steps` replace the file's (the smoke-test scale; fewer seeds)."""
-    from .experiments import common, start_folder
-
     if seeds:
         sweep = dataclasses.replace(sweep, seeds=tuple(seeds))
     if tiny:
@@ -239,7 +235,7 @@ def run_sweep(sweep: Sweep, out: str | Path, progress: bool = True, tiny: bool =
     if sweep.experiment is not None:
         from importlib import import_module
 
-        module = import_module(f".experiments.{sweep.experiment}", __package__)
+        module = import_module(f".{sweep.experiment}", __package__)
         return module.run(out, sweep, train_arms(sweep, out, progress, tiny), progress, tiny)
     results = train_arms(sweep, out, progress, tiny)
     return [common.save(out, "sweep", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}), *report(out)]
@@ -252,8 +248,6 @@ def train_arms(sweep: Sweep, out: Path, progress: bool = True, tiny: bool = Fals
     the others only when their first-seed difference from the baseline is within gate x the baseline's
     seed-to-seed spread over the first two seeds (the baseline trains first in each seed): a difference far
     past the noise needs no interval to be read."""
-    from .experiments import common
-
     results: list[common.ArmResult] = []
     base, gated_out = sweep.baseline, set()
     order = sorted(sweep.arms, key=lambda a: a.name != base)  # the baseline first: its spread gates the others
@@ -284,10 +278,8 @@ def data_path(sweep: Sweep) -> str | None:
 
 def setting_of(sweep: Sweep, tiny: bool = False) -> Any:
     """The sweep as an experiment's `Setting` (what results.json records and the reports read)."""
-    from .experiments.common import Setting
-
     tc = TrainConfig(**{**sweep.base.train, **(TINY_TRAIN if tiny else {})})
-    return Setting(steps=sweep.max_steps, batch_size=tc.batch_size, seq_len=tc.seq_len or 0,
+    return common.Setting(steps=sweep.max_steps, batch_size=tc.batch_size, seq_len=tc.seq_len or 0,
                    eval_interval=tc.eval_interval, eval_batches=tc.eval_batches, data=data_path(sweep),
                    seeds=sweep.seeds, tiny=tiny)
 
@@ -296,8 +288,6 @@ def setting_of(sweep: Sweep, tiny: bool = False) -> Any:
 def report(out: Path) -> list[Path]:
     """table.md (a row per arm, a paired line per named pair) and sweep.png (the validation curves), from
     results.json alone."""
-    from .experiments import common
-
     doc, results = common.load_results(out)
     pairs = [tuple(p) for p in doc["sweep"]["pairs"]]
     names = [a["name"] for a in doc["sweep"]["arms"]]
@@ -330,3 +320,31 @@ def paired_lines(out: Path) -> list[str]:
     """The report's paired lines, as printed after a sweep."""
     text = (out / "table.md").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line.startswith("- ") and " minus " in line]
+
+
+def start_folder(out: Path, started: dict) -> None:
+    """Make `out` the folder of a sweep or experiment: new or empty (then `started` is written there), or the
+    folder of an unfinished run of the same one (`started` equal to what it holds); refused otherwise."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; pass a new or empty folder")
+    started = json.loads(json.dumps(started))
+    if out.is_dir() and any(out.iterdir()):
+        if (out / "results.json").exists():
+            raise ConfigError(f"{out} already holds results; pass a new or empty --out (experiments and sweeps "
+                              "never overwrite)")
+        if not (out / STARTED).exists() or _started(out) != started:
+            raise ConfigError(f"{out} is not empty and not an unfinished run of this experiment or sweep with these "
+                              "options; pass a new or empty --out (or the same options as the interrupted run)")
+    else:  # what a rerun into this folder must match to continue it
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write(out / STARTED, lambda tmp: Path(tmp).write_text(json.dumps(started, indent=1) + "\n"))
+
+
+STARTED = "sweep.json"  # written when a sweep starts: the sweep and its options
+
+
+def _started(out: Path) -> dict | None:
+    try:
+        return read_json(out / STARTED)
+    except Nanollama4Error:
+        return None
