@@ -141,3 +141,17 @@ def assert_refused(capsys, argv: list[str], folder: Path, lock: bool = False) ->
     line = assert_cli_error(rc, err, argv[0])
     assert snapshot(folder, lock=lock) == before
     return line
+
+
+def stop_the_third_training(train, calls: list[Path]):
+    """A stand-in for `train` that records each run directory in `calls` and stops the third run after 2
+    steps with KeyboardInterrupt, as Ctrl-C would leave it (its checkpoint saved); the others train as usual."""
+
+    def train_then_stop(cfg, tc, run_dir, **kwargs):
+        calls.append(run_dir)
+        if len(calls) == 3:
+            train(cfg, tc.replace(max_steps=2), run_dir, **kwargs)
+            raise KeyboardInterrupt
+        return train(cfg, tc, run_dir, **kwargs)
+
+    return train_then_stop

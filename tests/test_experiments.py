@@ -15,7 +15,7 @@ import pytest
 from nanollama4.experiments import EXPERIMENTS
 from nanollama4.experiments.common import EFFECT, Setting, loss_at, paired_test
 from nanollama4.experiments.router_tricks import starved
-from tests.helpers import write_corpus
+from tests.helpers import stop_the_third_training, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +91,7 @@ def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(cor
     setting = Setting.tiny_scale(str(corpus))
     real_train, calls = common.train, []
 
-    def train_then_stop(cfg, tc, run_dir, **kwargs):
-        calls.append(run_dir)
-        if len(calls) == 3:  # the third arm stops after 2 of its 3 steps, as Ctrl-C would leave it
-            real_train(cfg, tc.replace(max_steps=2), run_dir, **kwargs)
-            raise KeyboardInterrupt
-        return real_train(cfg, tc, run_dir, **kwargs)
-
-    monkeypatch.setattr(common, "train", train_then_stop)
+    monkeypatch.setattr(common, "train", stop_the_third_training(real_train, calls))  # after 2 of its steps
     with pytest.raises(KeyboardInterrupt):
         run_experiment("moe_capacity", out, setting, progress=False)
     first, second, third = calls

@@ -17,7 +17,7 @@ import pytest
 from nanollama4.errors import ConfigError
 from nanollama4.experiments import EXPERIMENTS, common, sweep_file
 from nanollama4.experiments.sweep import read_sweep
-from tests.helpers import assert_cli_error, run_cli
+from tests.helpers import assert_cli_error, run_cli, stop_the_third_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -56,14 +56,7 @@ def test_a_two_arm_two_seed_sweep_prints_its_paired_line_and_resumes(sweep_dir, 
     out = sweep_dir / "out"
     real_train, calls = common.train, []
 
-    def train_then_stop(cfg, tc, run_dir, **kwargs):
-        calls.append(run_dir)
-        if len(calls) == 3:  # the third run stops after 2 of its 4 steps, as Ctrl-C would leave it
-            real_train(cfg, tc.replace(max_steps=2), run_dir, **kwargs)
-            raise KeyboardInterrupt
-        return real_train(cfg, tc, run_dir, **kwargs)
-
-    monkeypatch.setattr(common, "train", train_then_stop)
+    monkeypatch.setattr(common, "train", stop_the_third_training(real_train, calls))  # after 2 of its steps
     rc, _, err = run_cli(["sweep", str(sweep_dir / "exp.toml"), "--out", str(out), "--quiet"], capsys)
     assert rc == 3 and f"--out {out}" in err
     # seed by seed: both arms of seed 0, then seed 1's first

@@ -534,9 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=_path, metavar="FILE.toml", help="a sweep file: [model], [train], [sweep], [[arm]]")
     p.add_argument("--out", type=_path, help="folder of the sweep (default: runs/sweeps/NAME-TIMESTAMP); the same "
                                              "folder again continues an interrupted sweep")
-    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds instead of the file's")
-    p.add_argument("--tiny", action="store_true", help="a smoke test: tiny models, 3 steps an arm (seconds each)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_arm_options(p, "instead of the file's")
     p.set_defaults(func=cmd_sweep)
 
     from .experiments import EXPERIMENTS
@@ -546,11 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--out", type=_path, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
-    p.add_argument("--seeds", type=_seeds, help="comma-separated seeds (default 0,1,2); at least 3 are "
-                                                "needed for an interval on each difference")
     p.add_argument("--data", type=_path, help="a text file or folder of .txt files (default: Shakespeare's works)")
-    p.add_argument("--tiny", action="store_true", help="a smoke test of a few seconds (tiny models, 3 steps)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_arm_options(p, "(default 0,1,2)")
     p.set_defaults(func=cmd_experiment)
 
     for p in sub.choices.values():  # every command can meet a model built with your code
@@ -558,6 +553,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="import your code first (a module name or a .py file): it may register a router kind "
                             "or another part; repeatable (see docs/training.md)")
     return parser
+
+
+def add_arm_options(p: argparse.ArgumentParser, seeds: str) -> None:
+    """The options a sweep and an experiment share: its seeds, the smoke-test scale, no progress bars."""
+    p.add_argument("--seeds", type=_seeds, help=f"comma-separated seeds {seeds}; at least 3 are needed for an "
+                                                "interval on each difference")
+    p.add_argument("--tiny", action="store_true", help="a smoke test: tiny models, 3 steps an arm (seconds each)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _seeds(text: str) -> tuple[int, ...]:
