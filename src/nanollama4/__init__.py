@@ -20,6 +20,7 @@ _EXPORTS = {
     "load_hf": "hf", "export_hf": "hf", "load_any": "hf", "param_counts": "memory", "kv_cache": "memory",
     "generate": "generation", "stream": "generation", "Sampling": "generation", "Nanollama4Error": "errors",
     "CharTokenizer": "tokenizer", "BPETokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "compare_runs": "compare", "read_sweep": "experiments.sweep", "run_sweep": "experiments.sweep",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
