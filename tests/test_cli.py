@@ -175,6 +175,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("export", "run_dir"): [["MISSING", "OUT"], ["EMPTY", "OUT"]],
     ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
     ("export", "--checkpoint"): [["RUN", "OUT", "--checkpoint", "worst"]],
+    ("export", "--drop-bias"): [["RUN", "OUT", "--drop-bias=1"]],
     ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
     ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],
     ("sweep", "file"): [["MISSING"], ["FILE"], ["EMPTY"]],

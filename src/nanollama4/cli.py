@@ -329,10 +329,39 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     check_export_target(out)  # before the model is read
-    model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    export_hf(model, out, tokenizer.save)
+    if args.drop_bias:
+        model, tokenizer = _without_bias(args)
+    else:
+        model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
+    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
           "generation_config.json, tokenizer.json")
+
+
+DROP_BIAS_TOKENS = 2**18  # validation tokens `export --drop-bias` measures the change on (at most)
+
+
+def _without_bias(args: argparse.Namespace):
+    """The run's model with its routers' balancing biases set to 0, after measuring what that does to the
+    validation loss (the reference format has no such bias): the user decides with the number."""
+    import torch
+
+    from .evaluation import validation_of_run
+
+    run = validation_of_run(args.run_dir, prefer=args.checkpoint, max_tokens=DROP_BIAS_TOKENS)
+    biases = [moe.router.expert_bias for moe in run.model.moe_layers()]
+    if not any(b.abs().max() > 0 for b in biases):
+        print("--drop-bias: this model's routers carry no balancing bias; nothing to drop")
+        return run.model.cpu(), run.tokenizer
+    with_bias = run.loss()
+    with torch.no_grad():
+        for b in biases:
+            b.zero_()
+    without = run.loss()
+    print(f"--drop-bias: validation loss {with_bias:.4f} with the routers' balancing biases, {without:.4f} without "
+          f"them ({without - with_bias:+.4f} nats/token over {len(run.tokens):,} validation tokens); exporting "
+          "the model without them")
+    return run.model.cpu(), run.tokenizer
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -510,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", type=_path)
     p.add_argument("out", type=_path, help="a new or empty folder")
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    p.add_argument("--drop-bias", action="store_true",
+                   help="write a model trained with bias balancing without its balancing biases (the reference "
+                        "router has none), after printing the validation-loss change that makes")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")

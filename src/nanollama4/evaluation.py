@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from .files import atomic_write, read_json
 from .model import Transformer
 from .runs import corpus_of, saved_train_config, token_dataset
 from .runtime import pick_device
+from .tokenizer import Tokenizer
 
 
 def autocast(device: torch.device, enabled: bool):
@@ -72,6 +74,29 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: st
     """(loss, validation tokens, window) for a run: every validation token, in windows of its training length.
     `data` gives the run's corpus at a new place (the same text); by default the path the run recorded.
     `max_tokens` scores only the first that many validation tokens (a smoke test's bounded sample)."""
+    run = validation_of_run(path, prefer, data, max_tokens)
+    return run.loss(), len(run.tokens), run.window
+
+
+@dataclass
+class RunValidation:
+    """A run's model (on the device it evaluates on) with its validation tokens, window and precision:
+    what a full validation loss is measured on, once or (`export --drop-bias`) before and after a change."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    tokens: np.ndarray
+    window: int
+    device: torch.device
+    bf16: bool
+
+    def loss(self) -> float:
+        return full_validation_loss(self.model, self.tokens, self.window, self.device, self.bf16)
+
+
+def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,
+                      max_tokens: int | None = None) -> RunValidation:
+    """The run's `prefer` checkpoint and its validation tokens (the first `max_tokens` when given)."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     tc = saved_train_config(path, tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
@@ -82,10 +107,9 @@ def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: st
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
         device = pick_device("auto")
-    seq_len = tc.seq_len or model.cfg.max_seq_len
     tokens = dataset.val_tokens if max_tokens is None else dataset.val_tokens[:max_tokens]
-    loss = full_validation_loss(model.to(device), tokens, seq_len, device, tc.bf16)
-    return loss, len(tokens), seq_len
+    return RunValidation(model.to(device), tokenizer, tokens, tc.seq_len or model.cfg.max_seq_len, device,
+                         bool(tc.bf16))
 
 
 EVALUATION_FILE = "evaluation.json"  # in a run directory: its last full validation (`record_full_validation`)

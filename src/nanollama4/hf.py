@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint import check_shapes, check_vocab, load_run
+from .checkpoint import check_shapes, check_vocab, expected_shapes, load_run
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
@@ -125,8 +125,11 @@ def _check_layout(hf: dict[str, Any], cfg: ModelConfig) -> None:
                                   "nanollama4 builds from the interval fields; this layout is unsupported")
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The reference config.json for our config, every key written (omitted keys get full-size defaults)."""
+def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None
+                 ) -> dict[str, Any]:
+    """The reference config.json for our config, every key written (omitted keys get full-size defaults).
+    BOS and EOS are the tokenizer's: None (null) for ours, which have neither, so that transformers'
+    generate stops on length or a stop the user gives, never at an ordinary token that happens to be id 2."""
     if cfg.n_experts and (router_class(cfg.router) is not SigmoidRouter or not cfg.shared_expert):
         raise CheckpointError("only the Llama 4 MoE (router='sigmoid', shared_expert=True) exists in the reference "
                               f"format; this model has router={cfg.router!r}, shared_expert={cfg.shared_expert}")
@@ -154,7 +157,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "layer_types": ["chunked_attention" if cfg.chunk_size(i) else "full_attention" for i in range(L)],
         "use_qk_norm": cfg.use_qk_norm, "attn_temperature_tuning": cfg.attn_temperature_tuning,
         "floor_scale": cfg.floor_scale, "attn_scale": cfg.attn_scale,
-        "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": cfg.init_std,
+        "pad_token_id": None, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "initializer_range": cfg.init_std,
         "use_cache": True, "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
     }
 
@@ -238,6 +242,22 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     return install(model) if fast else model
 
 
+def check_layers_match_config(model: Transformer) -> None:
+    """Every tensor the model holds has the name and shape its config gives it: the reference format keeps one
+    config for every layer, so a layer changed after building (8 experts where the config says 4, an MoE
+    swapped into a dense layer) would be written under a config.json that describes another model."""
+    wanted = expected_shapes(model.cfg)
+    found = {name: tuple(t.shape) for name, t in model.state_dict().items()
+             if not (name == "lm_head.weight" and model.cfg.tie_embeddings)}
+    for name in sorted(set(found) | set(wanted)):
+        if found.get(name) != wanted.get(name):
+            has = "is missing" if name not in found else f"is {list(found[name])}"
+            says = "has no such tensor" if name not in wanted else f"gives it {list(wanted[name])}"
+            raise CheckpointError(f"{name} {has} but the model's config {says}: the reference format describes "
+                                  "every layer by one config.json, so a model whose layers differ from its "
+                                  "config cannot be exported; build the model from a config that describes it")
+
+
 def check_export_target(out: Path) -> None:
     """Refuse, before any work, an export folder that is a symlink (the export would land wherever it points)
     or that exists and is not an empty folder (an export replaces nothing)."""
@@ -249,28 +269,36 @@ def check_export_target(out: Path) -> None:
 
 
 def export_hf(model: Transformer, path: str | os.PathLike[str],
-              tokenizer_save: Callable[[Path], Any] | None = None) -> Path:
-    """Write `model` (and the tokenizer, through `tokenizer_save(file)`) as a reference checkpoint directory
-    that transformers' from_pretrained loads.
+              tokenizer_save: Callable[[Path], Any] | None = None, drop_bias: bool = False,
+              bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
+    """Write `model` (and the tokenizer, through `tokenizer_save(file)`: a tokenizer's `save_hf`) as a
+    reference checkpoint directory that transformers' from_pretrained loads.
+
+    A model the format cannot hold is refused before anything is written: a router kind or option it lacks
+    (`config_to_hf`), layers whose shapes differ from the config (one config.json describes every layer),
+    and balancing biases unless `drop_bias` (the reference router has none: the model is then written
+    without them, which changes its routing; `nanollama4 export --drop-bias` measures by how much).
 
     Everything is written into a temporary folder beside `path` that is renamed into place at the end (over
     `path` when that is an empty folder): a failed export (a full disk, a kill) leaves no half-written folder
     that a retry would refuse."""
     path = Path(path)
     check_export_target(path)
-    hf_config = config_to_hf(model.cfg)
+    hf_config = config_to_hf(model.cfg, bos_token_id, eos_token_id)
+    check_layers_match_config(model)
     tensors = {}
     for name, t in model.state_dict().items():
         if name.endswith("expert_bias"):
-            if t.abs().max() > 0:
+            if t.abs().max() > 0 and not drop_bias:
                 raise CheckpointError("this model's routers carry balancing biases (bias_balance_rate), which the "
-                                      "reference format cannot express; export a model trained without them")
+                                      "reference format cannot express; pass --drop-bias (drop_bias=True) to write "
+                                      "it without them: the export then says how much the validation loss moves")
             continue
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
             continue
         tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "_from_model_config": True}
+    generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "_from_model_config": True}
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

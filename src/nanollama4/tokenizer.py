@@ -47,6 +47,8 @@ class Tokenizer(Protocol):
 
     def save(self, path: str | Path) -> None: ...
 
+    def save_hf(self, path: str | Path) -> None: ...
+
     def fingerprint(self) -> str: ...
 
 
@@ -144,6 +146,34 @@ class CharTokenizer(_SavedAsJson):
             state["replace"] = self.replace  # it changes what encode returns, so it belongs to the fingerprint
         return json.dumps(state, ensure_ascii=False)
 
+    def to_hf(self) -> HFTokenizer:
+        """The same tokenizer in the `tokenizers` library's format, which transformers' AutoTokenizer loads:
+        a BPE model whose vocabulary is the characters and which has no merges (so every character is its
+        own token, at our id), and a decoder that joins the tokens as they are. (`tokenizer_from_json`
+        reads such a file back as a CharTokenizer.) Unknown characters are the library's business there:
+        they encode to nothing."""
+        tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(self.chars)}, merges=[]))
+        tok.decoder = decoders.Fuse()
+        return tok
+
+    def save_hf(self, path: str | Path) -> None:
+        """tokenizer.json as transformers reads it (`to_hf`), for exports."""
+        self.to_hf().save(str(path))
+
+    @classmethod
+    def from_hf_state(cls, state: dict[str, Any]) -> CharTokenizer | None:
+        """The CharTokenizer a `to_hf` file holds, or None when the JSON is not one (any other tokenizer)."""
+        model, decoder = state.get("model") or {}, state.get("decoder") or {}
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if not (isinstance(model, dict) and model.get("type") == "BPE" and model.get("merges") == []
+                and isinstance(decoder, dict) and decoder.get("type") == "Fuse" and isinstance(vocab, dict)
+                and not state.get("pre_tokenizer") and not state.get("added_tokens") and vocab):
+            return None
+        chars = sorted(vocab, key=lambda c: vocab[c])
+        if [vocab[c] for c in chars] != list(range(len(chars))) or any(len(c) != 1 for c in chars):
+            return None
+        return cls(chars)
+
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> CharTokenizer:
         chars = state.get("chars")
@@ -198,6 +228,10 @@ class BPETokenizer(_SavedAsJson):
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()
+
+    def save_hf(self, path: str | Path) -> None:
+        """tokenizer.json as transformers reads it: already the `tokenizers` format."""
+        self.save(path)
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
@@ -297,4 +331,5 @@ def tokenizer_from_json(content: str, path: str | Path = "(tokenizer JSON)") -> 
             return CharTokenizer.from_dict(state)
         except TokenizerError as e:
             raise TokenizerError(f"tokenizer file {path}: {e}") from e
-    return BPETokenizer(_hf_from_str(content, path))
+    chars = CharTokenizer.from_hf_state(state)  # an exported character tokenizer: ours again, errors and all
+    return chars if chars is not None else BPETokenizer(_hf_from_str(content, path))

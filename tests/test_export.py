@@ -1,0 +1,105 @@
+"""Exports that transformers uses unchanged: the tokenizer loads in AutoTokenizer and encodes as ours does,
+generation does not stop at an ordinary token, a model the format cannot describe is refused before
+anything is written, and a model trained with bias balancing exports with --drop-bias and a measured cost."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanollama4.checkpoint import load_run
+from nanollama4.config import TrainConfig, preset
+from nanollama4.data import find_corpus_files, read_corpus
+from nanollama4.errors import CheckpointError
+from nanollama4.hf import export_hf, load_any
+from nanollama4.moe import MoE
+from nanollama4.ops import build_model
+from nanollama4.tokenizer import CharTokenizer
+from nanollama4.train import train
+from tests.helpers import assert_cli_error, run_cli
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+def tiny_run(root: Path, corpus: Path, name: str, model: dict | None = None, **tc) -> Path:
+    run = root / name
+    cfg = TrainConfig(**{**dict(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2,
+                                max_steps=4, lr=3e-3), **tc})
+    train(preset("tiny", **(model or {})), cfg, run, data=str(corpus), progress=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("export-runs")
+    return {"char": tiny_run(root, corpus, "char"),
+            "bpe": tiny_run(root, corpus, "bpe", tokenizer="bpe", bpe_vocab_size=300),
+            "bias": tiny_run(root, corpus, "bias", model={"bias_balance_rate": 0.05})}
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_an_export_is_used_by_transformers_unchanged(kind, runs, corpus, tmp_path, capsys):
+    """AutoTokenizer encodes every validation line as ours does; AutoModelForCausalLM samples 20
+    continuations of 64 tokens, none cut short (no ordinary token is taken for an end of text)."""
+    out = tmp_path / "hf"
+    rc, _, err = run_cli(["export", str(runs[kind]), str(out)], capsys)
+    assert rc == 0, err
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["bos_token_id"] is config["eos_token_id"] is generation["eos_token_id"] is None
+    _, ours, _ = load_run(runs[kind])
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    text = read_corpus(find_corpus_files(str(corpus)))
+    lines = [line for line in text[int(len(text) * 0.9):].splitlines() if line]
+    assert len(lines) > 10
+    for line in lines:
+        assert theirs(line, add_special_tokens=False)["input_ids"] == ours.encode(line), line
+        assert theirs.decode(ours.encode(line)) == line
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = torch.tensor([ours.encode(lines[0][:8])])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        samples = model.generate(prompt.repeat(20, 1), do_sample=True, max_new_tokens=64, min_new_tokens=0,
+                                 temperature=1.0, top_k=0, pad_token_id=0)
+    assert samples.shape == (20, prompt.shape[1] + 64)  # every row ran to its length
+    _, back = load_any(out)  # and our commands read the exported tokenizer back as the same tokenizer
+    assert type(back) is type(ours) and back.encode(lines[1]) == ours.encode(lines[1])
+    if kind == "char":
+        assert isinstance(back, CharTokenizer) and back.chars == ours.chars
+
+
+def test_a_model_whose_layers_differ_from_its_config_is_refused_before_writing(tmp_path):
+    """8 experts in one layer, 4 in the config: one config.json cannot describe it."""
+    model = build_model(preset("tiny"))
+    model.blocks[1].ffn = MoE(preset("tiny", n_experts=8))
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.ffn\..* is \[8, .*config .*gives it \[4,"):
+        export_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_bias_balancing_exports_with_drop_bias_and_says_what_it_costs(runs, tmp_path, capsys):
+    run = runs["bias"]
+    rc, _, err = run_cli(["export", str(run), str(tmp_path / "refused")], capsys)
+    assert "--drop-bias" in assert_cli_error(rc, err, "export")
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "hf"
+    rc, printed, err = run_cli(["export", str(run), str(out), "--drop-bias"], capsys)
+    assert rc == 0, err
+    found = re.search(r"validation loss (\d+\.\d{4}) with .* (\d+\.\d{4}) without them \(([-+]\d+\.\d{4}) "
+                      r"nats/token over ([\d,]+) validation tokens\)", printed)
+    assert found, printed
+    with_bias, without, change = (float(found[i]) for i in (1, 2, 3))
+    assert change == pytest.approx(without - with_bias, abs=2e-4) and with_bias != without
+    ours, tok, _ = load_run(run)
+    assert any(moe.router.expert_bias.abs().max() > 0 for moe in ours.moe_layers())  # there was a bias to drop
+    for moe in ours.moe_layers():
+        moe.router.expert_bias.zero_()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.tensor([tok.encode("the cat sat on the mat")])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours.eval()(ids), atol=1e-4, rtol=1e-4)
