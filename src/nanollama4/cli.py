@@ -206,8 +206,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_over["max_steps"] = args.max_steps
     if args.max_time is not None:
         train_over["max_time"] = args.max_time
+    if args.init_from is not None:
+        train_over["init_from"] = args.init_from
     if args.resume:
-        refused = [f"--{name}" for name in ("preset", "out", "config") if getattr(args, name) is not None]
+        refused = [f"--{name.replace('_', '-')}" for name in ("preset", "out", "config", "init_from")
+                   if getattr(args, name) is not None]
         refused += [f"--set {key}" for key in sorted(model_over)]
         refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
         if refused:
@@ -225,6 +228,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         file = read_config_file(args.config) if args.config else None
         name, model_cfg, tc = resolve(file, args.preset, model_over, train_over, DEFAULT_PRESET)
+        if tc.init_from is not None:
+            _check_model_of_weights(tc.init_from, args.preset, {**(file.model if file else {}), **model_over})
+            name = "from-" + (Path(tc.init_from).resolve().name or "weights")
         run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.data is None and file is not None and file.data is not None:
             args.data = str((file.path.parent / file.data) if not Path(file.data).is_absolute() else file.data)
@@ -251,6 +257,20 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"plot: {path}")
     print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
     return 0
+
+
+def _check_model_of_weights(source: str, preset_name: str | None, given: dict[str, Any]) -> None:
+    """With --init-from the model is the one the weights are: a preset or model field that says otherwise is
+    refused (a run's own config.toml, which repeats the model's fields, passes)."""
+    from .hf import config_of_any
+
+    cfg = config_of_any(source)
+    differ = [f"{k}={v!r} (it has {getattr(cfg, k)!r})" for k, v in given.items() if getattr(cfg, k) != v]
+    if preset_name is not None:
+        differ.insert(0, f"--preset {preset_name}")
+    if differ:
+        raise ConfigError(f"{', '.join(differ)}: with --init-from the model is the one whose weights it starts from "
+                          f"({source}); leave the model's settings out")
 
 
 def cmd_config(args: argparse.Namespace) -> None:
@@ -464,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop after this long, e.g. 300, 5m, 1.5h (of the whole run)")
     p.add_argument("--resume", metavar="RUN_DIR", type=_path,
                    help="continue the run in RUN_DIR exactly where it stopped")
+    p.add_argument("--init-from", metavar="PATH", type=_path,
+                   help="a new run that starts from the weights (and tokenizer) of a run, a checkpoint or a "
+                        "transformers folder: fine-tuning, with a new optimizer, schedule and data")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -248,6 +248,7 @@ class TrainConfig(_JsonConfig):
     threads: int = 0  # torch CPU threads; 0 = torch's default
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
+    init_from: str | None = None  # start from these weights: a run, a checkpoint or a transformers folder (fine-tune)
     # under torchrun (see distributed/); batch_size and grad_accum are then per rank
     parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
     expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
@@ -307,6 +308,9 @@ class TrainConfig(_JsonConfig):
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), "
                               "'mps' or 'xpu'")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ConfigError(f"init_from ({self.init_from!r}) must be the path of a run, a checkpoint or a "
+                              "transformers folder, or None")
         if self.parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"parallel ({self.parallel!r}) must be 'ddp' or 'fsdp'")
         if not isinstance(self.expert_parallel, int) or isinstance(self.expert_parallel, bool) \

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint import check_shapes, check_vocab, expected_shapes, load_run
+from .checkpoint import check_shapes, check_vocab, expected_shapes, load_run, read_model_config, resolve_checkpoint
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
@@ -320,6 +320,15 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def config_of_any(path: str | Path) -> ModelConfig:
+    """The model config of what `load_any` loads at `path`, read without loading the weights."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if cfg_file.exists() and "model_type" in read_json(cfg_file):
+        return config_from_hf(read_json(cfg_file))
+    return read_model_config(resolve_checkpoint(path, prefer="best"))
 
 
 def load_any(path: str | Path) -> tuple[Transformer, CharTokenizer | BPETokenizer]:

@@ -172,7 +172,7 @@ def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
     optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
     if run.world.main:
         state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
-                 "world_size": run.world.size}
+                 "world_size": run.world.size, "corpus_sha256": run.dataset.header.get("content_sha256")}
         save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
                         _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
         # with each checkpoint, so that a resume that fails before saving leaves the run as it was: every
@@ -212,6 +212,10 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
         distributed.check(world, tc, saved_cfg)
         check_step_fits(saved_cfg, tc, world)
     else:
+        if tc.init_from is not None:  # the model is the one whose weights it starts from
+            from .hf import config_of_any
+
+            model_cfg = config_of_any(tc.init_from)
         if model_cfg is None:
             raise TrainingError("a new run needs a model config")
         check_new_run_dir(run_dir)
@@ -319,6 +323,8 @@ def run_summary(run: Run, world: World) -> str:
     cfg, tc, data = run.model.cfg, run.tc, run.dataset
     counts = param_counts(cfg)
     shape = f"{cfg.n_layers} layers of width {cfg.d_model}"
+    if tc.init_from:
+        shape += f"; weights and tokenizer from {tc.init_from}"
     if cfg.n_experts:
         shape += (f", {cfg.n_experts} experts top-{cfg.experts_per_token}"
                   f"{' + shared' if cfg.shared_expert else ''}")
@@ -556,9 +562,16 @@ def _diverged(what: str, step: int, run_dir: Path, applied: bool = False) -> Tra
 # ---------------------------------------------------------------------------------------------- setting a run up
 def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
               cache_dir: Path | None, world: World = ALONE, device: torch.device | None = None) -> Run:
-    """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer."""
+    """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer; or, with
+    tc.init_from, the weights and tokenizer there (a fine-tune: only the optimizer, schedule and data are new)."""
     _set_threads(tc)
     files = find_corpus_files(data)
+    if tc.init_from is not None:
+        from .hf import load_any
+
+        model, tokenizer = load_any(tc.init_from)  # the same on every rank: they read the same files
+        advice = f"the tokenizer comes with the weights of {tc.init_from}: train on text it can encode"
+        return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model.float(), world, device, advice)
     text = read_corpus(files, tc.invalid_utf8)
     tokenizer = None
     if world.main:
@@ -597,6 +610,12 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
                             "--set muon_experts_per_step, or train a new run")
     tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
+    trained_on = state.get("corpus_sha256")
+    if trained_on is not None and run.dataset.header.get("content_sha256") != trained_on:
+        raise TrainingError(f"{data or 'the default corpus'} is not the text {run_dir} was trained on (--data on "
+                            "--resume names the same text at a new place); to train its weights on new text, start "
+                            f"a new run from them: nanollama4 train --init-from {run_dir} --data NEW_TEXT "
+                            "--out NEW_RUN")
     try:
         load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
                              read_json(ckpt / "optimizer.json"), part=run.parallel.part)
@@ -609,10 +628,11 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
 
 
 def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
-              tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None) -> Run:
+              tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None,
+              advice: str = "resume on the text the run was trained on") -> Run:
     """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
     spread over the ranks, the optimizer."""
-    dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data)
+    dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data, advice)
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = device or pick_device(tc.device)
