@@ -75,10 +75,17 @@ def test_find_files_and_folders(tmp_path, corpus):
     assert find_corpus_files(corpus) == [corpus]
     folder = tmp_path / "books"
     folder.mkdir()
-    for name in ("b.txt", "a.txt", "notes.md"):
+    for name in ("b.txt", "a.txt", "notes.md", ".hidden.txt"):
         (folder / name).write_text(name, encoding="utf-8")
-    assert [f.name for f in find_corpus_files(folder)] == ["a.txt", "b.txt"]
-    assert read_corpus(find_corpus_files(folder)) == "a.txtb.txt"  # concatenated in order
+    # a folder is every file of any extension (Interop II: a folder of .py files trains), hidden ones skipped;
+    # a glob picks some of them
+    assert [f.name for f in find_corpus_files(folder)] == ["a.txt", "b.txt", "notes.md"]
+    assert [f.name for f in find_corpus_files(str(folder / "*.txt"))] == ["a.txt", "b.txt"]
+    (folder / "sub").mkdir()
+    (folder / "sub" / "c.py").write_text("x = 1\n", encoding="utf-8")
+    assert [f.name for f in find_corpus_files(str(folder / "**" / "*.py"))] == ["c.py"]
+    assert [f.name for f in find_corpus_files(folder)][-1] == "c.py"
+    assert read_corpus(find_corpus_files(str(folder / "*.txt"))) == "a.txtb.txt"  # concatenated in order
 
 
 def test_corpus_errors(tmp_path):
@@ -86,9 +93,11 @@ def test_corpus_errors(tmp_path):
         find_corpus_files(tmp_path / "missing_dir")
     empty_folder = tmp_path / "empty"
     empty_folder.mkdir()
-    (empty_folder / "readme.md").write_text("hi", encoding="utf-8")
-    with pytest.raises(DataError, match="has no .txt files"):
+    (empty_folder / ".readme.md").write_text("hi", encoding="utf-8")
+    with pytest.raises(DataError, match="has no files to read"):
         find_corpus_files(empty_folder)
+    with pytest.raises(DataError, match=r"no file matches .*\*\.rst"):
+        find_corpus_files(str(empty_folder / "*.rst"))
     blank = tmp_path / "blank.txt"
     blank.write_text(" \n\t\n", encoding="utf-8")
     with pytest.raises(DataError, match="corpus at .*blank.txt is empty"):

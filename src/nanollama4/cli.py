@@ -386,10 +386,15 @@ def _without_bias(args: argparse.Namespace):
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from .checkpoint import resolve_checkpoint
-    from .evaluation import full_validation_loss_of_run, record_full_validation
+    from .evaluation import record_full_validation, validation_of_run
     from .runs import is_run_dir
 
-    loss, n_tokens, seq_len = full_validation_loss_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
+    run = validation_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
+    loss, n_tokens, seq_len = run.loss(), len(run.tokens), run.window
+    if run.whole_file:  # another text than the run's: all of it, and not kept as the run's validation loss
+        print(f"loss on {args.data}: {loss:.4f} nats/token over all {n_tokens:,} of its tokens (non-overlapping "
+              f"windows of {seq_len}; it is not the text the run was trained on)")
+        return
     print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "
           f"(non-overlapping windows of {seq_len})")
     if is_run_dir(Path(args.run_dir)):  # kept for `compare` (and a sweep's rerun), beside the run's metrics
@@ -475,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=_path, metavar="FILE.toml",
                    help="settings from a config file ([model], [train], data); the command line wins over it")
     p.add_argument("--data", type=_path,
-                   help="a text file or a folder of .txt files (default: Shakespeare's works); with --resume, the "
+                   help="a text file, a folder (every file in it) or a quoted glob ('src/**/*.py') (default: "
+                        "Shakespeare's works); with --resume, the "
                         "run's corpus at a new path")
     p.add_argument("--out", type=_path, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
     budget = p.add_mutually_exclusive_group()
@@ -570,7 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_path)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
-    p.add_argument("--data", type=_path, help="the run's corpus, if it has moved since training (the same text)")
+    p.add_argument("--data", type=_path, help="the run's corpus, if it has moved since training (the same text: "
+                                               "its validation split); or another text, scored whole")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("plot", help="(re)draw a run's loss curves, expert-load heatmap and routing telemetry")
@@ -599,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=list(EXPERIMENTS))
     p.add_argument("--out", type=_path, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
-    p.add_argument("--data", type=_path, help="a text file or folder of .txt files (default: Shakespeare's works)")
+    p.add_argument("--data", type=_path, help="a text file, a folder or a quoted glob (default: Shakespeare's works)")
     add_arm_options(p, "(default 0,1,2)")
     p.set_defaults(func=cmd_experiment)
 

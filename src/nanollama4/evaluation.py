@@ -72,7 +72,8 @@ def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, d
 def full_validation_loss_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,
                                 max_tokens: int | None = None) -> tuple[float, int, int]:
     """(loss, validation tokens, window) for a run: every validation token, in windows of its training length.
-    `data` gives the run's corpus at a new place (the same text); by default the path the run recorded.
+    `data` gives the run's corpus at a new place (the same text; by default the path the run recorded), or
+    another text, all of whose tokens are then scored (`validation_of_run`).
     `max_tokens` scores only the first that many validation tokens (a smoke test's bounded sample)."""
     run = validation_of_run(path, prefer, data, max_tokens)
     return run.loss(), len(run.tokens), run.window
@@ -89,6 +90,7 @@ class RunValidation:
     window: int
     device: torch.device
     bf16: bool
+    whole_file: bool = False  # the tokens are every token of a text the run was not trained on, not its split
 
     def loss(self) -> float:
         return full_validation_loss(self.model, self.tokens, self.window, self.device, self.bf16)
@@ -96,7 +98,8 @@ class RunValidation:
 
 def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,
                       max_tokens: int | None = None) -> RunValidation:
-    """The run's `prefer` checkpoint and its validation tokens (the first `max_tokens` when given)."""
+    """The run's `prefer` checkpoint and its validation tokens (the first `max_tokens` when given). `data`
+    names the run's corpus at a new place, or another text: then every token of it is scored (`whole_file`)."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     tc = saved_train_config(path, tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
@@ -107,9 +110,12 @@ def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path |
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
         device = pick_device("auto")
-    tokens = dataset.val_tokens if max_tokens is None else dataset.val_tokens[:max_tokens]
+    trained_on = state.get("corpus_sha256")  # recorded since Interop II; older runs take --data as their corpus
+    other = data is not None and trained_on is not None and dataset.header.get("content_sha256") != trained_on
+    tokens = dataset.tokens if other else dataset.val_tokens
+    tokens = tokens if max_tokens is None else tokens[:max_tokens]
     return RunValidation(model.to(device), tokenizer, tokens, tc.seq_len or model.cfg.max_seq_len, device,
-                         bool(tc.bf16))
+                         bool(tc.bf16), whole_file=other)
 
 
 EVALUATION_FILE = "evaluation.json"  # in a run directory: its last full validation (`record_full_validation`)

@@ -217,7 +217,8 @@ def token_dataset(files: list[Path], tokenizer: Tokenizer, cache_dir: Path, tc: 
     """A run's corpus through its own tokenizer (cached), or a DataError when the text has characters the
     tokenizer never saw (it is not the text the run was trained on)."""
     try:
-        return TokenDataset.build(files, tokenizer, cache_dir, invalid_utf8=tc.invalid_utf8)
+        return TokenDataset.build(files, tokenizer, cache_dir, val_fraction=tc.val_fraction,
+                                  invalid_utf8=tc.invalid_utf8)
     except UnknownCharacters as e:
         raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: it has "
                         f"{e.listing}; {advice}") from None

@@ -348,7 +348,8 @@ def run_summary(run: Run, world: World) -> str:
         f"run {run.dir}",
         f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token ({shape})",
         f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tc.tokenizer} vocabulary of "
-        f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens",
+        f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens (the last "
+        f"{tc.val_fraction:.0%})",
         f"  steps: {sequences:,} x {tc.seq_len} = {sequences * tc.seq_len:,} tokens each; budget "
         f"{' or '.join(parts)}{at}; validation {when} and at the end",
         f"  {precision}; {optimizer}"])
