@@ -118,6 +118,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("train", "--max-time"): [["--data", "CORPUS", "--out", "OUT", "--max-time", "nan"],
                               ["--data", "CORPUS", "--out", "OUT", "--max-time=-5m"],
                               ["--data", "CORPUS", "--out", "OUT", "--max-time", "10x"]],
+    ("train", "--val-data"): [["--val-data", "MISSING", "--max-steps", "1", "--data", "CORPUS", "--out", "OUT"],
+                              ["--val-data", "CORPUS", "--resume", "RUN", "--max-steps", "9"]],
     ("train", "--init-from"): [["--init-from", "MISSING", "--max-steps", "1", "--out", "OUT"],
                                ["--init-from", "RUN", "--preset", "tiny", "--max-steps", "1", "--out", "OUT"],
                                ["--init-from", "RUN", "--set", "n_experts=8", "--max-steps", "1", "--out", "OUT"],

@@ -52,3 +52,22 @@ def test_eval_of_another_text_scores_all_of_it(tiny_run, tmp_path, capsys):
     assert found, printed
     assert int(found[1].replace(",", "")) == len(held.read_text(encoding="utf-8"))
     assert not (tiny_run / "evaluation.json").exists() or "held_out" not in (tiny_run / "evaluation.json").read_text()
+
+
+def test_val_data_is_the_validation_text_and_all_of_data_trains(corpus, tmp_path, capsys):
+    held = write_corpus(tmp_path / "held.txt", n_lines=60, seed=5)
+    out = tmp_path / "run"
+    rc, printed, err = run_cli(["train", *TINY, "--data", str(corpus), "--val-data", str(held), "--out", str(out),
+                                "--max-steps", "2"], capsys)
+    assert rc == 0, err
+    found = re.search(r"([\d,]+) training and ([\d,]+) validation tokens \(all of (.*held\.txt)\)", printed)
+    assert found, printed
+    assert int(found[1].replace(",", "")) == len(corpus.read_text(encoding="utf-8"))
+    assert int(found[2].replace(",", "")) == len(held.read_text(encoding="utf-8"))
+    rc, printed, err = run_cli(["eval", str(out)], capsys)  # the run's own validation: the held-out text, whole
+    assert rc == 0 and f"over {len(held.read_text(encoding='utf-8')):,} tokens" in printed, err + printed
+    strange = tmp_path / "strange.txt"
+    strange.write_text("ΩΩΩ\n" * 50, encoding="utf-8")
+    rc, _, err = run_cli(["train", *TINY, "--data", str(corpus), "--val-data", str(strange), "--out",
+                          str(tmp_path / "refused"), "--max-steps", "1"], capsys)
+    assert "validation text in the training text's characters" in err and rc == 2

@@ -208,8 +208,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_over["max_time"] = args.max_time
     if args.init_from is not None:
         train_over["init_from"] = args.init_from
+    if args.val_data is not None:  # absolute, so that resume and eval find it from anywhere
+        train_over["val_data"] = str(Path(args.val_data).expanduser().resolve()) if not any(
+            c in args.val_data for c in "*?[") else str(Path.cwd() / args.val_data)
     if args.resume:
-        refused = [f"--{name.replace('_', '-')}" for name in ("preset", "out", "config", "init_from")
+        refused = [f"--{name.replace('_', '-')}" for name in ("preset", "out", "config", "init_from", "val_data")
                    if getattr(args, name) is not None]
         refused += [f"--set {key}" for key in sorted(model_over)]
         refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
@@ -483,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a text file, a folder (every file in it) or a quoted glob ('src/**/*.py') (default: "
                         "Shakespeare's works); with --resume, the "
                         "run's corpus at a new path")
+    p.add_argument("--val-data", type=_path, metavar="PATH",
+                   help="a separate validation text (file, folder or glob); all of --data then trains")
     p.add_argument("--out", type=_path, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps (of the whole run)")

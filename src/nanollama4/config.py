@@ -249,6 +249,7 @@ class TrainConfig(_JsonConfig):
     device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
     val_fraction: float = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
+    val_data: str | None = None  # a separate validation text (file, folder or glob); then all the corpus trains
     init_from: str | None = None  # start from these weights: a run, a checkpoint or a transformers folder (fine-tune)
     # under torchrun (see distributed/); batch_size and grad_accum are then per rank
     parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
@@ -313,6 +314,8 @@ class TrainConfig(_JsonConfig):
                 or not 0 < self.val_fraction <= 0.5:
             raise ConfigError(f"val_fraction ({self.val_fraction!r}) must be a share in (0, 0.5]: the end of the "
                               "corpus kept for validation")
+        if self.val_data is not None and (not isinstance(self.val_data, str) or not self.val_data):
+            raise ConfigError(f"val_data ({self.val_data!r}) must be the path of a text (file, folder or glob) or None")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ConfigError(f"init_from ({self.init_from!r}) must be the path of a run, a checkpoint or a "
                               "transformers folder, or None")

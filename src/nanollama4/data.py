@@ -232,6 +232,13 @@ class TokenDataset:
         ds.from_cache, ds.cache_path = from_cache, bin_path
         return ds
 
+    def with_validation(self, other: TokenDataset) -> TokenDataset:
+        """This corpus, all of it for training, with `other`'s tokens, all of them, for validation."""
+        joined = TokenDataset(self.tokens, val_fraction=0.0, header=self.header)
+        joined.val_tokens, joined.n_val = other.tokens, len(other.tokens)
+        joined.from_cache, joined.cache_path = self.from_cache, self.cache_path
+        return joined
+
     # ------------------------------------------------------------------------------------------ sampling
     def split_tokens(self, split: Split) -> np.ndarray:
         if split == "train":

@@ -103,15 +103,19 @@ def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path |
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     tc = saved_train_config(path, tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    data = corpus_of(path, state, data)
+    given, data = data, corpus_of(path, state, data)
     dataset = token_dataset(find_corpus_files(data), tokenizer, default_cache_dir(), tc, data,
                             advice="pass the text the run was trained on")
     try:
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
         device = pick_device("auto")
+    if tc.val_data is not None and given is None:  # the run's own validation text
+        held = token_dataset(find_corpus_files(tc.val_data), tokenizer, default_cache_dir(), tc, tc.val_data,
+                             advice="pass the validation text the run was trained with")
+        dataset = dataset.with_validation(held)
     trained_on = state.get("corpus_sha256")  # recorded since Interop II; older runs take --data as their corpus
-    other = data is not None and trained_on is not None and dataset.header.get("content_sha256") != trained_on
+    other = given is not None and trained_on is not None and dataset.header.get("content_sha256") != trained_on
     tokens = dataset.tokens if other else dataset.val_tokens
     tokens = tokens if max_tokens is None else tokens[:max_tokens]
     return RunValidation(model.to(device), tokenizer, tokens, tc.seq_len or model.cfg.max_seq_len, device,

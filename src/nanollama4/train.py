@@ -348,8 +348,8 @@ def run_summary(run: Run, world: World) -> str:
         f"run {run.dir}",
         f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token ({shape})",
         f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tc.tokenizer} vocabulary of "
-        f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens (the last "
-        f"{tc.val_fraction:.0%})",
+        f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens "
+        + (f"(all of {tc.val_data})" if tc.val_data else f"(the last {tc.val_fraction:.0%})"),
         f"  steps: {sequences:,} x {tc.seq_len} = {sequences * tc.seq_len:,} tokens each; budget "
         f"{' or '.join(parts)}{at}; validation {when} and at the end",
         f"  {precision}; {optimizer}"])
@@ -634,6 +634,11 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
     """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
     spread over the ranks, the optimizer."""
     dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data, advice)
+    if tc.val_data is not None:  # a validation text of its own: all of the corpus trains
+        held = token_dataset(find_corpus_files(tc.val_data), tokenizer, cache_dir or default_cache_dir(), tc,
+                             tc.val_data, "give a validation text in the training text's characters (or "
+                             "--set tokenizer=bpe, which encodes any text)")
+        dataset = dataset.with_validation(held)
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = device or pick_device(tc.device)
