@@ -3,6 +3,7 @@ as a setting, and `eval RUN --data FILE` scoring the whole of a text the run was
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -71,3 +72,46 @@ def test_val_data_is_the_validation_text_and_all_of_data_trains(corpus, tmp_path
     rc, _, err = run_cli(["train", *TINY, "--data", str(corpus), "--val-data", str(strange), "--out",
                           str(tmp_path / "refused"), "--max-steps", "1"], capsys)
     assert "validation text in the training text's characters" in err and rc == 2
+
+
+BOUND_SCRIPT = """
+import resource, sys
+import torch
+from nanollama4.config import TrainConfig, preset
+from nanollama4.train import train
+torch.set_num_threads(1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+train(preset("tiny"), TrainConfig(seq_len=32, batch_size=4, eval_batches=1, eval_interval=2, max_steps=2,
+      warmup_steps=1), sys.argv[2], data=sys.argv[1], progress=False)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(before, after)
+"""
+
+
+def test_a_corpus_larger_than_a_memory_bound_tokenises_and_trains_within_it(corpus, tmp_path):
+    """A 128 MiB corpus, tokenised and trained on, grows the process's peak memory by at most a quarter of its
+    size more than a 1 MiB corpus does (the same training otherwise): read whole, as before Interop II
+    (~48 bytes per character), it would have taken ~6 GiB more."""
+    import os
+    import subprocess
+    import sys
+
+    line = corpus.read_text(encoding="utf-8")
+
+    def peak_growth(name: str, size: int) -> tuple[int, int]:
+        text = tmp_path / f"{name}.txt"
+        with open(text, "w", encoding="utf-8") as f:
+            while f.tell() < size:
+                f.write(line)
+        env = {**os.environ, "NANOLLAMA4_CACHE": str(tmp_path / name), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-c", BOUND_SCRIPT, str(text), str(tmp_path / f"run-{name}")],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        before, after = map(int, proc.stdout.split()[-2:])
+        header = next((tmp_path / name).glob("tokens-*.json"))
+        assert json.loads(header.read_text())["n_tokens"] == text.stat().st_size  # one id per (ASCII) character
+        return after - before, text.stat().st_size
+
+    small, _ = peak_growth("small", 2**20)
+    big, size = peak_growth("big", 128 * 2**20)
+    assert big - small < size / 4, f"128 MiB grew the peak by {(big - small) / 2**20:.0f} MiB more than 1 MiB did"

@@ -9,17 +9,20 @@ Batches are random windows drawn from a `torch.Generator`, so they are reproduci
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .errors import DataError
 from .files import atomic_write
@@ -79,8 +82,12 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
     return files
 
 
-def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
-    """The files' text, concatenated in order, with line ends normalised to "\\n".
+READ_BYTES = 1 << 20  # bytes read at a time: what streaming the corpus holds in memory, times a small factor
+
+
+def iter_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> Iterator[str]:
+    """The files' text in pieces of about READ_BYTES, in order, with line ends normalised to "\n": the whole
+    corpus never sits in memory. Joined, the pieces are `read_corpus`'s text.
 
     A byte that is not UTF-8 (a Latin-1 file, a binary one) is an error naming the file and its offset,
     because reading it as U+FFFD would quietly train on damaged text; invalid_utf8="replace" accepts that.
@@ -89,21 +96,81 @@ def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
         raise DataError("no corpus files given; pass a text file, a folder or a glob")
     if invalid_utf8 not in ("error", "replace"):
         raise DataError(f"invalid_utf8 ({invalid_utf8!r}) must be 'error' or 'replace'")
-    check_fits_in_memory(files)
-    parts = []
+    errors = "strict" if invalid_utf8 == "error" else "replace"
+    held = ""  # a final "\r" waits for the next piece: it may be half of a "\r\n"
     for f in files:
-        raw = Path(f).read_bytes()
-        try:
-            text = raw.decode("utf-8", errors="strict" if invalid_utf8 == "error" else "replace")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{f} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); convert it "
-                            "to UTF-8, or pass --set invalid_utf8=replace to read such bytes as U+FFFD") from None
-        parts.append(text.replace("\r\n", "\n").replace("\r", "\n"))
-    text = "".join(parts)
+        decoder, offset = codecs.getincrementaldecoder("utf-8")(errors), 0
+        with open(f, "rb") as fh:
+            while True:
+                raw = fh.read(READ_BYTES)
+                pending = len(decoder.getstate()[0])  # bytes of a character cut by the last read
+                try:
+                    text = decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:  # e.object: the pending bytes, then this read's
+                    raise DataError(f"{f} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                                    f"{offset - pending + e.start}); convert it to UTF-8, or pass --set "
+                                    "invalid_utf8=replace to read such bytes as U+FFFD") from None
+                offset += len(raw)
+                text = held + text
+                held = text[-1:] if text.endswith("\r") and raw else ""
+                text = text[:-1] if held else text
+                if text:
+                    yield text.replace("\r\n", "\n").replace("\r", "\n")
+                if not raw:
+                    break
+    if held:
+        yield "\n"
+
+
+def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
+    """The files' text, concatenated in order, with line ends normalised to "\n" (`iter_corpus`, joined): for
+    callers that want it whole, so refused in one line when it could not fit in memory."""
+    check_fits_in_memory(files)
+    text = "".join(iter_corpus(files, invalid_utf8))
     if not text.strip():
         where = files[0] if len(files) == 1 else Path(files[0]).parent
         raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
     return text
+
+
+def corpus_characters(files: Sequence[Path], invalid_utf8: str = "error") -> str:
+    """Every character the corpus uses, once each (a character tokenizer's vocabulary), read piece by piece."""
+    seen: set[str] = set()
+    for piece in iter_corpus(files, invalid_utf8):
+        seen.update(piece)
+    if not "".join(seen).strip():
+        where = files[0] if len(files) == 1 else Path(files[0]).parent
+        raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+    return "".join(sorted(seen))
+
+
+def encodable_pieces(pieces: Iterable[str], limit: int = READ_BYTES) -> Iterator[str]:
+    """The text of `pieces` again, cut only where a line ends and the next begins with a letter or digit: a
+    byte-level BPE encodes the pieces to the ids it gives the whole text (its pre-tokenizer never joins
+    across such a place, and merges stay inside pre-tokens). A piece grows past `limit` only while it
+    has no such place."""
+    buf = ""
+    for piece in pieces:
+        buf += piece
+        if len(buf) < limit:
+            continue
+        cut = _last_cut(buf)
+        if cut > 0:
+            yield buf[:cut]
+            buf = buf[cut:]
+    if buf:
+        yield buf
+
+
+def _last_cut(text: str) -> int:
+    """The index after the last "\n" followed by an alphanumeric character, or 0 where there is none."""
+    i = len(text) - 1
+    while True:
+        i = text.rfind("\n", 0, i)
+        if i < 0:
+            return 0
+        if i + 1 < len(text) and text[i + 1].isalnum():
+            return i + 1
 
 
 def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[Batch]:
@@ -139,6 +206,41 @@ def check_fits_in_memory(files: Sequence[Path]) -> None:
         raise DataError(f"the corpus at {where} is {size / 2**30:.1f} GiB; tokenizing it takes about "
                         f"{BYTES_PER_CHARACTER}x that in memory and this machine has {free / 2**30:.1f} GiB free: "
                         f"pass a corpus under {free / BYTES_PER_CHARACTER / 2**20:,.0f} MiB")
+
+
+def check_disk_for(files: Sequence[Path], dtype: np.dtype, cache_dir: Path) -> None:
+    """Tokenizing writes at most one id per byte of text into the cache: refuse, before reading a byte, a
+    corpus whose ids could not fit on the disk that holds the cache."""
+    size = sum(Path(f).stat().st_size for f in files)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache_dir).free
+    if size * dtype.itemsize > free:
+        where = files[0] if len(files) == 1 else Path(files[0]).parent
+        raise DataError(f"the corpus at {where} is {size / 2**30:.1f} GiB; its token ids take up to "
+                        f"{size * dtype.itemsize / 2**30:.1f} GiB in the cache at {cache_dir} and that disk has "
+                        f"{free / 2**30:.1f} GiB free: set NANOLLAMA4_CACHE to a folder on a larger disk")
+
+
+def _write_ids(files: Sequence[Path], tokenizer: Tokenizer, dtype: np.dtype, path: str,
+               invalid_utf8: str) -> dict[str, Any]:
+    """Tokenize the corpus piece by piece (`encodable_pieces`) into `path` as `dtype` ids, with a progress bar
+    in bytes on a terminal: memory holds one piece's ids, however large the corpus. Returns the count and
+    the sha256 of what was written."""
+    digest, n, top = hashlib.sha256(), 0, np.iinfo(dtype).max
+    total = sum(Path(f).stat().st_size for f in files)
+    with open(path, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None,
+                                      leave=False) as bar:
+        for piece in encodable_pieces(iter_corpus(files, invalid_utf8)):
+            ids = np.asarray(tokenizer.encode(piece), dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() > top):
+                raise DataError(f"token ids outside [0, {top}] for dtype {dtype.name}; the tokenizer's "
+                                "vocab_size does not match its ids")
+            data = ids.astype(dtype).tobytes()
+            out.write(data)
+            digest.update(data)
+            n += ids.size
+            bar.update(len(piece.encode("utf-8")))
+    return {"n_tokens": int(n), "tokens_sha256": digest.hexdigest()}
 
 
 def _read_header(header_path: Path, bin_path: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
@@ -196,9 +298,6 @@ class TokenDataset:
         `read_corpus`.
         """
         files = [Path(f) for f in source] if isinstance(source, (list, tuple)) else find_corpus_files(source)
-        text = read_corpus(files, invalid_utf8)
-        content_sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        fingerprint = tokenizer.fingerprint()
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32)
         cache_dir = Path(cache_dir).expanduser()
         try:
@@ -206,6 +305,16 @@ class TokenDataset:
         except OSError as e:
             raise DataError(f"cannot create the cache folder {cache_dir} ({e.strerror}); "
                             "set NANOLLAMA4_CACHE to a writable folder") from e
+        check_disk_for(files, dtype, cache_dir)  # before a byte is read: a pass over a huge corpus takes long
+        digest, visible = hashlib.sha256(), False
+        for piece in iter_corpus(files, invalid_utf8):  # a first pass: the key, and whether there is text
+            digest.update(piece.encode("utf-8"))
+            visible = visible or bool(piece.strip())
+        if not visible:
+            where = files[0] if len(files) == 1 else Path(files[0]).parent
+            raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+        content_sha = digest.hexdigest()
+        fingerprint = tokenizer.fingerprint()
         stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}"
         bin_path, header_path = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json"
         expected = {"content_sha256": content_sha, "tokenizer": fingerprint, "dtype": dtype.name}
@@ -215,17 +324,12 @@ class TokenDataset:
             header = None  # an entry whose checksum agrees but whose ids the tokenizer never made: rebuilt
         from_cache = header is not None
         if header is None:
-            ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-            if ids.size == 0:
-                raise DataError(f"the tokenizer produced no tokens for the corpus at {files[0].parent}")
-            if ids.min() < 0 or ids.max() > np.iinfo(dtype).max:
-                raise DataError(f"token ids outside [0, {np.iinfo(dtype).max}] for dtype {dtype.name}; "
-                                "the tokenizer's vocab_size does not match its ids")
-            data = ids.astype(dtype).tobytes()
-            header = {**expected, "n_tokens": int(ids.size), "tokens_sha256": hashlib.sha256(data).hexdigest(),
-                      "source": [f.name for f in files]}
+            written: dict[str, Any] = {}
             # the binary first, then the header: a header on disk always describes a complete binary
-            atomic_write(bin_path, lambda p: Path(p).write_bytes(data))
+            atomic_write(bin_path, lambda p: written.update(_write_ids(files, tokenizer, dtype, p, invalid_utf8)))
+            if written["n_tokens"] == 0:
+                raise DataError(f"the tokenizer produced no tokens for the corpus at {files[0].parent}")
+            header = {**expected, **written, "source": [f.name for f in files]}
             atomic_write(header_path, lambda p: Path(p).write_text(json.dumps(header, indent=1), encoding="utf-8"))
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(header["n_tokens"],))
         ds = cls(tokens, val_fraction=val_fraction, header=header)

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -47,7 +48,16 @@ from .checkpoint import (
 )
 from .config import ModelConfig, TrainConfig
 from .configfile import run_config_toml
-from .data import Batch, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from .data import (
+    Batch,
+    TokenDataset,
+    check_disk_for,
+    corpus_characters,
+    default_cache_dir,
+    encodable_pieces,
+    find_corpus_files,
+    iter_corpus,
+)
 from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .evaluation import autocast, evaluate
@@ -573,11 +583,11 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
         model, tokenizer = load_any(tc.init_from)  # the same on every rank: they read the same files
         advice = f"the tokenizer comes with the weights of {tc.init_from}: train on text it can encode"
         return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model.float(), world, device, advice)
-    text = read_corpus(files, tc.invalid_utf8)
+    check_disk_for(files, np.dtype(np.uint16), cache_dir or default_cache_dir())  # before reading it for the vocabulary
     tokenizer = None
-    if world.main:
-        tokenizer = CharTokenizer.from_text(text) if tc.tokenizer == "char" \
-            else BPETokenizer.train(text, tc.bpe_vocab_size)
+    if world.main:  # the corpus read piece by piece: it need not fit in memory
+        tokenizer = CharTokenizer.from_text(corpus_characters(files, tc.invalid_utf8)) if tc.tokenizer == "char" \
+            else BPETokenizer.train(encodable_pieces(iter_corpus(files, tc.invalid_utf8)), tc.bpe_vocab_size)
     if world.distributed:  # every rank encodes with rank 0's tokenizer
         sent = distributed.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
         tokenizer = tokenizer_from_json(sent)
