@@ -261,3 +261,19 @@ def test_exporting_into_a_symlink_says_it_is_a_link_and_writes_nothing(tiny_run,
     line = assert_cli_error(rc, err, "export")
     assert f"{link} is a symlink (to {empty}); export into a new or empty folder that is not a link" in line, line
     assert not any(empty.iterdir()) and link.is_symlink()
+
+
+def test_load_hf_fills_the_model_in_the_dtype_asked(tmp_path):
+    """Interop II: the checkpoint's tensors go into the meta-built model shard by shard in the dtype asked,
+    nothing left on the meta device (the balancing buffers made at zero), logits as the float32 model's."""
+    ours = nanollama4.build_model(nanollama4.preset("tiny")).eval()
+    nanollama4.export_hf(ours, tmp_path / "hf")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for dtype, tol in ((torch.float32, 0.0), (torch.bfloat16, 0.05)):
+        loaded = nanollama4.load_hf(tmp_path / "hf", dtype=dtype).eval()
+        tensors = list(loaded.named_parameters()) + list(loaded.named_buffers())
+        assert not [name for name, t in tensors if t.is_meta]
+        assert {t.dtype for t in loaded.parameters()} == {dtype}
+        assert all(not moe.router.expert_bias.any() for moe in loaded.moe_layers())
+        with torch.no_grad():
+            assert (loaded(ids).float() - ours(ids)).abs().max().item() <= tol

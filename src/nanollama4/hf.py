@@ -200,11 +200,12 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fast: bool = True) -> Transformer:
-    """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors).
+    """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors), its
+    parameters in `dtype` (torch.bfloat16 halves a float32 model's memory).
 
     The shards' headers are checked against config.json first; then the model is built plain on the meta
-    device (no memory, no initialisation), given the checkpoint's tensors, and gets the fast modules
-    (`ops.install`) unless fast=False."""
+    device (no memory, no initialisation), given the checkpoint's tensors shard by shard in `dtype`, and
+    gets the fast modules (`ops.install`) unless fast=False."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass the folder written by save_pretrained")
@@ -226,19 +227,22 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
         found.pop("lm_head.weight", None)
     check_shapes(path, found, {theirs: tuple(ours[name].shape) for theirs, name in wanted.items()},
                  against=f"{path / 'config.json'}")
-    weights = read_hf_weights(path)
-    state = {name: weights[theirs].to(dtype) for theirs, name in wanted.items()}
-    model = model.to_empty(device="cpu").to(dtype)
-    for moe in model.moe_layers():
-        moe.router.expert_bias.zero_()  # ours only (aux-loss-free balancing); the reference has no such bias
-        moe.router.pending_counts.zero_()
-    try:
-        model.load_state_dict(state, strict=False)
-    except RuntimeError as e:
-        detail = str(e).splitlines()[-1].strip()
-        raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
+    # shard by shard, each tensor converted as it comes and given to the meta model as its parameter (assign):
+    # at most the model in `dtype` and one shard as stored, never a second full-size copy
+    for shard in hf_shards(path):
+        state = {wanted[theirs]: t.to(dtype) for name, t in read_safetensors(shard).items()
+                 if (theirs := _weight_name(name)) in wanted}
+        try:
+            model.load_state_dict(state, strict=False, assign=True)
+        except RuntimeError as e:
+            detail = str(e).splitlines()[-1].strip()
+            raise CheckpointError(f"{path}: a tensor has the wrong shape for config.json: {detail}") from None
+        del state
+    for moe in model.moe_layers():  # ours only (aux-loss-free balancing): the reference has no such bias
+        moe.router.expert_bias = torch.zeros(cfg.n_experts)
+        moe.router.pending_counts = torch.zeros(cfg.n_experts)
     if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight  # to_empty gives each module its own copy
+        model.lm_head.weight = model.embed.weight
     return install(model) if fast else model
 
 
