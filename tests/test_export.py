@@ -103,3 +103,17 @@ def test_bias_balancing_exports_with_drop_bias_and_says_what_it_costs(runs, tmp_
     ids = torch.tensor([tok.encode("the cat sat on the mat")])
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours.eval()(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_generate_and_explain_load_a_model_in_bfloat16(runs, tmp_path, capsys):
+    """--dtype bfloat16: a reference folder (or a run) held in half the memory, and the commands still answer."""
+    out = tmp_path / "hf"
+    assert run_cli(["export", str(runs["char"]), str(out)], capsys)[0] == 0
+    for path in (out, runs["char"]):
+        rc, printed, err = run_cli(["generate", str(path), "--dtype", "bfloat16", "--prompt", "the cat",
+                                    "--max-new-tokens", "12", "--greedy"], capsys)
+        assert rc == 0 and len(printed.rstrip("\n")) == len("the cat") + 12, err
+    rc, printed, err = run_cli(["explain", str(out), "--dtype", "bfloat16", "--prompt", "the cat"], capsys)
+    assert rc == 0 and "next token after the prompt" in printed, err
+    model, _ = load_any(out, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -308,8 +308,21 @@ def _model_for_prompt(args: argparse.Namespace):
     from .hf import load_any
     from .tokenizer import replacing_unknown
 
-    model, tokenizer = load_any(args.path)
+    model, tokenizer = load_any(args.path, dtype=_dtype(args))
     return model, tokenizer if args.replace_unknown is None else replacing_unknown(tokenizer, args.replace_unknown)
+
+
+def _dtype(args: argparse.Namespace):
+    """The parameters' dtype a command loads a model in (--dtype)."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's parameters in memory: bfloat16 takes half of float32's (a large reference "
+                        "checkpoint), at bf16's rounding")
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
@@ -339,7 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .serve.server import serve
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
-    model, tokenizer = load_any(args.path)
+    model, tokenizer = load_any(args.path, dtype=_dtype(args))
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
           max_queue=args.max_queue, announce=lambda line: print(line, flush=True),
@@ -527,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail instead of dropping the oldest tokens when the context reaches max_seq_len")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step: 2-30 s to start, then faster for long outputs")
+    add_dtype(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("explain", help="walk a prompt through the model: shapes, attention, routing, next tokens")
@@ -544,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let --html replace an existing file that is not a page explain wrote")
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
+    add_dtype(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
@@ -567,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "included (by default only the server's own page may); repeatable")
     p.add_argument("--threads", type=_batch, help="threads for the model's arithmetic (default: the CPU's cores "
                    "less one, which is left to the HTTP side and the clients)")
+    add_dtype(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")

@@ -335,16 +335,17 @@ def config_of_any(path: str | Path) -> ModelConfig:
     return read_model_config(resolve_checkpoint(path, prefer="best"))
 
 
-def load_any(path: str | Path) -> tuple[Transformer, CharTokenizer | BPETokenizer]:
-    """Model and tokenizer from one of our runs or checkpoint folders, or from a transformers checkpoint
-    directory (told apart by the `model_type` key that only the reference's config.json has)."""
+def load_any(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Transformer, CharTokenizer | BPETokenizer]:
+    """Model (its parameters in `dtype`) and tokenizer from one of our runs or checkpoint folders, or from a
+    transformers checkpoint directory (told apart by the `model_type` key that only the reference's
+    config.json has)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if cfg_file.exists() and "model_type" in read_json(cfg_file):
         if not (path / "tokenizer.json").exists():
             raise CheckpointError(f"{path} has no tokenizer.json; generation needs the checkpoint's tokenizer")
-        model, tokenizer = load_hf(path), load_tokenizer(path / "tokenizer.json")
+        model, tokenizer = load_hf(path, dtype=dtype), load_tokenizer(path / "tokenizer.json")
         check_vocab(tokenizer, model.cfg, path)
         return model, tokenizer
     model, tokenizer, _ = load_run(path)
-    return model, tokenizer
+    return model.to(dtype), tokenizer
