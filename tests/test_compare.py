@@ -331,3 +331,14 @@ def test_the_compare_command_on_two_real_runs(trained, tmp_path, capsys) -> None
         assert p.parent == out and (p.suffix == ".md" or assert_png(p) is not None)
     rc, printed, err = run_cli(["plot", str(trained["moe"])], capsys)
     assert rc == 0 and "routing.png" in printed, err
+
+
+def test_a_folder_compare_did_not_write_is_refused_and_left_alone(runs, tmp_path) -> None:
+    """A user's folder may hold a routing.png of their own: compare neither replaces nor removes it."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "routing.png").write_bytes(b"my own picture")
+    with pytest.raises(ConfigError, match="holds files compare did not write"):
+        compare_runs([runs["dense"], runs["dense-2"]], mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["routing.png"]
+    assert (mine / "routing.png").read_bytes() == b"my own picture"

@@ -406,13 +406,27 @@ def _out_folder(out: str | os.PathLike) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file; compare writes compare.md and its plots into a folder: pass a "
                           "folder's path as the output")
-    if out.parent == out:  # the root folder
-        return out
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise write_failed(out.parent, e) from None
-    return own_folder(out.parent, out.name)
+    if out.parent != out:  # not the root folder
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise write_failed(out.parent, e) from None
+        out = own_folder(out.parent, out.name)
+    if any(out.iterdir()) and not _ours(out):
+        raise ConfigError(f"{out} holds files compare did not write; pass a new or empty folder (or one an earlier "
+                          "compare wrote): compare replaces and removes only its own files")
+    return out
+
+
+MARK = "<!-- written by nanollama4 compare -->"  # compare.md's last line: the folder is one compare wrote
+
+
+def _ours(folder: Path) -> bool:
+    """Whether `folder` holds a compare.md that compare wrote (a regular file ending with MARK)."""
+    md = folder / "compare.md"
+    if md.is_symlink() or not md.is_file() or md.stat().st_size > 2**20:
+        return False
+    return md.read_text(encoding="utf-8", errors="replace").rstrip().endswith(MARK)
 
 
 def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike) -> tuple[str, list[Path]]:
@@ -435,5 +449,5 @@ def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike) -> t
             (folder / name).unlink()
     pictures = "".join(f"\n![{p.stem}]({p.name})\n" for p in written)
     md = folder / "compare.md"
-    atomic_write(md, lambda tmp: Path(tmp).write_text(text + pictures, encoding="utf-8"))
+    atomic_write(md, lambda tmp: Path(tmp).write_text(f"{text}{pictures}\n{MARK}\n", encoding="utf-8"))
     return text, [md, *written]
