@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             name = "from-" + (Path(tc.init_from).resolve().name or "weights")
         run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.data is None and file is not None and file.data is not None:
-            args.data = str((file.path.parent / file.data) if not Path(file.data).is_absolute() else file.data)
+            args.data = file.corpus()
     result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet,
                    summary=True)
     from .distributed import World

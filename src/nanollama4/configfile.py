@@ -59,6 +59,12 @@ class ConfigFile:
     data: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # the top-level keys a caller allowed (a sweep's)
 
+    def corpus(self) -> str | None:
+        """`data` as a path to read: one written relative is relative to the file's folder."""
+        if self.data is None:
+            return None
+        return self.data if Path(self.data).expanduser().is_absolute() else str(self.path.parent / self.data)
+
 
 # ---------------------------------------------------------------------------------------------- the declarations
 def field_help(cls: type) -> dict[str, str]:

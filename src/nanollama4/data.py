@@ -193,12 +193,12 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[B
 
 
 # ---------------------------------------------------------------------------------------------- the cache
-BYTES_PER_CHARACTER = 48  # peak memory per corpus byte: the text, its ids as Python ints, then as int64
+BYTES_PER_CHARACTER = 48  # peak memory per corpus byte read whole: the text, its ids as Python ints, then int64
 
 
 def check_fits_in_memory(files: Sequence[Path]) -> None:
-    """A corpus is read and tokenized whole: refuse one whose tokenizing would not fit in memory, before
-    reading a byte of it (a MemoryError traceback half an hour in helps nobody)."""
+    """For `read_corpus`, which holds a corpus whole (training streams it instead): refuse one that would not
+    fit in memory, before reading a byte of it (a MemoryError traceback half an hour in helps nobody)."""
     size = sum(Path(f).stat().st_size for f in files)
     free = available_memory()
     if free is not None and size * BYTES_PER_CHARACTER > free:

@@ -270,10 +270,7 @@ def train_arms(sweep: Sweep, out: Path, progress: bool = True, tiny: bool = Fals
 
 def data_path(sweep: Sweep) -> str | None:
     """The corpus, a path in the file taken relative to the file."""
-    data = sweep.base.data
-    if data is None:
-        return None
-    return str(sweep.path.parent / data) if not Path(data).expanduser().is_absolute() else data
+    return sweep.base.corpus()
 
 
 def setting_of(sweep: Sweep, tiny: bool = False) -> Any:
