@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_json, read_safetensors, safetensors_shapes, write_cause
+from .lora import ADAPTERS_FILE, load_adapters, save_adapters, split_state
 from .model import Transformer
 from .ops import install
 from .tokenizer import Tokenizer, load_tokenizer
@@ -42,7 +43,8 @@ LINKS = ("last", "best")  # the run's symlinks to its checkpoints
 STEP_NAME = re.compile(r"step-\d{7}")  # a checkpoint folder's name: f"step-{step:07d}"
 TMP_NAME = re.compile(r"\.tmp-step-\d{7}-.+")  # what `_write_checkpoint`'s mkdtemp names
 CHECKPOINT_FILES = frozenset({"model.safetensors", "config.json", "tokenizer.json", "optimizer.safetensors",
-                              "optimizer.json", "train_config.json", "train_state.json"})
+                              "optimizer.json", "train_config.json", "train_state.json",
+                              ADAPTERS_FILE})
 TensorOf = Callable[[torch.nn.Parameter, torch.Tensor], torch.Tensor]  # (parameter, its tensor) -> a tensor
 
 
@@ -125,10 +127,11 @@ def check_shapes(file: Path, found: dict[str, tuple[int, ...]], wanted: dict[str
         raise CheckpointError(f"{file} does not match {against}: {'; '.join(parts)}")
 
 
-def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True) -> Transformer:
+def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True, merged: bool = True) -> Transformer:
     """Our Transformer from a checkpoint folder (config.json + model.safetensors), with the fast modules
     installed (`ops.install`) unless fast=False. The file's shapes are checked against the config before
-    anything is allocated."""
+    anything is allocated. A LoRA run's checkpoint (adapters.safetensors beside the frozen model) gives the
+    model with its adapters merged in, or with `merged=False` attached and training (a resume)."""
     cfg = read_model_config(ckpt)
     check_shapes(ckpt / "model.safetensors", renamed(safetensors_shapes(ckpt / "model.safetensors")),
                  expected_shapes(cfg))
@@ -147,6 +150,8 @@ def load_model(ckpt: Path, dtype: torch.dtype | None = None, fast: bool = True) 
         raise CheckpointError(f"{ckpt / 'model.safetensors'} does not match config.json: {detail}") from None
     if fast:
         install(model)
+    if (ckpt / ADAPTERS_FILE).exists():
+        load_adapters(model, ckpt / ADAPTERS_FILE, merged=merged)
     return model.to(dtype) if dtype is not None else model
 
 
@@ -249,7 +254,10 @@ def _write_checkpoint(run_dir: Path, final: Path, step: int, model: Transformer,
     tmp.chmod(0o755)
     stale = None
     try:
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        base, adapters = split_state(tensors)  # a LoRA run: the frozen model, and its adapters apart
+        save_file(base, tmp / "model.safetensors", metadata={"format": "pt"})
+        if adapters:
+            save_adapters(model, tmp / ADAPTERS_FILE, adapters)
         (tmp / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
         tokenizer_save(tmp / "tokenizer.json")
         save_file(opt_tensors, tmp / "optimizer.safetensors")

@@ -251,6 +251,8 @@ class TrainConfig(_JsonConfig):
     val_fraction: float = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
     val_data: str | None = None  # a separate validation text (file, folder or glob); then all the corpus trains
     init_from: str | None = None  # start from these weights: a run, a checkpoint or a transformers folder (fine-tune)
+    lora_rank: int = 0  # with init_from: train rank-r adapters (attention, feed-forward, experts), the rest frozen
+    lora_alpha: float | None = None  # adapters' scale alpha / lora_rank; None = lora_rank (scale 1)
     # under torchrun (see distributed/); batch_size and grad_accum are then per rank
     parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
     expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
@@ -324,6 +326,22 @@ class TrainConfig(_JsonConfig):
         if not isinstance(self.expert_parallel, int) or isinstance(self.expert_parallel, bool) \
                 or self.expert_parallel < 1:
             raise ConfigError(f"expert_parallel ({self.expert_parallel!r}) must be a positive integer")
+        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise ConfigError(f"lora_rank ({self.lora_rank!r}) must be a whole number >= 0 (0: train every weight)")
+        if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and not
+                                                isinstance(self.lora_alpha, bool) and math.isfinite(self.lora_alpha)
+                                                and self.lora_alpha > 0):
+            raise ConfigError(f"lora_alpha ({self.lora_alpha!r}) must be a positive number or None (= lora_rank)")
+        if self.lora_rank:
+            if self.init_from is None:
+                raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
+                                  "RUN|HF_DIR")
+            if self.optimizer != "adamw":
+                raise ConfigError(f"lora_rank trains with optimizer=adamw, not {self.optimizer!r} (Muon "
+                                  "orthogonalises whole matrices; an adapter is two thin factors)")
+            if self.parallel == "fsdp" or self.expert_parallel > 1:
+                raise ConfigError("lora_rank works in one process or under torchrun with parallel=ddp and "
+                                  "expert_parallel=1: the adapters are small, so every rank holds them whole")
         if not (isinstance(self.dist_timeout, (int, float)) and math.isfinite(self.dist_timeout)
                 and self.dist_timeout > 0):
             raise ConfigError(f"dist_timeout ({self.dist_timeout}) must be a positive, finite number of seconds")

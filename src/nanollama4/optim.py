@@ -161,8 +161,8 @@ def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     costs in proportion to N, the total parameters, which an MoE is meant not to pay for; AdamW's step is
     elementwise. muon_experts_per_step > 0 keeps Muon for them but orthogonalises only that many of each
     layer's experts per step, in turn (`MuonAdamW._in_turn`). The loop sets each group's lr from the
-    schedule every step (`set_lr`)."""
-    named = list(model.named_parameters())
+    schedule every step (`set_lr`). Frozen parameters (LoRA's base) are left out."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if tc.optimizer == "adamw":
         # weight decay on matrices only: decaying norm gains toward 0 would fight the norm
         groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": tc.weight_decay},

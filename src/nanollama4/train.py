@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, lora
 from .checkpoint import (
     check_vocab,
     load_model,
@@ -354,6 +354,9 @@ def run_summary(run: Run, world: World) -> str:
         optimizer = (f"Muon at {tc.muon_lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest")
     else:
         optimizer = f"AdamW at {tc.lr:g}"
+    if tc.lora_rank:
+        optimizer += (f" on rank-{tc.lora_rank} LoRA adapters ({format_count(lora.trainable(run.model))} parameters, "
+                      f"scale {(tc.lora_alpha or tc.lora_rank) / tc.lora_rank:g}); the model itself frozen")
     return "\n".join([
         f"run {run.dir}",
         f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token ({shape})",
@@ -581,8 +584,12 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
         from .hf import load_any
 
         model, tokenizer = load_any(tc.init_from)  # the same on every rank: they read the same files
+        model = model.float()
+        if tc.lora_rank:
+            torch.manual_seed(tc.seed)  # the same adapters on every rank
+            lora.attach(model, tc.lora_rank, tc.lora_alpha)
         advice = f"the tokenizer comes with the weights of {tc.init_from}: train on text it can encode"
-        return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model.float(), world, device, advice)
+        return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device, advice)
     check_disk_for(files, np.dtype(np.uint16), cache_dir or default_cache_dir())  # before reading it for the vocabulary
     tokenizer = None
     if world.main:  # the corpus read piece by piece: it need not fit in memory
@@ -603,11 +610,15 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     ckpt = resolve_checkpoint(run_dir, prefer="last")
     state, rng = load_train_state(ckpt)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-    model = load_model(ckpt)
+    saved = read_json(ckpt / "train_config.json")
+    for key in ("lora_rank", "lora_alpha"):  # the adapters saved are of the run's rank and scale
+        if saved.get(key, TrainConfig.lora_rank if key == "lora_rank" else None) != getattr(tc, key):
+            raise TrainingError(f"{run_dir} was trained with {key}={saved.get(key)}, which a resume keeps: resume "
+                                f"without --set {key}, or start a new run --init-from {run_dir}")
+    model = load_model(ckpt, merged=False)  # a LoRA run's adapters stay apart, training
     check_vocab(tokenizer, model.cfg, ckpt)
     check_budget_ahead(tc, state, run_dir)
     data = corpus_of(run_dir, state, data)
-    saved = read_json(ckpt / "train_config.json")
     if saved.get("optimizer", "adamw") != tc.optimizer:
         raise TrainingError(f"{run_dir} was trained with optimizer={saved.get('optimizer', 'adamw')}, whose state "
                             f"{tc.optimizer} cannot take over; resume without --set optimizer, or train a new run")
