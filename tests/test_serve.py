@@ -26,7 +26,8 @@ import torch
 
 import nanollama4
 from nanollama4.generation import generate
-from nanollama4.serve.api import END_OF_TURN, chat_prompt, create_app
+from nanollama4.serve.api import chat_prompt, create_app
+from nanollama4.serve.chat import END_OF_TURN
 from nanollama4.serve.engine import Engine, Finished, QueueFull, Request, TokenEvent
 from nanollama4.serve.server import bind
 from nanollama4.tokenizer import CharTokenizer

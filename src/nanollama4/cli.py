@@ -349,14 +349,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import torch
 
     from .hf import load_any
+    from .serve.chat import chat_format_of
     from .serve.server import serve
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     model, tokenizer = load_any(args.path, dtype=_dtype(args))
+    chat = chat_format_of(args.path, tokenizer)
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
           max_queue=args.max_queue, announce=lambda line: print(line, flush=True),
-          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context)
+          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context, chat=chat)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

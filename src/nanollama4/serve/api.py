@@ -30,6 +30,7 @@ from starlette.routing import Route
 from ..engine.sampling import Sampling, SamplingError
 from ..errors import TokenizerError
 from ..explain import palette
+from .chat import ChatTemplateError, PlayFormat, TemplateFormat
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 
@@ -37,8 +38,6 @@ BODY_LIMIT = 1 << 20  # bytes of JSON a request may send
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGPROBS = {"completions": 5, "chat": 20}  # alternatives per token, OpenAI's limits
-ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the chat template's speaker names
-END_OF_TURN = "\n\n"  # the chat template ends each message with a blank line; chat replies stop at one
 
 
 class ApiError(Exception):
@@ -170,8 +169,11 @@ class Params:
     trace: bool
 
 
-def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Params:
-    """The fields of a completions (`kind` "completions") or chat ("chat") request body, checked."""
+def parse_request(body: Any, kind: str, engine: Engine, model_name: str,
+                  chat: PlayFormat | TemplateFormat | None = None) -> Params:
+    """The fields of a completions (`kind` "completions") or chat ("chat") request body, checked; chat
+    messages become a prompt in `chat`'s format (default: the play template) and end where it says."""
+    chat = chat or PlayFormat()
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     fields = BODIES[kind].model_fields
@@ -216,10 +218,10 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
     else:
         if not req.messages:
             raise _bad("messages", _RULES["messages"], body.get("messages"))
-        text = chat_prompt([m.model_dump(exclude_none=True) for m in req.messages])
+        text = chat_prompt([m.model_dump(exclude_none=True) for m in req.messages], chat)
         prompts = [_encode(text, engine, "messages")]
         texts = [text]
-        stop = [*stop, END_OF_TURN]
+        stop = [*stop, *chat.stop]
         top = req.top_logprobs
         if top is not None and not 0 <= top <= MAX_LOGPROBS[kind]:
             raise _bad("top_logprobs", f"must be an integer from 0 to {MAX_LOGPROBS[kind]} (or null)", top)
@@ -252,7 +254,7 @@ def parse_request(body: Any, kind: str, engine: Engine, model_name: str) -> Para
     try:
         sampling = Sampling(temperature=1.0 if req.temperature is None else req.temperature, top_p=req.top_p,
                             top_k=None if req.top_k == -1 else req.top_k, min_p=req.min_p, seed=req.seed,
-                            stop=tuple(stop))
+                            stop=tuple(stop), stop_ids=chat.stop_ids if kind == "chat" else ())
     except SamplingError as e:
         raise ApiError(400, str(e), param=e.field) from None
     return Params(prompts, texts, max_tokens, sampling, stream, include_usage, logprobs, echo, trace)
@@ -291,21 +293,13 @@ def _encode(text: str, engine: Engine, param: str) -> list[int]:
     return ids
 
 
-def chat_prompt(messages: Any) -> str:
-    """The chat template: a system message as it is, each other message under its speaker's name (as the
-    plays of the default corpus name their speakers), a blank line after each, and the assistant's name
-    to end. A base model continues this text as it would a play; the reply ends at its first blank line:
-
-        You are terse.
-
-        USER.
-        What light through yonder window breaks?
-
-        ASSISTANT.
-    """
+def chat_prompt(messages: Any, chat: PlayFormat | TemplateFormat | None = None) -> str:
+    """The prompt for chat `messages` (checked: roles system, developer, user, assistant; text content, or
+    text parts joined), in `chat`'s format: the play template (`chat.PlayFormat`) unless the served
+    checkpoint brought its own (`chat.TemplateFormat`)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "must be a non-empty list of {role, content} objects", messages)
-    parts = []
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
             raise _bad(f"messages[{i}]", "must be an object with role and content", m)
@@ -319,13 +313,13 @@ def chat_prompt(messages: Any) -> str:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", "must be a string", content)
-        if role in ("system", "developer"):
-            parts.append(f"{content}{END_OF_TURN}")
-        elif role in ROLE_NAMES:
-            parts.append(f"{ROLE_NAMES[role]}.\n{content}{END_OF_TURN}")
-        else:
+        if role not in ("system", "developer", "user", "assistant"):
             raise _bad(f"messages[{i}].role", "must be system, developer, user or assistant", role)
-    return "".join(parts) + f"{ROLE_NAMES['assistant']}.\n"
+        checked.append({"role": role, "content": content, **({"name": m["name"]} if m.get("name") else {})})
+    try:
+        return (chat or PlayFormat()).render(checked)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), param="messages") from None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -383,9 +377,10 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = ()
-               ) -> Starlette:
-    """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /.
+def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = (),
+               chat: PlayFormat | TemplateFormat | None = None) -> Starlette:
+    """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /. Chat
+    messages are put in `chat`'s format (`chat.chat_format_of`; default the play template).
 
     Requests pass `guard.Guard` first: a Host that `hosts` allows (default: a server bound to 127.0.0.1),
     an Origin that is the server's own or in `origins`, and JSON bodies declared as such."""
@@ -418,7 +413,7 @@ def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, o
         async def handle(http: HttpRequest) -> Response:
             try:
                 body = await _read_json(http)
-                params = parse_request(body, kind, engine, model_name)
+                params = parse_request(body, kind, engine, model_name, chat)
                 session = Session(engine, params)
                 session.submit()
             except ApiError as e:

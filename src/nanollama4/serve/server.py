@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from ..errors import ConfigError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
+from .chat import PlayFormat, TemplateFormat
 from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, check_origin, guarded_protocol
 
 GRACE = 30  # seconds in-flight requests get to finish after SIGTERM
@@ -52,7 +53,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
           max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print,
           allowed_hosts: Iterable[str] = (), allow_origins: Iterable[str] = (),
           request_timeout: float = REQUEST_TIMEOUT, max_connections: int | None = None,
-          max_context: int | None = None) -> None:
+          max_context: int | None = None, chat: PlayFormat | TemplateFormat | None = None) -> None:
     """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens.
 
     Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`
@@ -60,7 +61,8 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     each request must arrive whole within `request_timeout` s, and at most `max_connections` are open
     (default: 512, or fewer when the process may open fewer files). `max_context` bounds prompt + answer, at
     most the model's max_seq_len (the engine would cut a larger one down without a word, so it is refused),
-    and with it the KV cache allocated up front (refused in one line if it cannot fit)."""
+    and with it the KV cache allocated up front (refused in one line if it cannot fit). Chat messages take
+    `chat`'s format (`chat.chat_format_of`: a checkpoint's own template; default the play template)."""
     try:
         import uvicorn
 
@@ -83,7 +85,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         max_connections = MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS, soft - 64))
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, max_context=max_context).start()
-    app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins)
+    app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins, chat)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
                             access_log=False, http=guarded_protocol(request_timeout, max_connections))
     class Server(uvicorn.Server):
@@ -104,6 +106,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     previous = {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         announce(f"serving {name!r} at {address} (page: {address}/, API: {address}/v1); Ctrl-C or SIGTERM stops")
+        announce((chat or PlayFormat()).describe())
         server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():

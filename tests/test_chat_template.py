@@ -1,0 +1,116 @@
+"""Serving a transformers folder that brings its own chat template (as real Llama 4 checkpoints do): the
+prompt is the template rendered as transformers' apply_chat_template renders it, token for token, and a
+chat reply ends at the checkpoint's end-of-turn id. Our runs keep the play template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanollama4
+from nanollama4.errors import CheckpointError
+from nanollama4.hf import export_hf, load_any
+from nanollama4.serve.chat import PlayFormat, TemplateFormat, chat_format_of
+from nanollama4.tokenizer import BPETokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>"]
+# A template in Llama 4's format (written for this test): BOS, a header per message, <|eot|> after each,
+# the assistant's header to answer under; and a refusal through raise_exception.
+TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- if messages[0]['role'] == 'assistant' %}\n"
+    "    {{- raise_exception('a conversation starts with a system or user message') }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' }}\n"
+    "    {{- message['content'] | trim }}\n"
+    "    {{- '<|eot|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|header_start|>assistant<|header_end|>\\n\\n' }}\n"
+    "{%- endif %}\n")
+MESSAGES = [{"role": "system", "content": "You answer in verse. "},
+            {"role": "user", "content": "What light through yonder window breaks?"},
+            {"role": "assistant", "content": "It is the east."},
+            {"role": "user", "content": "And Juliet?"}]
+
+
+def checkpoint(folder: Path, end_on_eot: bool = False) -> Path:
+    """A transformers folder: a tiny model, a BPE tokenizer with Llama 4's special tokens, the template in
+    tokenizer_config.json, end ids in generation_config.json. `end_on_eot`: every next token is <|eot|>."""
+    text = "What light through yonder window breaks? It is the east, and Juliet is the sun.\n" * 40
+    tok = BPETokenizer.train(text, 300)
+    tok.tokenizer.add_special_tokens(SPECIAL)
+    torch.manual_seed(0)
+    model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=tok.vocab_size, max_seq_len=128)).eval()
+    eot, end = tok.tokenizer.token_to_id("<|eot|>"), tok.tokenizer.token_to_id("<|end_of_text|>")
+    if end_on_eot:  # blocks write nothing, every embedding points along dimension 0, and only <|eot|> reads it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+            model.embed.weight[:, 0] = 1.0
+            model.norm.weight.fill_(1.0)
+            model.lm_head.weight[eot, 0] = 10.0
+    export_hf(model, folder, tok.save_hf, bos_token_id=tok.tokenizer.token_to_id("<|begin_of_text|>"),
+              eos_token_id=[end, eot])
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE,
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"}))
+    return folder
+
+
+def test_the_prompt_is_transformers_rendering_token_for_token(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = checkpoint(tmp_path / "hf")
+    model, tokenizer = load_any(folder)
+    chat = chat_format_of(folder, tokenizer)
+    assert isinstance(chat, TemplateFormat)
+    ids = [tokenizer.tokenizer.token_to_id(t) for t in ("<|end_of_text|>", "<|eot|>")]
+    assert list(chat.stop_ids) == ids
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    want = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ours = tokenizer.encode(chat.render(MESSAGES))
+    assert ours == list(want)
+    assert ours[0] == tokenizer.tokenizer.token_to_id("<|begin_of_text|>")  # one BOS, as a special token
+
+
+def test_a_served_chat_uses_the_template_and_ends_at_the_end_of_turn_id(tmp_path):
+    openai = pytest.importorskip("openai")
+    from nanollama4.serve.api import chat_prompt
+    from nanollama4.serve.engine import Engine
+    from tests.test_serve import running
+
+    folder = checkpoint(tmp_path / "hf", end_on_eot=True)
+    model, tokenizer = load_any(folder)
+    chat = chat_format_of(folder, tokenizer)
+    engine = Engine(model, tokenizer, max_batch=2, max_queue=2).start()
+    try:
+        with running(engine, "llama4-like", {"chat": chat}) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            r = client.chat.completions.create(model="llama4-like", messages=MESSAGES, max_tokens=20, temperature=0)
+            assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+            assert r.usage.prompt_tokens == len(tokenizer.encode(chat_prompt(MESSAGES, chat)))
+            # a completion is not a turn: the same model writes <|eot|> as text until its length runs out
+            c = client.completions.create(model="llama4-like", prompt="It is", max_tokens=3, temperature=0)
+            assert c.choices[0].finish_reason == "length" and c.choices[0].text == "<|eot|>" * 3
+            with pytest.raises(openai.BadRequestError, match="a conversation starts with a system or user"):
+                client.chat.completions.create(model="llama4-like", messages=[{"role": "assistant", "content": "Hi"}])
+    finally:
+        engine.close(cancel=True, timeout=30)
+
+
+def test_our_runs_and_folders_without_a_template_keep_the_play_template(tiny_run, tmp_path, capsys):
+    from tests.helpers import run_cli
+
+    _, tokenizer = load_any(tiny_run)
+    assert isinstance(chat_format_of(tiny_run, tokenizer), PlayFormat)
+    assert run_cli(["export", str(tiny_run), str(tmp_path / "hf")], capsys)[0] == 0
+    assert isinstance(chat_format_of(tmp_path / "hf", tokenizer), PlayFormat)
+    (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    with pytest.raises(CheckpointError, match="chat_template.jinja: the chat template is not valid Jinja"):
+        chat_format_of(tmp_path / "hf", tokenizer)
