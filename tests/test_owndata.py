@@ -115,3 +115,28 @@ def test_a_corpus_larger_than_a_memory_bound_tokenises_and_trains_within_it(corp
     small, _ = peak_growth("small", 2**20)
     big, size = peak_growth("big", 128 * 2**20)
     assert big - small < size / 4, f"128 MiB grew the peak by {(big - small) / 2**20:.0f} MiB more than 1 MiB did"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_the_corpus_encodes_in_pieces_to_the_ids_of_the_whole_text(kind, monkeypatch):
+    """Pieces cut only where a BPE cannot tell (a lone line end between a visible character and a letter or
+    digit), encoded in batches, give the whole text's ids; blank lines, trailing spaces and runs of newlines
+    (which a byte-level pre-tokenizer splits differently at the end of a text) never end a piece."""
+    import random
+
+    from nanollama4 import data
+    from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+
+    rng = random.Random(5)
+    endings = ["\n", "\n\n", "\n\n\n", " \n", "\t\n", ".\n", "\n \n"]
+    text = "".join(rng.choice(["To be", "or not", "42 ways", "x", "Ay me", "¿qué?"]) + rng.choice(endings)
+                   for _ in range(4000))
+    tokenizer = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
+    monkeypatch.setattr(data, "ENCODE_PIECE", 64)
+    monkeypatch.setattr(data, "ENCODE_GROUP", 5)
+    monkeypatch.setattr(data, "READ_BYTES", 64)
+    read = [text[i:i + 97] for i in range(0, len(text), 97)]  # as iter_corpus hands the text over
+    pieces = list(data.encoded_pieces(read, tokenizer))
+    assert "".join(p for p, _ in pieces) == text and len(pieces) > 20
+    assert [i for _, ids in pieces for i in ids] == tokenizer.encode(text)
+    assert all(len(p) >= 64 and p.endswith("\n") and not p[-2].isspace() for p, _ in pieces[:-1])

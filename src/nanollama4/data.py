@@ -145,32 +145,60 @@ def corpus_characters(files: Sequence[Path], invalid_utf8: str = "error") -> str
 
 
 def encodable_pieces(pieces: Iterable[str], limit: int = READ_BYTES) -> Iterator[str]:
-    """The text of `pieces` again, cut only where a line ends and the next begins with a letter or digit: a
-    byte-level BPE encodes the pieces to the ids it gives the whole text (its pre-tokenizer never joins
-    across such a place, and merges stay inside pre-tokens). A piece grows past `limit` only while it
-    has no such place."""
+    """The text of `pieces` again, in pieces of at least `limit` characters (the last may be shorter), each
+    cut at the first place past `limit` where a line that ends in a visible character is followed by one that
+    begins with a letter or digit: a byte-level BPE encodes the pieces to the ids it gives the whole text
+    (its pre-tokenizer makes that lone "\n" a pre-token of its own either way, and merges stay inside
+    pre-tokens; after a blank line it would not, as a run of newlines splits differently at the end of a
+    text). A piece grows past `limit` only until such a place comes."""
     buf = ""
     for piece in pieces:
         buf += piece
-        if len(buf) < limit:
-            continue
-        cut = _last_cut(buf)
-        if cut > 0:
-            yield buf[:cut]
-            buf = buf[cut:]
+        start = 0
+        while len(buf) - start >= limit:
+            cut = _cut_from(buf, start + limit)
+            if cut < 0:
+                break
+            yield buf[start:cut]
+            start = cut
+        buf = buf[start:]
     if buf:
         yield buf
 
 
-def _last_cut(text: str) -> int:
-    """The index after the last "\n" followed by an alphanumeric character, or 0 where there is none."""
-    i = len(text) - 1
+def _cut_from(text: str, i: int) -> int:
+    """The index after the first "\n" at or after i - 1 that a non-space character precedes and an alphanumeric
+    one follows; -1 if none."""
+    j = i - 2
     while True:
-        i = text.rfind("\n", 0, i)
-        if i < 0:
-            return 0
-        if i + 1 < len(text) and text[i + 1].isalnum():
-            return i + 1
+        j = text.find("\n", j + 1)
+        if j < 0 or j + 1 >= len(text):
+            return -1
+        if text[j + 1].isalnum() and j > 0 and not text[j - 1].isspace():
+            return j + 1
+
+
+ENCODE_PIECE = 1 << 14  # characters per piece handed to a batched encoder: small pieces encode faster
+ENCODE_GROUP = 64  # pieces per batched call: the tokenizers library encodes them on every core
+
+
+def encoded_pieces(pieces: Iterable[str], tokenizer: Tokenizer) -> Iterator[tuple[str, list[int]]]:
+    """(piece, its ids) for the corpus text `pieces`, in order. A tokenizer with `encode_batch` (BPE) gets
+    ENCODE_GROUP pieces of about ENCODE_PIECE characters per call, which its library spreads over the cores;
+    the others (char: one vectorised lookup) a piece of about READ_BYTES at a time."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    if batch is None:
+        for piece in encodable_pieces(pieces, READ_BYTES):
+            yield piece, tokenizer.encode(piece)
+        return
+    group: list[str] = []
+    for piece in encodable_pieces(pieces, ENCODE_PIECE):
+        group.append(piece)
+        if len(group) == ENCODE_GROUP:
+            yield from zip(group, batch(group), strict=True)
+            group = []
+    if group:
+        yield from zip(group, batch(group), strict=True)
 
 
 def windows(tokens: np.ndarray, seq_len: int, batch_size: int = 1) -> Iterator[Batch]:
@@ -223,15 +251,15 @@ def check_disk_for(files: Sequence[Path], dtype: np.dtype, cache_dir: Path) -> N
 
 def _write_ids(files: Sequence[Path], tokenizer: Tokenizer, dtype: np.dtype, path: str,
                invalid_utf8: str) -> dict[str, Any]:
-    """Tokenize the corpus piece by piece (`encodable_pieces`) into `path` as `dtype` ids, with a progress bar
+    """Tokenize the corpus piece by piece (`encoded_pieces`) into `path` as `dtype` ids, with a progress bar
     in bytes on a terminal: memory holds one piece's ids, however large the corpus. Returns the count and
     the sha256 of what was written."""
     digest, n, top = hashlib.sha256(), 0, np.iinfo(dtype).max
     total = sum(Path(f).stat().st_size for f in files)
     with open(path, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None,
                                       leave=False) as bar:
-        for piece in encodable_pieces(iter_corpus(files, invalid_utf8)):
-            ids = np.asarray(tokenizer.encode(piece), dtype=np.int64)
+        for piece, encoded in encoded_pieces(iter_corpus(files, invalid_utf8), tokenizer):
+            ids = np.asarray(encoded, dtype=np.int64)
             if ids.size and (ids.min() < 0 or ids.max() > top):
                 raise DataError(f"token ids outside [0, {top}] for dtype {dtype.name}; the tokenizer's "
                                 "vocab_size does not match its ids")
