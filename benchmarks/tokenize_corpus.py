@@ -3,11 +3,11 @@
     python benchmarks/tokenize_corpus.py --size 2G          # generates the corpus once into runs/bench-corpus/
 
 Generates a corpus of the given size (Shakespeare's lines, shuffled into new text, so that a BPE does not
-see one file repeated), then, each in a fresh process (so that the peak is its own): builds the
-vocabulary (the char tokenizer's characters, or a byte-level BPE of 2,048 tokens) and tokenises the corpus
-into an empty cache through `TokenDataset.build`, as `nanollama4 train` does. Prints a table: the
-tokenizer, the corpus size, tokens, seconds for the vocabulary and for tokenising, MB/s, and the peak
-resident memory of the process over the same process's peak before it read the corpus.
+see one file repeated), then, per tokenizer and each phase in a fresh process (so that each peak is its
+own): builds the vocabulary (the char tokenizer's characters, or a byte-level BPE of 2,048 tokens, as
+`nanollama4 train` does), then tokenises the corpus into an empty cache through `TokenDataset.build`.
+Prints a table: the tokenizer, the corpus size, tokens, seconds and peak memory growth of each phase
+(the process's peak resident memory over its own peak before the phase), and tokenising MB/s.
 """
 
 from __future__ import annotations
@@ -21,22 +21,41 @@ import sys
 import tempfile
 from pathlib import Path
 
-ONE = r"""
+VOCABULARY = r"""
 import json, resource, sys, time
-from nanollama4.data import TokenDataset, corpus_characters, encodable_pieces, find_corpus_files, iter_corpus
+from nanollama4.data import corpus_characters, find_corpus_files, vocabulary_pieces
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
-kind, corpus, cache = sys.argv[1:4]
+kind, corpus, saved = sys.argv[1:4]
 files = find_corpus_files(corpus)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 t0 = time.perf_counter()
 tok = CharTokenizer.from_text(corpus_characters(files)) if kind == "char" else \
-    BPETokenizer.train(encodable_pieces(iter_corpus(files)), 2048)
-t1 = time.perf_counter()
-ds = TokenDataset.build(files, tok, cache)
-t2 = time.perf_counter()
+    BPETokenizer.train(vocabulary_pieces(files), 2048)
+seconds = time.perf_counter() - t0
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"tokens": len(ds.tokens), "vocab_s": t1 - t0, "tokenise_s": t2 - t1, "grew": after - before}))
+tok.save(saved)
+print(json.dumps({"s": seconds, "grew": after - before}))
 """
+
+TOKENISE = r"""
+import json, resource, sys, time
+from nanollama4.data import TokenDataset, find_corpus_files
+from nanollama4.tokenizer import load_tokenizer
+corpus, saved, cache = sys.argv[1:4]
+files, tok = find_corpus_files(corpus), load_tokenizer(saved)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+t0 = time.perf_counter()
+ds = TokenDataset.build(files, tok, cache)
+seconds = time.perf_counter() - t0
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"tokens": len(ds.tokens), "s": seconds, "grew": after - before}))
+"""
+
+
+def _run(script: str, *args: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, *args], check=True, text=True, capture_output=True,
+                         env={**os.environ, "TQDM_DISABLE": "1"}).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def generate(path: Path, size: int) -> None:
@@ -65,15 +84,17 @@ def main() -> None:
         print(f"generating {corpus} ({size / 2**30:.2f} GiB)", flush=True)
         generate(corpus, size)
     mb = corpus.stat().st_size / 1e6
-    print("| tokenizer | corpus | tokens | vocabulary (s) | tokenising (s) | MB/s | peak memory growth |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| tokenizer | corpus | tokens | vocabulary: s | vocabulary: memory growth | tokenising: s | MB/s | "
+          "tokenising: memory growth |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind in args.kinds.split(","):
         with tempfile.TemporaryDirectory(dir=folder) as cache:
-            out = subprocess.run([sys.executable, "-c", ONE, kind, str(corpus), cache], check=True, text=True,
-                                 capture_output=True, env={**os.environ, "TQDM_DISABLE": "1"}).stdout
-        r = json.loads(out.splitlines()[-1])
-        print(f"| {kind} | {mb:,.0f} MB | {r['tokens']:,} | {r['vocab_s']:.0f} | {r['tokenise_s']:.0f} | "
-              f"{mb / r['tokenise_s']:.1f} | {r['grew'] / 2**20:,.0f} MiB |", flush=True)
+            saved = str(Path(cache) / "tokenizer.json")
+            vocab = _run(VOCABULARY, kind, str(corpus), saved)
+            tokenise = _run(TOKENISE, str(corpus), saved, cache)
+        print(f"| {kind} | {mb:,.0f} MB | {tokenise['tokens']:,} | {vocab['s']:.0f} | "
+              f"{vocab['grew'] / 2**20:,.0f} MiB | {tokenise['s']:.0f} | {mb / tokenise['s']:.1f} | "
+              f"{tokenise['grew'] / 2**20:,.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

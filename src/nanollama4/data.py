@@ -182,6 +182,13 @@ ENCODE_PIECE = 1 << 14  # characters per piece handed to a batched encoder: smal
 ENCODE_GROUP = 64  # pieces per batched call: the tokenizers library encodes them on every core
 
 
+def vocabulary_pieces(files: Sequence[Path], invalid_utf8: str = "error") -> Iterator[str]:
+    """The corpus for training a BPE vocabulary, in pieces of about ENCODE_PIECE characters: the tokenizers
+    library's trainer holds several pieces' words at once while it counts them, so its memory follows the
+    piece size (benchmarks/RESULTS.md, "Tokenising a large corpus"), not the corpus size."""
+    return encodable_pieces(iter_corpus(files, invalid_utf8), ENCODE_PIECE)
+
+
 def encoded_pieces(pieces: Iterable[str], tokenizer: Tokenizer) -> Iterator[tuple[str, list[int]]]:
     """(piece, its ids) for the corpus text `pieces`, in order. A tokenizer with `encode_batch` (BPE) gets
     ENCODE_GROUP pieces of about ENCODE_PIECE characters per call, which its library spreads over the cores;

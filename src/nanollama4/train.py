@@ -54,9 +54,8 @@ from .data import (
     check_disk_for,
     corpus_characters,
     default_cache_dir,
-    encodable_pieces,
     find_corpus_files,
-    iter_corpus,
+    vocabulary_pieces,
 )
 from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
@@ -594,7 +593,7 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
     tokenizer = None
     if world.main:  # the corpus read piece by piece: it need not fit in memory
         tokenizer = CharTokenizer.from_text(corpus_characters(files, tc.invalid_utf8)) if tc.tokenizer == "char" \
-            else BPETokenizer.train(encodable_pieces(iter_corpus(files, tc.invalid_utf8)), tc.bpe_vocab_size)
+            else BPETokenizer.train(vocabulary_pieces(files, tc.invalid_utf8), tc.bpe_vocab_size)
     if world.distributed:  # every rank encodes with rank 0's tokenizer
         sent = distributed.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
         tokenizer = tokenizer_from_json(sent)
