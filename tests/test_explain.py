@@ -381,6 +381,8 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     assert dom.count('class="slot own"') == kinds.count("own")
     assert dom.count('class="slot rerouted"') == kinds.count("rerouted")
     assert dom.count('class="slot dropped"') == kinds.count("dropped")
+    own = re.findall(r'class="slot own"[^>]*>([^<]*)<', dom)  # one notation for a slot, as the terminal writes it
+    assert len(own) == kinds.count("own") and all(re.fullmatch(r"expert \d+ \(\d\.\d\d\)", s) for s in own)
     assert dom.count('class="chunk"') == 2 * ((24 - 1) // cfg.attention_chunk_size)  # layer 0: chunks of 8
     assert dom.count('<span style="background') >= cfg.n_experts  # the legend
     capped = [lay for lay in t.layers if lay.capacity is not None]  # each load chart's capacity line
@@ -546,3 +548,29 @@ def test_the_page_gets_values_as_computed_and_rounds_them_once_where_shown():
     moe = next(layer for layer in t.layers if layer.experts is not None)
     assert data["layers"][moe.index]["weights"] == moe.weights
     assert any(len(repr(w)) > 7 for row in moe.weights for w in row)  # more digits than any display shows
+
+
+def test_piped_explain_never_wraps_a_line_and_counts_in_the_right_number(tiny_run):
+    """Piped (no terminal), rich would cut every line at 80 columns: the --mode train header lost its "no",
+    routes broke mid-slot. Now each line is whole, and a count of one is singular."""
+    import sys
+
+    long_prompt = "the cat sat on the mat and looked at the dog who did not look."
+    out = subprocess.run([sys.executable, "-m", "nanollama4", "explain", str(tiny_run), "--prompt", long_prompt,
+                          "--mode", "train", "--seed", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("pass: train mode") and lines[0].endswith(")")  # the header whole
+    through = [x for x in lines if "through the block" in x]
+    assert through and all(re.search(r"\|x\| [\d.]+ -> .* = [\d.]+$", x) for x in through)
+    routes = [x.split(" → ", 1)[1].split("   [")[0] for x in lines if " → " in x]
+    slot = r"expert \d+ \(\d\.\d\d(, rerouted from expert \d+: full)?\)|dropped \(no expert had room\)"
+    assert routes and all(re.fullmatch(rf"({slot})(, ({slot}))*", r) for r in routes)
+    assert max(map(len, lines)) > 80  # long lines exist, and stayed long
+
+
+def test_plural_counts():
+    from nanollama4.explain.terminal import plural, slot_text
+
+    assert (plural(1, "slot"), plural(0, "slot"), plural(2, "slot")) == ("1 slot", "0 slots", "2 slots")
+    assert slot_text(2, 0.555) == "expert 2 (0.56)"

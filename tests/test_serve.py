@@ -420,7 +420,8 @@ def test_the_page_streams_tokens_and_shows_a_clicked_tokens_route(served, tmp_pa
         assert routes.nth(0).locator(".slot").count() == served.offline.cfg.experts_per_token
         token_routes = page.evaluate(f"window.nanollama4.tokens[{len(prompt) + 2}].routes")
         shown = routes.nth(0).inner_text()
-        assert all(f"expert {e}" in shown for e in token_routes[0]["experts"])
+        assert all(f"expert {e} ({w:.2f})" in shown  # the terminal's notation for a slot
+                   for e, w in zip(token_routes[0]["experts"], token_routes[0]["weights"], strict=True))
         assert page.locator("#odds .bar").count() == 8 and page.locator("#attention .attn").count() == 4
         assert page.locator("#odds .chosen").first.inner_text().strip("\u201c\u201d") == want[3]
         page.screenshot(path=str(tmp_path / "page.png"))

@@ -1,7 +1,13 @@
-"""The terminal view of a trace: rich tables, in the order the pass ran."""
+"""The terminal view of a trace: rich tables, in the order the pass ran.
+
+A routed slot reads "expert 2 (0.56)" here, on both pages and in the docs (`slot_text`): the expert, then
+the router weight it got; a rerouted one adds where it came from inside the brackets, "expert 3 (0.30,
+rerouted from expert 5: full)".
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from .tracing import GenerationStep, LayerTrace, Trace, describe_attention
@@ -10,14 +16,33 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
+def slot_text(expert: int, weight: float) -> str:
+    """One routed slot, as every view writes it: "expert 2 (0.56)"."""
+    return f"expert {expert} ({weight:.2f})"
+
+
+def plural(n: int, word: str) -> str:
+    """"1 slot", "2 slots"."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def terminal_console() -> Console:
+    """A rich Console as wide as the terminal; piped or redirected, one that never wraps a line (rich would
+    otherwise cut every line at 80 columns, mid-sentence and mid-route)."""
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=100_000, soft_wrap=True)
+
+
 def show(t: Trace, console: Console | None = None, modules: bool = False) -> None:
     """Print a trace with rich tables, in the order the pass ran: tokens, embedding, each layer, next tokens.
     `modules` adds every module call's input and output shapes."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
+    console = console or terminal_console()
     if t.mode == "eval":
         header = "pass: eval mode, as generation runs it"
         if t.acting:
@@ -87,7 +112,7 @@ def routing_lines(layer: LayerTrace) -> list[str]:
             elif kind == "rerouted":
                 parts.append(f"expert {e} ({w:.2f}, rerouted from expert {source}: full)")
             else:
-                parts.append(f"expert {e} ({w:.2f})")
+                parts.append(slot_text(e, w))
         line = ", ".join(parts)
         if changed[t]:
             top = int(layer.router_logits[t].argmax())
@@ -118,8 +143,8 @@ def router_summary(layer: LayerTrace) -> list[str]:
     if layer.capacity is not None:
         T, K = len(layer.experts), len(layer.experts[0]) if layer.experts else 0
         lines.append(f"capacity: ⌈{layer.capacity_factor:g} × {T} tokens × top-{K} / {layer.n_experts} experts⌉ = "
-                     f"{layer.capacity} slots per expert; {layer.rerouted} slots rerouted to a next-best expert, "
-                     f"{layer.dropped} dropped")
+                     f"{plural(layer.capacity, 'slot')} per expert; {plural(layer.rerouted, 'slot')} rerouted to a "
+                     f"next-best expert, {layer.dropped} dropped")
     return lines
 
 
@@ -160,9 +185,7 @@ def path_line(layer: LayerTrace, tokens: list[str], position: int = -1) -> str:
 def show_generation(steps: list[GenerationStep], console: Console | None = None) -> None:
     """Print generation pass by pass: what was fed (the prompt at once, then one token), how much each
     layer's KV cache holds, the fed token's route through every MoE layer, and the odds it chose from."""
-    from rich.console import Console
-
-    console = console or Console()
+    console = console or terminal_console()
     console.print(f"generation, greedy: {len(steps)} new tokens, one forward pass each", markup=False)
     for i, s in enumerate(steps):
         first, last = s.positions
@@ -171,7 +194,7 @@ def show_generation(steps: list[GenerationStep], console: Console | None = None)
         console.print(what, markup=False, highlight=False)
         console.print("  KV cache per layer (positions held): " + ", ".join(
             f"layer {j} {n}" for j, n in enumerate(s.cache_lengths)), markup=False, highlight=False)
-        routes = [f"layer {j}: " + (", ".join(f"expert {e} ({w:.2f})" for e, w in r) or "no expert had room")
+        routes = [f"layer {j}: " + (", ".join(slot_text(e, w) for e, w in r) or "no expert had room")
                   for j, r in enumerate(s.routes) if r is not None]
         if routes:
             console.print(f"  route of {s.fed[-1]!r}: " + "; ".join(routes), markup=False, highlight=False)
