@@ -574,3 +574,24 @@ def test_plural_counts():
 
     assert (plural(1, "slot"), plural(0, "slot"), plural(2, "slot")) == ("1 slot", "0 slots", "2 slots")
     assert slot_text(2, 0.555) == "expert 2 (0.56)"
+
+
+def test_norms_print_the_means_the_trace_holds_and_untrained_is_the_fresh_model(tiny_run, capsys):
+    from nanollama4.checkpoint import load_run
+    from nanollama4.ops import build_model
+
+    prompt = "the cat sat"
+    rc, trained, _ = run_cli(["explain", str(tiny_run), "--prompt", prompt, "--norms"], capsys)
+    rc2, fresh, _ = run_cli(["explain", str(tiny_run), "--prompt", prompt, "--norms", "--untrained", "--seed", "3"],
+                            capsys)
+    assert rc == rc2 == 0 and trained != fresh
+    model, tok, _ = load_run(tiny_run)
+    torch.manual_seed(3)
+    for text, m in ((trained, model), (fresh, build_model(model.cfg))):
+        t = trace(m, tok, prompt)
+        rows = [line.split("│") for line in text.splitlines() if re.match(r"^ \d+ +│", line)]
+        assert len(rows) == len(t.layers)
+        for row, layer in zip(rows, t.layers, strict=True):
+            assert float(row[1]) == pytest.approx(sum(layer.residual_in) / len(t.tokens), rel=6e-3)
+            assert float(row[5]) == pytest.approx(sum(layer.routed_added) / len(t.tokens), rel=6e-3)
+            assert row[7].strip() == f"{layer.shared_share:.0%}"

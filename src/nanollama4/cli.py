@@ -326,14 +326,24 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
-    from .explain import show, show_generation, trace, trace_generation
+    from .explain import show, show_generation, show_norms, trace, trace_generation
     from .explain.page import check_page_target, write_page
 
     _check_text(args.prompt)
     if args.html:
         check_page_target(Path(args.html), args.force)
     model, tokenizer = _model_for_prompt(args)
+    if args.untrained:  # the same shape as initialised, before any step: what training moved away from
+        import torch
+
+        from .ops import build_model
+
+        torch.manual_seed(args.seed)
+        model = build_model(model.cfg).to(next(model.parameters()).dtype)
     t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
+    if args.norms:
+        show_norms(t)
+        return
     # generation is traced before anything is printed: a request too long for the context is one line alone
     steps = trace_generation(model, tokenizer, args.prompt, args.generate) if args.generate else None
     show(t, modules=args.trace)
@@ -553,7 +563,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["eval", "train"], default="eval",
                    help="eval: the pass generation makes (default); train: the pass training makes, with router "
                         "noise and expert capacity acting where the model has them")
-    p.add_argument("--seed", type=_seed, default=0, help="with --mode train: the seed of the router noise")
+    p.add_argument("--seed", type=_seed, default=0, help="with --mode train: the seed of the router noise; with "
+                   "--untrained: of the initialisation")
+    p.add_argument("--norms", action="store_true",
+                   help="print only the residual stream's norms per layer (means over the prompt's tokens): what "
+                        "attention, the routed experts and the shared expert add")
+    p.add_argument("--untrained", action="store_true",
+                   help="the same model freshly initialised (its config, new weights): the starting point to read "
+                        "the trained one against")
     p.add_argument("--generate", type=_positive_int, default=0, metavar="N",
                    help="then generate N tokens greedily, showing each pass: prefill, decode, the KV caches, routes")
     p.add_argument("--force", action="store_true",

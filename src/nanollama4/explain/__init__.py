@@ -10,11 +10,11 @@ The views only read a `Trace`; tracing.py imports neither of them.
 """
 
 from .page import PAGE_SCORES_LIMIT, html, notebook_html
-from .terminal import routing_lines, show, show_generation
+from .terminal import routing_lines, show, show_generation, show_norms
 from .tracing import TOP_NEXT, GenerationStep, LayerTrace, Trace, describe_attention, trace, trace_generation
 
 __all__ = ["trace", "Trace", "LayerTrace", "TOP_NEXT", "describe_attention", "show", "routing_lines", "html",
-           "PAGE_SCORES_LIMIT", "trace_generation", "GenerationStep", "show_generation"]
+           "PAGE_SCORES_LIMIT", "trace_generation", "GenerationStep", "show_generation", "show_norms"]
 
 # A Trace shows itself as the page in a notebook. Attached here, where both modules are known, because
 # tracing.py imports none of its views.

@@ -182,6 +182,35 @@ def path_line(layer: LayerTrace, tokens: list[str], position: int = -1) -> str:
             f"{parts}) = {out:.2f}")
 
 
+def show_norms(t: Trace, console: Console | None = None) -> None:
+    """The residual stream through each block, as means over the prompt's tokens: its norm coming in (and the
+    range over tokens), what attention and the feed-forward add, the routed and shared experts' parts, and
+    the shared expert's share of the feed-forward's output norm (`LayerTrace.shared_share`)."""
+    from rich.table import Table
+
+    console = console or terminal_console()
+    n = len(t.tokens)
+    console.print(f"the residual stream through each block, means over the prompt's {plural(n, 'token')} (|v| is "
+                  "the L2 norm of one token's vector):", markup=False)
+    table = Table(show_edge=False)
+    for name in ("layer", "|x| in", "|x| in, min-max", "+ attention", "+ feed-forward", "routed experts",
+                 "shared expert", "shared share"):
+        table.add_column(name, justify="left" if name == "layer" else "right")
+    for layer in t.layers:
+        moe = layer.routed_added is not None and layer.shared_added is not None
+        table.add_row(str(layer.index), _mean(layer.residual_in),
+                      f"{min(layer.residual_in):.3g}-{max(layer.residual_in):.3g}",
+                      _mean(layer.attention_added), _mean(layer.ffn_added),
+                      _mean(layer.routed_added) if moe else "-", _mean(layer.shared_added) if moe else "-",
+                      f"{layer.shared_share:.0%}" if layer.shared_share is not None else "-")
+    console.print(table)
+
+
+def _mean(values: list[float] | None) -> str:
+    """The mean to 3 significant digits: a stream of 0.3 and one of 130 both keep their detail."""
+    return f"{sum(values) / len(values):.3g}" if values else "-"
+
+
 def show_generation(steps: list[GenerationStep], console: Console | None = None) -> None:
     """Print generation pass by pass: what was fed (the prompt at once, then one token), how much each
     layer's KV cache holds, the fed token's route through every MoE layer, and the odds it chose from."""
