@@ -25,14 +25,13 @@ import sys
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "walkthrough.md"
-WIDTH = 130  # the terminal width the outputs are printed at (rich wraps longer lines)
 BLOCK = re.compile(r"```\n(\$ nanollama4 .*?)```", re.S)
 COMMAND = re.compile(r"^\$ nanollama4 .*$", re.M)
 
 
 def run(command: str, demo: str, tutorial: str) -> str:
     args = [demo if a == "RUN" else tutorial if a == "runs/tutorial" else a for a in shlex.split(command[2:])]
-    env = {**os.environ, "COLUMNS": str(WIDTH), "NO_COLOR": "1"}
+    env = {**os.environ, "NO_COLOR": "1"}  # piped, explain prints each line whole
     done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{command!r} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
@@ -45,7 +44,7 @@ def shown(command: str, out: str) -> str:
         return "...   (the walk of the prompt, as in §5)\n" + out[out.index("generation, "):]
     if "--mode train" in command:
         head, rest = out[:out.index("\nlayer 1:") + 1], out[out.index("\nlayer 1:"):]
-        rerouted = re.findall(r"(\d+) slots rerouted to a next-best expert, (\d+) dropped", rest)
+        rerouted = re.findall(r"(\d+) slots? rerouted to a next-best expert, (\d+) dropped", rest)
         counts = [r for r, _ in rerouted]
         dropped = sum(int(d) for _, d in rerouted)
         return head + (f"...   (layers 1-{len(counts)}: {', '.join(counts[:-1])} and {counts[-1]} slots rerouted, "
