@@ -5,8 +5,9 @@ code changes: train the two runs it reads (the commands are in its §5 and §6),
 
     python benchmarks/walkthrough.py --demo runs/demo-… --tutorial runs/tutorial
 
-A block is a fenced block whose first line is "$ nanollama4 …" (each "$ " line in it is a command, its
-output the lines up to the next, a blank line between); "RUN" in it stands for the demo run and
+A block is a fenced block whose first line is "$ nanollama4 …" or '$ python -c "' (each "$ nanollama4"
+line in it is a command, and each '$ python -c "' up to its closing '"' line; its output the lines up to
+the next, a blank line between); "RUN" in it stands for the demo run and
 "runs/tutorial" for the tutorial run. Two blocks show part of their output, and the part left out is
 summed up on a line that starts with "...": `--generate` shows generation only (the walk of the prompt
 is §5's), and `--mode train` shows layer 0 (the other layers' capacity counts go on the "..." line).
@@ -25,14 +26,15 @@ import sys
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "walkthrough.md"
-BLOCK = re.compile(r"```\n(\$ nanollama4 .*?)```", re.S)
-COMMAND = re.compile(r"^\$ nanollama4 .*$", re.M)
+BLOCK = re.compile(r"```\n(\$ (?:nanollama4|python) .*?)```", re.S)
+COMMAND = re.compile(r'^\$ nanollama4 [^\n]*$|^\$ python -c "\n[\s\S]*?\n"$', re.M)
 
 
 def run(command: str, demo: str, tutorial: str) -> str:
     args = [demo if a == "RUN" else tutorial if a == "runs/tutorial" else a for a in shlex.split(command[2:])]
     env = {**os.environ, "NO_COLOR": "1"}  # piped, explain prints each line whole
-    done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env)
+    argv = [sys.executable, *args[1:]] if args[0] == "python" else [sys.executable, "-m", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.exit(f"{command!r} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
     return "\n".join(line.rstrip() for line in done.stdout.splitlines()) + "\n"

@@ -137,3 +137,29 @@ def test_an_experiments_files_replace_a_planted_link_instead_of_writing_through_
     assert target.read_text() == "someone else's"
     assert not (out / "results.json").is_symlink() and json.loads((out / "results.json").read_text())["arms"] == []
     assert (out / "table.md").read_text() == "| a |\n"
+
+
+def test_chunking_at_the_training_window_changes_nothing_in_training():
+    """irope_length applies chunking at evaluation only: on windows of the chunk's length, a chunked and an
+    unchunked model with the same weights compute the same loss and gradients (no window crosses a chunk
+    boundary), and on longer windows they differ."""
+    import torch
+
+    import nanollama4
+
+    torch.manual_seed(0)
+    cfg = nanollama4.preset("tiny", nope_interval=4, max_seq_len=64, attention_chunk_size=None)
+    full = nanollama4.build_model(cfg)
+    chunked = nanollama4.build_model(cfg.replace(attention_chunk_size=16))
+    chunked.load_state_dict(full.state_dict())
+    x = torch.randint(0, cfg.vocab_size, (3, 17))
+    losses = []
+    for m in (full, chunked):
+        loss = m.loss(x[:, :-1], x[:, 1:]).total
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(full.parameters(), chunked.parameters(), strict=True))
+    long = torch.randint(0, cfg.vocab_size, (1, 48))
+    with torch.no_grad():
+        assert not torch.allclose(full(long), chunked(long))
