@@ -17,6 +17,7 @@ uses more context predicts better with it). Then a use test: the same two layout
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,6 +50,13 @@ def variant(model: Transformer, chunk: int | None, temperature: bool) -> Transfo
     other = build_model(model.cfg.replace(attention_chunk_size=chunk, attn_temperature_tuning=temperature))
     other.load_state_dict(model.state_dict())
     return other.eval()
+
+
+def layouts(model: Transformer, arm: str, context: int) -> Iterator[tuple[str, Transformer]]:
+    """Each layout of VARIANTS that the model trained as `arm` gives, by name (chunks of `context`)."""
+    for name, trained, chunked, temperature in VARIANTS:
+        if trained == arm:
+            yield name, variant(model, context if chunked else None, temperature)
 
 
 @torch.no_grad()
@@ -88,12 +96,9 @@ def run(out: Path, sweep: Sweep, results: list[common.ArmResult], progress: bool
         model, tokenizer, _ = load_run(r.run_dir, prefer="last")
         data = TokenDataset.build(find_corpus_files(setting.data), tokenizer, default_cache_dir())
         val = torch.from_numpy(data.val_tokens.astype("int64"))
-        for name, arm, chunked, temperature in VARIANTS:
-            if arm != r.name:
-                continue
+        for name, m in layouts(model, r.name, context):
             if progress:
                 print(f"  evaluating {name} (seed {r.seed}) at {', '.join(map(str, lengths))}", flush=True)
-            m = variant(model, context if chunked else None, temperature)
             scored = [far_half_loss(m, val, n, budget) for n in lengths[:-1]]
             total, windows = position_losses(m, val, lengths[-1], budget)
             half = lengths[-1] // 2
@@ -130,12 +135,9 @@ def passkey_test(out: Path, sweep: Sweep, setting: common.Setting, progress: boo
             r = common.train_run(f"{arm.name} (passkey)", cfg, tc, out, progress, str(corpus), sweep.score_tokens)
             runs.append(r)
             model, tokenizer, _ = load_run(r.run_dir, prefer="last")
-            for name, trained, chunked, temperature in VARIANTS:
-                if trained != arm.name:
-                    continue
+            for name, m in layouts(model, arm.name, context):
                 if progress:
                     print(f"  asking {name} (seed {seed}) at distances {', '.join(map(str, far))}", flush=True)
-                m = variant(model, context if chunked else None, temperature)
                 near_acc.setdefault(name, []).append(recall.accuracy(m, tokenizer, context, near, probes, seed=1))
                 far_acc.setdefault(name, []).append(recall.accuracy(m, tokenizer, 16 * context, far, probes, seed=2))
     return {"runs": runs, "passkey": {"steps": steps, "probes": probes, "near": near, "far": far,
