@@ -205,9 +205,10 @@ def report(out: Path) -> list[Path]:
                                            f"per seed, d >= {context}"], far)
                   + "\n\naccuracy: the share of probes whose passkey digit is the model's most likely next "
                   "character, mean over seeds")
-    fig, axes = common.figure(ncols=3 if pk else 2, width=15 if pk else 10)
+    fig, axes = common.figure(ncols=3 if pk else 2, height=4.5)
     for name, per in curves.items():
-        axes[0].plot(lengths, [common.mean(c[i] for c in per) for i in range(len(lengths))], "o-", label=name)
+        axes[0].plot(lengths, [common.mean(c[i] for c in per) for i in range(len(lengths))], "o", label=name,
+                     linestyle=_style(name))
     axes[0].axvline(context, color="grey", linestyle=":", label="training context")
     axes[0].set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)",
                 title="Shakespeare: loss by window length")
@@ -216,20 +217,26 @@ def report(out: Path) -> list[Path]:
     axes[0].legend(fontsize=7)
     middles = [max(1, (a + b) / 2 * context) for a, b in zip(bins, bins[1:], strict=False)]
     for name, per in by_context.items():
-        axes[1].plot(middles, [common.mean(c[i] for c in per) for i in range(len(edges))], "o-", label=name)
+        axes[1].plot(middles, [common.mean(c[i] for c in per) for i in range(len(edges))], "o", label=name,
+                     linestyle=_style(name))
     axes[1].axvline(context, color="grey", linestyle=":")
     axes[1].set(xscale="log", xlabel=f"context before the position (characters, windows of {lengths[-1]:,})",
                 ylabel="loss (nats/char)", title="Shakespeare: loss by context")
     if pk:
         for name, per in pk["far_accuracy"].items():
-            axes[2].plot(pk["far"], [100 * common.mean(c[i] for c in per) for i in range(len(pk["far"]))], "o-",
-                         label=name)
+            axes[2].plot(pk["far"], [100 * common.mean(c[i] for c in per) for i in range(len(pk["far"]))], "o",
+                         label=name, linestyle=_style(name))
         axes[2].axvline(context, color="grey", linestyle=":")
         axes[2].axhline(10, color="grey", linestyle="--", linewidth=0.8, label="chance")
         axes[2].set(xscale="log", xlabel="passkey distance d (characters)", ylabel="accuracy (%)",
                     title=f"Passkey in windows of {16 * context:,}")
         axes[2].legend(fontsize=7)
     return [common.write_table(out, table), common.save_figure(fig, out / "irope_length.png")]
+
+
+def _style(name: str) -> str:
+    """Dashed for a layout with the temperature off: it often lies on its twin, which stays visible."""
+    return "--" if "no temperature" in name else "-"
 
 
 def _cell(diffs: list[float]) -> str:
