@@ -15,6 +15,7 @@ docs/experiments/moe_compute.png and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
@@ -107,7 +108,10 @@ def main() -> None:
         cells = [f"{med[n][k]:,.0f} ({med[n][k] / med['dense'][k]:.2f}x)" for k in ("train", "decode 1", "decode 16")]
         print(f"| {n} | {counts[n].total:,} | {counts[n].active:,} | {' | '.join(cells)} |")
     draw(built, counts, med, args.out)
-    print(f"\nplot: {args.out}")
+    rows = {n: {"total": counts[n].total, "active": counts[n].active, **med[n]} for n in built}
+    args.out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "rounds": args.rounds, "models": rows},
+                                                        indent=1) + "\n")
+    print(f"\nplot: {args.out} (numbers: {args.out.with_suffix('.json')})")
 
 
 def draw(built: dict, counts: dict, med: dict, out: Path) -> None:
@@ -118,7 +122,7 @@ def draw(built: dict, counts: dict, med: dict, out: Path) -> None:
 
     ns = [int(n[2:]) for n in built if n != "dense"]
     moe = [n for n in built if n != "dense"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
     left.plot(ns, [counts[n].total / 1e6 for n in moe], "o-", label="MoE: total")
     left.plot(ns, [counts[n].active / 1e6 for n in moe], "s-", label="MoE: active per token")
     left.axhline(counts["dense"].total / 1e6, color="grey", linestyle="--", label="dense twin (total = active)")
@@ -134,7 +138,7 @@ def draw(built: dict, counts: dict, med: dict, out: Path) -> None:
               title="Speed against N (dashed: the dense twin)")
     right.set_xticks(ns, [str(n) for n in ns])
     right.minorticks_off()
-    right.legend(fontsize=7, ncol=2)
+    right.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     fig.tight_layout()
     save_png(fig, out)
 

@@ -58,3 +58,24 @@ def test_question_1s_counts_are_section_2s():
     assert "full multi-head attention would cache                 8,192" in out and "8,192" in q
     head_dim = int(re.search(r"8 KV heads of (\d+)", out).group(1))
     assert f"and {2 * 1 * head_dim}." in q
+
+
+def blocks_and_prose() -> tuple[str, str]:
+    """The page's fenced blocks (the outputs, joined) and its prose: everything else, without quotations of
+    the seed documents ("> " lines), inline code and link targets."""
+    parts = WALK.split("```")
+    blocks, prose = "\n".join(parts[1::2]), "\n".join(parts[0::2])
+    prose = "\n".join(line for line in prose.splitlines() if not line.startswith(">"))
+    prose = re.sub(r"`[^`]*`", " ", prose)
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)
+    return blocks, prose
+
+
+def test_every_measured_number_in_the_prose_is_printed_on_the_page():
+    """Line 4 promises outputs copied as they printed; the prose quotes them, so each decimal, percentage and
+    range of decimals in it must appear in one of the page's blocks (a whole number, not a part of one)."""
+    blocks, prose = blocks_and_prose()
+    numbers = re.findall(r"(?<![\w.])\d+(?:,\d{3})*\.\d+%?|(?<![\w.])\d+%", prose)
+    assert len(numbers) > 20
+    missing = [n for n in numbers if not re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", blocks)]
+    assert not missing, f"numbers in the prose that no block prints: {missing}"
