@@ -62,8 +62,9 @@ def test_question_1s_counts_are_section_2s():
 
 def blocks_and_prose() -> tuple[str, str]:
     """The page's fenced blocks (the outputs, joined) and its prose: everything else, without quotations of
-    the seed documents ("> " lines), inline code and link targets."""
-    parts = WALK.split("```")
+    the seed documents ("> " lines), inline code, link targets and the check-yourself answers (their
+    arithmetic is the reader's; the tests above check it against the blocks)."""
+    parts = WALK[:WALK.index("Check yourself")].split("```")
     blocks, prose = "\n".join(parts[1::2]), "\n".join(parts[0::2])
     prose = "\n".join(line for line in prose.splitlines() if not line.startswith(">"))
     prose = re.sub(r"`[^`]*`", " ", prose)
