@@ -147,6 +147,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("explain", "path"): [["MISSING", "--prompt", "the"], ["EMPTY", "--prompt", "the"]],
     ("explain", "--prompt"): [["RUN", "--prompt", ""], ["RUN", "--prompt", "THE"], ["RUN", "--prompt", "the " * 40]],
     ("explain", "--trace"): [["RUN", "--prompt", "the", "--trace=yes"]],
+    ("explain", "--norms"): [["RUN", "--prompt", "the", "--norms=yes"]],
+    ("explain", "--untrained"): [["RUN", "--prompt", "the", "--untrained=1"]],
     ("explain", "--html"): [["RUN", "--prompt", "the", "--html", "MISSING/page.html"],
                             ["RUN", "--prompt", "the", "--html", "EMPTY"]],
     ("explain", "--replace-unknown"): [["RUN", "--prompt", "THE", "--replace-unknown", "#"],
