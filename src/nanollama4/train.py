@@ -19,6 +19,7 @@ loop carries, and how a run is set up.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -602,6 +603,29 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
     return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device)
 
 
+# Fields a resume cannot change, because the saved state depends on them: (field, whether it matters for
+# this TrainConfig, why, given the value asked for). A run saved before a field existed had its default.
+KEPT_ON_RESUME = (
+    ("optimizer", lambda tc: True, lambda new: f", whose state {new} cannot take over"),
+    ("muon_experts", lambda tc: tc.optimizer == "muon",
+     lambda new: ", whose expert state the other optimizer cannot take over"),
+    ("muon_experts_per_step", lambda tc: tc.optimizer == "muon",
+     lambda new: "; a resume keeps it (its experts' saved updates follow that turn)"),
+    ("lora_rank", lambda tc: True, lambda new: ", which a resume keeps (its saved adapters are of that rank)"),
+    ("lora_alpha", lambda tc: True, lambda new: ", which a resume keeps (its saved adapters are of that scale)"),
+)
+
+
+def check_kept_on_resume(saved: dict, tc: TrainConfig, run_dir: Path) -> None:
+    """Refuse, in one line, a resume that changes a field of `KEPT_ON_RESUME` from the run's train_config.json."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    for key, matters, why in KEPT_ON_RESUME:
+        was, now = saved.get(key, defaults[key]), getattr(tc, key)
+        if matters(tc) and was != now:
+            raise TrainingError(f"{run_dir} was trained with {key}={was}{why(now)}; resume without --set {key}, or "
+                                f"start a new run from its weights: --init-from {run_dir}")
+
+
 def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None,
                world: World = ALONE, device: torch.device | None = None) -> Run:
     """The run in run_dir, as its last checkpoint left it: model, optimizer, sampler state, step and losses."""
@@ -610,25 +634,11 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     state, rng = load_train_state(ckpt)
     tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     saved = read_json(ckpt / "train_config.json")
-    for key in ("lora_rank", "lora_alpha"):  # the adapters saved are of the run's rank and scale
-        if saved.get(key, TrainConfig.lora_rank if key == "lora_rank" else None) != getattr(tc, key):
-            raise TrainingError(f"{run_dir} was trained with {key}={saved.get(key)}, which a resume keeps: resume "
-                                f"without --set {key}, or start a new run --init-from {run_dir}")
+    check_kept_on_resume(saved, tc, run_dir)
     model = load_model(ckpt, merged=False)  # a LoRA run's adapters stay apart, training
     check_vocab(tokenizer, model.cfg, ckpt)
     check_budget_ahead(tc, state, run_dir)
     data = corpus_of(run_dir, state, data)
-    if saved.get("optimizer", "adamw") != tc.optimizer:
-        raise TrainingError(f"{run_dir} was trained with optimizer={saved.get('optimizer', 'adamw')}, whose state "
-                            f"{tc.optimizer} cannot take over; resume without --set optimizer, or train a new run")
-    if tc.optimizer == "muon" and saved.get("muon_experts", True) != tc.muon_experts:
-        raise TrainingError(f"{run_dir} was trained with muon_experts={saved.get('muon_experts', True)}, whose expert "
-                            "state the other optimizer cannot take over; resume without --set muon_experts, or train "
-                            "a new run")
-    if tc.optimizer == "muon" and saved.get("muon_experts_per_step", 0) != tc.muon_experts_per_step:
-        raise TrainingError(f"{run_dir} was trained with muon_experts_per_step={saved.get('muon_experts_per_step', 0)}"
-                            "; a resume keeps it (its experts' saved updates follow that turn): resume without "
-                            "--set muon_experts_per_step, or train a new run")
     tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
     run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
     trained_on = state.get("corpus_sha256")
