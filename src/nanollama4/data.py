@@ -122,14 +122,19 @@ def iter_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> Iterator[
         yield "\n"
 
 
+def empty_corpus(files: Sequence[Path]) -> DataError:
+    """The one-line error for a corpus with no visible text, naming the file (or the folder of files)."""
+    where = files[0] if len(files) == 1 else Path(files[0]).parent
+    return DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+
+
 def read_corpus(files: Sequence[Path], invalid_utf8: str = "error") -> str:
     """The files' text, concatenated in order, with line ends normalised to "\n" (`iter_corpus`, joined): for
     callers that want it whole, so refused in one line when it could not fit in memory."""
     check_fits_in_memory(files)
     text = "".join(iter_corpus(files, invalid_utf8))
     if not text.strip():
-        where = files[0] if len(files) == 1 else Path(files[0]).parent
-        raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+        raise empty_corpus(files)
     return text
 
 
@@ -139,8 +144,7 @@ def corpus_characters(files: Sequence[Path], invalid_utf8: str = "error") -> str
     for piece in iter_corpus(files, invalid_utf8):
         seen.update(piece)
     if not "".join(seen).strip():
-        where = files[0] if len(files) == 1 else Path(files[0]).parent
-        raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+        raise empty_corpus(files)
     return "".join(sorted(seen))
 
 
@@ -346,8 +350,7 @@ class TokenDataset:
             digest.update(piece.encode("utf-8"))
             visible = visible or bool(piece.strip())
         if not visible:
-            where = files[0] if len(files) == 1 else Path(files[0]).parent
-            raise DataError(f"corpus at {where} is empty; pass a text file (or a folder of them) with text in it")
+            raise empty_corpus(files)
         content_sha = digest.hexdigest()
         fingerprint = tokenizer.fingerprint()
         stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}"

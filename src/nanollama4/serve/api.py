@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ..engine.sampling import Sampling, SamplingError
 from ..errors import TokenizerError
 from ..explain import palette
-from .chat import ChatTemplateError, PlayFormat, TemplateFormat
+from .chat import ChatFormat, ChatTemplateError, PlayFormat
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 
@@ -170,7 +170,7 @@ class Params:
 
 
 def parse_request(body: Any, kind: str, engine: Engine, model_name: str,
-                  chat: PlayFormat | TemplateFormat | None = None) -> Params:
+                  chat: ChatFormat | None = None) -> Params:
     """The fields of a completions (`kind` "completions") or chat ("chat") request body, checked; chat
     messages become a prompt in `chat`'s format (default: the play template) and end where it says."""
     chat = chat or PlayFormat()
@@ -293,7 +293,7 @@ def _encode(text: str, engine: Engine, param: str) -> list[int]:
     return ids
 
 
-def chat_prompt(messages: Any, chat: PlayFormat | TemplateFormat | None = None) -> str:
+def chat_prompt(messages: Any, chat: ChatFormat | None = None) -> str:
     """The prompt for chat `messages` (checked: roles system, developer, user, assistant; text content, or
     text parts joined), in `chat`'s format: the play template (`chat.PlayFormat`) unless the served
     checkpoint brought its own (`chat.TemplateFormat`)."""
@@ -378,7 +378,7 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = (),
-               chat: PlayFormat | TemplateFormat | None = None) -> Starlette:
+               chat: ChatFormat | None = None) -> Starlette:
     """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /. Chat
     messages are put in `chat`'s format (`chat.chat_format_of`; default the play template).
 

@@ -88,6 +88,9 @@ class TemplateFormat:
         return f"chat: the checkpoint's template ({self.where.name}); replies end at token ids {list(self.stop_ids)}"
 
 
+ChatFormat = PlayFormat | TemplateFormat  # what `chat_format_of` gives and the server takes
+
+
 def _refuse(message: str) -> None:
     raise ChatTemplateError(message)
 
@@ -112,7 +115,7 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
-def chat_format_of(path: str | Path, tokenizer: Any) -> PlayFormat | TemplateFormat:
+def chat_format_of(path: str | Path, tokenizer: Any) -> ChatFormat:
     """The chat format a model folder calls for: its own template where a transformers folder has one
     (chat_template.jinja, then tokenizer_config.json's `chat_template`, then chat_template.json), with its
     BOS/EOS texts and its end ids (generation_config.json's eos_token_id, else config.json's, and the EOS

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from ..errors import ConfigError
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-from .chat import PlayFormat, TemplateFormat
+from .chat import ChatFormat, PlayFormat
 from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, check_origin, guarded_protocol
 
 GRACE = 30  # seconds in-flight requests get to finish after SIGTERM
@@ -53,7 +53,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
           max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print,
           allowed_hosts: Iterable[str] = (), allow_origins: Iterable[str] = (),
           request_timeout: float = REQUEST_TIMEOUT, max_connections: int | None = None,
-          max_context: int | None = None, chat: PlayFormat | TemplateFormat | None = None) -> None:
+          max_context: int | None = None, chat: ChatFormat | None = None) -> None:
     """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens.
 
     Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`
