@@ -49,7 +49,7 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
     def broken(cfg):
         raise ValueError("a bug, not a message")
 
-    monkeypatch.setattr("nanollama4.cli.format_params_table", broken)
+    monkeypatch.setattr("nanollama4.commands.format_params_table", broken)
     with pytest.raises(ValueError, match="a bug"):
         main(["params", "--preset", "tiny"])
 
@@ -57,8 +57,9 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
 ROOT = Path(nanollama4.__file__).parent
 PACKAGE = "nanollama4"
 MODEL_FILES = ("model", "attention", "router", "moe", "rope", "config")
-# what the model files may reach, directly or through each other: the model itself, its config and errors
-MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors")}
+# what the model files may reach, directly or through each other: the model itself, its config, errors and the
+# plain-Python field declarations the config is written in
+MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields")}
 
 
 def module_names() -> dict[str, Path]:
@@ -110,7 +111,7 @@ def test_the_graph_is_read_from_every_module():
     graph = import_graph()
     assert f"{PACKAGE}.moe" in graph and f"{PACKAGE}.ops.experts" in graph and f"{PACKAGE}.distributed.experts" in graph
     assert f"{PACKAGE}.moe" in graph[f"{PACKAGE}.ops.experts"]  # an import the test must see
-    assert f"{PACKAGE}.hf" in graph[f"{PACKAGE}.cli"]  # a lazy one, inside a function
+    assert f"{PACKAGE}.hf" in graph[f"{PACKAGE}.commands"]  # a lazy one, inside a function
 
 
 def test_no_module_imports_itself_in_a_circle():

@@ -9,43 +9,24 @@ that cannot go on), printed as one line; 3 a training stopped by SIGINT/SIGTERM 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (
-    PRESETS,
-    SEED_LIMIT,
-    ModelConfig,
-    parse_duration,
-    parse_overrides,
-    preset,
-    split_overrides,
-)
+from . import commands
+from .commands import DEFAULT_PRESET, EXIT_CTRL_C, EXIT_INTERRUPTED
+from .config import PRESETS, parse_duration
+from .engine.sampling import Sampling
 from .errors import ConfigError, Nanollama4Error
-from .memory import (
-    COMPARE_LENGTHS,
-    format_kv_compare,
-    format_kv_table,
-    format_layout,
-    format_params_compare,
-    format_params_table,
-    kv_cache,
-    param_counts,
-)
+from .fields import SEED_LIMIT, add_arguments
 
+__all__ = ["main", "build_parser", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_CTRL_C"]
 EXIT_ERROR = 2  # an error meant for people, printed as one line
-EXIT_INTERRUPTED = 3  # training stopped by a signal after saving its checkpoint: resume it
-EXIT_CTRL_C = 130  # Ctrl-C with nothing saved: outside the training loop, or before a run's first checkpoint
-DEFAULT_PRESET = "shakespeare-char"
 MAX_NEW_TOKENS = 100_000  # a bound on one generate call (a character model writes ~100 KB of text)
-_FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint already decided these
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -62,16 +43,6 @@ def _whole(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
 
 
 def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) -> Callable[[str], Any]:
@@ -122,354 +93,10 @@ def _path(text: str) -> str:
     return text
 
 
-def _check_text(prompt: str) -> None:
-    """An empty prompt, or one the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
-    if not prompt:
-        raise ConfigError("the prompt is empty; pass --prompt with some text")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("--prompt is not valid UTF-8 text; pass it as UTF-8") from None
-
-
-def _model_config(args: argparse.Namespace) -> ModelConfig:
-    return preset(args.preset or DEFAULT_PRESET, **parse_overrides(getattr(args, "set", None) or []))
-
-
-def cmd_params(args: argparse.Namespace) -> None:
-    cfg = _model_config(args)
-    print(f"preset {args.preset}")
-    print(format_params_compare(cfg) if args.compare else format_params_table(cfg))
-
-
-def cmd_kv_cache(args: argparse.Namespace) -> None:
-    cfg = _model_config(args)
-    if args.compare:
-        table = format_kv_compare(cfg, args.dtype, tuple(sorted({*COMPARE_LENGTHS, args.seq_len})))
-    else:
-        table = format_kv_table(kv_cache(cfg, args.seq_len, args.dtype))  # a bad dtype fails before any output
-    print(f"preset {args.preset}: {cfg.n_layers} layers, {cfg.n_heads} query heads, {cfg.n_kv_heads} KV heads "
-          f"of {cfg.head_dim}")
-    print(table)
-
-
-def cmd_rope_check(args: argparse.Namespace) -> None:
-    """Show that a RoPE score depends on m - n only: the same query and key, both positions shifted."""
-
-    cfg = _model_config(args)
-    shifts = (0, 1, 1000, 100000)
-    from .rope import shifted_scores
-
-    rows = shifted_scores(cfg, shifts=shifts)
-    print(f"preset {args.preset}: one random query and key (head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}), "
-          "q at position m + s, k at n + s; the score q·k for each shift s")
-    print(f"{'m':>5} {'n':>5} {'m-n':>5}  " + "  ".join(f"{'s=' + format(s, ','):>11}" for s in shifts)
-          + "  max |difference|")
-    for m, n, scores in rows:
-        spread = max(scores) - min(scores)
-        print(f"{m:>5} {n:>5} {m - n:>5}  " + "  ".join(f"{v:>11.6f}" for v in scores) + f"  {spread:.1e}")
-    print("the same score for every shift; what differences there are come from float32 rounding of the angles "
-          "pos·θ, which grows with the position")
-
-
-def cmd_summary(args: argparse.Namespace) -> None:
-    """Print a preset's layout and parameter counts, then time one forward pass of a random batch."""
-    import torch
-
-    from .ops import build_model, kernels
-
-    cfg = _model_config(args)
-    print(f"preset {args.preset}: {format_layout(cfg)}")
-    if param_counts(cfg).total > 2e9:
-        print("(too large to build here; the counts above are arithmetic only)")
-        return
-    torch.manual_seed(0)
-    model = build_model(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, cfg.max_seq_len))
-    kernels.load()  # a first-time build of the CPU kernels (~20 s) is not part of the timed pass
-    start = time.perf_counter()
-    with torch.no_grad():
-        logits = model(ids)
-    ms = (time.perf_counter() - start) * 1e3
-    print(f"forward pass: ids {tuple(ids.shape)} -> logits {tuple(logits.shape)} in {ms:.0f} ms "
-          f"(untrained: mean logit {logits.mean().item():+.3f}, std {logits.std().item():.3f})")
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from .train import train
-
-    model_over, train_over = split_overrides(args.set or [])
-    if "vocab_size" in model_over:
-        raise ConfigError("vocab_size cannot be set: it is the tokenizer's (char: the corpus's characters; bpe: "
-                         "--set bpe_vocab_size=N)")
-    if args.max_steps is not None:
-        train_over["max_steps"] = args.max_steps
-    if args.max_time is not None:
-        train_over["max_time"] = args.max_time
-    if args.init_from is not None:
-        train_over["init_from"] = args.init_from
-    if args.val_data is not None:  # absolute, so that resume and eval find it from anywhere
-        train_over["val_data"] = str(Path(args.val_data).expanduser().resolve()) if not any(
-            c in args.val_data for c in "*?[") else str(Path.cwd() / args.val_data)
-    if args.resume:
-        refused = [f"--{name.replace('_', '-')}" for name in ("preset", "out", "config", "init_from", "val_data")
-                   if getattr(args, name) is not None]
-        refused += [f"--set {key}" for key in sorted(model_over)]
-        refused += [f"--set {key}" for key in _FIXED_ON_RESUME if key in train_over]
-        if refused:
-            raise ConfigError(f"{', '.join(refused)} cannot change on --resume: the run keeps its directory, model, "
-                             "tokenizer and seed (start a new run with --out for that)")
-        if args.max_steps is not None:  # the budget given replaces the saved one, whichever kind it was
-            train_over.setdefault("max_time", None)
-        if args.max_time is not None:
-            train_over.setdefault("max_steps", None)
-        from .runs import resume_config
-
-        run_dir, model_cfg, tc = args.resume, None, resume_config(args.resume, **train_over)
-    else:
-        from .configfile import read_config_file, resolve
-
-        file = read_config_file(args.config) if args.config else None
-        name, model_cfg, tc = resolve(file, args.preset, model_over, train_over, DEFAULT_PRESET)
-        if tc.init_from is not None:
-            _check_model_of_weights(tc.init_from, args.preset, {**(file.model if file else {}), **model_over})
-            name = "from-" + (Path(tc.init_from).resolve().name or "weights")
-        run_dir = args.out or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if args.data is None and file is not None and file.data is not None:
-            args.data = file.corpus()
-    result = train(model_cfg, tc, run_dir, data=args.data, resume=bool(args.resume), progress=not args.quiet,
-                   summary=True)
-    from .distributed import World
-
-    code = (EXIT_CTRL_C if not result.saved else EXIT_INTERRUPTED) if result.interrupted else 0
-    if not World.from_env().main:  # under torchrun rank 0 reports and plots for all
-        return code
-    val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a"
-    print(f"run {result.run_dir}: step {result.step}, validation loss {val} (fixed batches), "
-          f"{result.tokens_per_s:,.0f} tokens/s")
-    if code == EXIT_CTRL_C:
-        print("stopped by a signal before the first checkpoint; nothing was saved")
-        return code
-    if code == EXIT_INTERRUPTED:
-        print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
-              f"--max-steps N (or --max-time T)")
-        return code
-    from .plots import plot_run
-
-    for path in plot_run(result.run_dir):
-        print(f"plot: {path}")
-    print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
-    return 0
-
-
-def _check_model_of_weights(source: str, preset_name: str | None, given: dict[str, Any]) -> None:
-    """With --init-from the model is the one the weights are: a preset or model field that says otherwise is
-    refused (a run's own config.toml, which repeats the model's fields, passes)."""
-    from .hf import config_of_any
-
-    cfg = config_of_any(source)
-    differ = [f"{k}={v!r} (it has {getattr(cfg, k)!r})" for k, v in given.items() if getattr(cfg, k) != v]
-    if preset_name is not None:
-        differ.insert(0, f"--preset {preset_name}")
-    if differ:
-        raise ConfigError(f"{', '.join(differ)}: with --init-from the model is the one whose weights it starts from "
-                          f"({source}); leave the model's settings out")
-
-
-def cmd_config(args: argparse.Namespace) -> None:
-    from .configfile import defaults_toml
-
-    model_over, train_over = split_overrides(args.set or [])
-    print(defaults_toml(args.preset, model_over, train_over), end="")
-
-
-def cmd_generate(args: argparse.Namespace) -> None:
-    from .generation import Sampling, generate, stream
-
-    _check_text(args.prompt)
-    # the limits of every sampling value are Sampling's, the same for the API and the Python API
-    sampling = Sampling(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        min_p=args.min_p, seed=args.seed, stop=tuple(args.stop or ()))
-    model, tokenizer = _model_for_prompt(args)
-    options = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, slide=not args.no_slide,
-                   compile=args.compile)
-    tokenizer.encode(args.prompt)  # unknown characters fail here, before any output
-    if args.stream:
-        print(args.prompt, end="", flush=True)
-        for piece in stream(model, tokenizer, args.prompt, **options):
-            print(piece, end="", flush=True)
-        print()
-    else:
-        print(args.prompt + generate(model, tokenizer, args.prompt, **options))
-
-
-def _model_for_prompt(args: argparse.Namespace):
-    """The model and tokenizer at args.path, the tokenizer replacing unknown characters if asked."""
-    from .hf import load_any
-    from .tokenizer import replacing_unknown
-
-    model, tokenizer = load_any(args.path, dtype=_dtype(args))
-    return model, tokenizer if args.replace_unknown is None else replacing_unknown(tokenizer, args.replace_unknown)
-
-
-def _dtype(args: argparse.Namespace):
-    """The parameters' dtype a command loads a model in (--dtype)."""
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-
-
 def add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the model's parameters in memory: bfloat16 takes half of float32's (a large reference "
                         "checkpoint), at bf16's rounding")
-
-
-def cmd_explain(args: argparse.Namespace) -> None:
-    from .explain import show, show_generation, show_norms, trace, trace_generation
-    from .explain.page import check_page_target, write_page
-
-    _check_text(args.prompt)
-    if args.html:
-        check_page_target(Path(args.html), args.force)
-    model, tokenizer = _model_for_prompt(args)
-    if args.untrained:  # the same shape as initialised, before any step: what training moved away from
-        import torch
-
-        from .ops import build_model
-
-        torch.manual_seed(args.seed)
-        model = build_model(model.cfg).to(next(model.parameters()).dtype)
-    t = trace(model, tokenizer, args.prompt, mode=args.mode, seed=args.seed)
-    if args.norms:
-        show_norms(t)
-        return
-    # generation is traced before anything is printed: a request too long for the context is one line alone
-    steps = trace_generation(model, tokenizer, args.prompt, args.generate) if args.generate else None
-    show(t, modules=args.trace)
-    if steps is not None:
-        print()
-        show_generation(steps)
-    if args.html:
-        write_page(t, Path(args.html), f"nanollama4 explain: {args.prompt!r}")
-        print(f"page: {args.html}")
-
-
-def cmd_serve(args: argparse.Namespace) -> None:
-    import torch
-
-    from .hf import load_any
-    from .serve.chat import chat_format_of
-    from .serve.server import serve
-
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
-    model, tokenizer = load_any(args.path, dtype=_dtype(args))
-    chat = chat_format_of(args.path, tokenizer)
-    name = args.name or Path(args.path).resolve().name
-    serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
-          max_queue=args.max_queue, announce=lambda line: print(line, flush=True),
-          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context, chat=chat)
-
-
-def cmd_export(args: argparse.Namespace) -> None:
-    from .checkpoint import load_run
-    from .hf import check_export_target, export_hf
-
-    out = Path(args.out)
-    check_export_target(out)  # before the model is read
-    if args.drop_bias:
-        model, tokenizer = _without_bias(args)
-    else:
-        model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias)
-    print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
-          "generation_config.json, tokenizer.json")
-
-
-DROP_BIAS_TOKENS = 2**18  # validation tokens `export --drop-bias` measures the change on (at most)
-
-
-def _without_bias(args: argparse.Namespace):
-    """The run's model with its routers' balancing biases set to 0, after measuring what that does to the
-    validation loss (the reference format has no such bias): the user decides with the number."""
-    import torch
-
-    from .evaluation import validation_of_run
-
-    run = validation_of_run(args.run_dir, prefer=args.checkpoint, max_tokens=DROP_BIAS_TOKENS)
-    biases = [moe.router.expert_bias for moe in run.model.moe_layers()]
-    if not any(b.abs().max() > 0 for b in biases):
-        print("--drop-bias: this model's routers carry no balancing bias; nothing to drop")
-        return run.model.cpu(), run.tokenizer
-    with_bias = run.loss()
-    with torch.no_grad():
-        for b in biases:
-            b.zero_()
-    without = run.loss()
-    print(f"--drop-bias: validation loss {with_bias:.4f} with the routers' balancing biases, {without:.4f} without "
-          f"them ({without - with_bias:+.4f} nats/token over {len(run.tokens):,} validation tokens); exporting "
-          "the model without them")
-    return run.model.cpu(), run.tokenizer
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    from .checkpoint import resolve_checkpoint
-    from .evaluation import record_full_validation, validation_of_run
-    from .runs import is_run_dir
-
-    run = validation_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
-    loss, n_tokens, seq_len = run.loss(), len(run.tokens), run.window
-    if run.whole_file:  # another text than the run's: all of it, and not kept as the run's validation loss
-        print(f"loss on {args.data}: {loss:.4f} nats/token over all {n_tokens:,} of its tokens (non-overlapping "
-              f"windows of {seq_len}; it is not the text the run was trained on)")
-        return
-    print(f"full validation loss: {loss:.4f} nats/token over {n_tokens:,} tokens "
-          f"(non-overlapping windows of {seq_len})")
-    if is_run_dir(Path(args.run_dir)):  # kept for `compare` (and a sweep's rerun), beside the run's metrics
-        record_full_validation(args.run_dir, resolve_checkpoint(args.run_dir, prefer=args.checkpoint), loss,
-                               n_tokens, seq_len)
-
-
-def cmd_plot(args: argparse.Namespace) -> None:
-    from .plots import plot_run
-
-    for run in args.run_dir:
-        for path in plot_run(run):
-            print(f"plot: {path}")
-    if len(args.run_dir) > 1:
-        print(f"side by side: nanollama4 compare {' '.join(args.run_dir)}")
-
-
-def cmd_compare(args: argparse.Namespace) -> None:
-    from .compare import compare_runs
-
-    out = args.out or "runs/compare-" + time.strftime("%Y%m%d-%H%M%S")
-    table, paths = compare_runs(args.runs, out)
-    print(table)
-    for path in paths:
-        print(f"{'table' if path.suffix == '.md' else 'plot'}: {path}")
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from .data import find_corpus_files
-    from .experiments.sweep import data_path, paired_lines, read_sweep, run_sweep
-
-    sweep = read_sweep(args.file)
-    find_corpus_files(data_path(sweep))  # a missing corpus fails before anything is created
-    out = Path(args.out or f"runs/sweeps/{sweep.path.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    started = time.perf_counter()
-    try:
-        paths = run_sweep(sweep, out, progress=not args.quiet, tiny=args.tiny, seeds=args.seeds)
-    except KeyboardInterrupt:  # each arm's run saved its checkpoint: the sweep can continue
-        print(f"nanollama4 sweep: interrupted; the arms trained so far are kept in {out}: rerun the same command "
-              f"with --out {out} to continue where it stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    for line in paired_lines(out) if (out / "table.md").exists() and sweep.experiment is None else []:
-        print(line.removeprefix("- ").replace("**", ""))
-    for path in paths:
-        print(f"{ {'.json': 'results', '.md': 'table'}.get(path.suffix, 'plot')}: {path}")
-    print(f"sweep {out}: {time.perf_counter() - started:.0f} s")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -485,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("params", help="total and active-per-token parameters, by component")
     add_preset(p)
     p.add_argument("--compare", action="store_true", help="MoE against a dense model of the same active size")
-    p.set_defaults(func=cmd_params)
+    p.set_defaults(func=commands.cmd_params)
 
     p = sub.add_parser("kv-cache", help="KV-cache size per token and for a sequence")
     add_preset(p)
@@ -493,15 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float16", help="cache dtype: float32, bfloat16, float16, float8")
     p.add_argument("--compare", action="store_true",
                    help="multi-head against GQA against GQA + chunked attention, over context lengths")
-    p.set_defaults(func=cmd_kv_cache)
+    p.set_defaults(func=commands.cmd_kv_cache)
 
     p = sub.add_parser("rope-check", help="show that RoPE scores depend only on the relative position")
     add_preset(p)
-    p.set_defaults(func=cmd_rope_check)
+    p.set_defaults(func=commands.cmd_rope_check)
 
     p = sub.add_parser("summary", help="a preset's layer layout and counts, and one timed forward pass")
     add_preset(p)
-    p.set_defaults(func=cmd_summary)
+    p.set_defaults(func=commands.cmd_summary)
 
     p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
     add_preset(p, default=None)
@@ -524,36 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a new run that starts from the weights (and tokenizer) of a run, a checkpoint or a "
                         "transformers folder: fine-tuning, with a new optimizer, schedule and data")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=commands.cmd_train)
 
     p = sub.add_parser("config", help="print the full default config file for a preset (with --set applied), every "
                                       "field explained")
     add_preset(p)
-    p.set_defaults(func=cmd_config)
+    p.set_defaults(func=commands.cmd_config)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", type=_path,
                    help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=_new_tokens, default=300)
-    p.add_argument("--temperature", type=_finite, default=0.8, help="0 = greedy, up to 2; higher = more random")
-    p.add_argument("--top-k", type=_whole, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=_finite, default=None,
-                   help="sample among the most likely tokens holding this probability mass, in (0, 1]")
-    p.add_argument("--min-p", type=_finite, default=None,
-                   help="drop tokens less likely than this share of the most likely one's probability, in [0, 1]")
-    p.add_argument("--seed", type=_whole, default=0)
+    # every field of Sampling is a flag, typed, explained and later checked by its one declaration
+    add_arguments(p, Sampling, skip=("stop_ids",), defaults={"temperature": 0.8, "seed": 0})
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (= temperature 0)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are produced")
-    p.add_argument("--stop", action="append", type=_text, metavar="TEXT", help="stop before this text (repeatable)")
     p.add_argument("--no-slide", action="store_true",
                    help="fail instead of dropping the oldest tokens when the context reaches max_seq_len")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step: 2-30 s to start, then faster for long outputs")
     add_dtype(p)
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=commands.cmd_generate)
 
     p = sub.add_parser("explain", help="walk a prompt through the model: shapes, attention, routing, next tokens")
     p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
@@ -578,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace-unknown", type=_one_char, metavar="CHAR",
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     add_dtype(p)
-    p.set_defaults(func=cmd_explain)
+    p.set_defaults(func=commands.cmd_explain)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
                        "each streamed token's route")
@@ -602,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_batch, help="threads for the model's arithmetic (default: the CPU's cores "
                    "less one, which is left to the HTTP side and the clients)")
     add_dtype(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=commands.cmd_serve)
 
     p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")
     p.add_argument("run_dir", type=_path)
@@ -611,25 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-bias", action="store_true",
                    help="write a model trained with bias balancing without its balancing biases (the reference "
                         "router has none), after printing the validation-loss change that makes")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=commands.cmd_export)
 
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_path)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
     p.add_argument("--data", type=_path, help="the run's corpus, if it has moved since training (the same text: "
                                                "its validation split); or another text, scored whole")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=commands.cmd_eval)
 
     p = sub.add_parser("plot", help="(re)draw a run's loss curves, expert-load heatmap and routing telemetry")
     p.add_argument("run_dir", type=_path, nargs="+", metavar="RUN_DIR", help="one or more runs, each drawn in its "
                    "own plots/ folder (`compare` sets runs side by side)")
-    p.set_defaults(func=cmd_plot)
+    p.set_defaults(func=commands.cmd_plot)
 
     p = sub.add_parser("compare", help="compare runs side by side: one table and overlaid plots (losses by step, "
                                        "tokens and time; expert load; routing)")
     p.add_argument("runs", nargs="+", type=_path, metavar="RUN", help="run directories (two or more to compare)")
     p.add_argument("--out", type=_path, help="folder for compare.md and the plots (default: runs/compare-TIMESTAMP)")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(func=commands.cmd_compare)
 
     p = sub.add_parser("sweep", help="train the arms of a sweep file seed by seed and read them with paired "
                                      "statistics (docs/training.md)")
@@ -637,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=_path, help="folder of the sweep (default: runs/sweeps/NAME-TIMESTAMP); the same "
                                              "folder again continues an interrupted sweep")
     add_arm_options(p, "instead of the file's")
-    p.set_defaults(func=cmd_sweep)
+    p.set_defaults(func=commands.cmd_sweep)
 
     from .experiments import EXPERIMENTS
 
@@ -648,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
     p.add_argument("--data", type=_path, help="a text file, a folder or a quoted glob (default: Shakespeare's works)")
     add_arm_options(p, "(default 0,1,2)")
-    p.set_defaults(func=cmd_experiment)
+    p.set_defaults(func=commands.cmd_experiment)
 
     for p in sub.choices.values():  # every command can meet a model built with your code
         p.add_argument("--import", dest="imports", action="append", type=_text, metavar="MODULE",
@@ -673,27 +294,6 @@ def _seeds(text: str) -> tuple[int, ...]:
     if len(set(seeds)) != len(seeds) or any(not 0 <= s < SEED_LIMIT for s in seeds):
         raise argparse.ArgumentTypeError(f"{text!r}: seeds must be distinct, from 0 to 2^63 - 1")
     return seeds
-
-
-def cmd_experiment(args: argparse.Namespace) -> int:
-    from .data import find_corpus_files
-    from .experiments import run_experiment
-    from .experiments.common import Setting
-    from .runtime import tune_allocator
-
-    tune_allocator()
-    find_corpus_files(args.data)  # a missing corpus fails before anything is created
-    setting = Setting.chosen(args.data, tiny=args.tiny, steps=args.steps, seeds=args.seeds)
-    out = args.out or f"runs/experiments/{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    try:
-        paths = run_experiment(args.name, out, setting, progress=not args.quiet)
-    except KeyboardInterrupt:  # each arm's run saved its checkpoint: the experiment can continue
-        print(f"nanollama4 experiment: interrupted; the arms trained so far are kept in {out}: rerun the same "
-              f"command with --out {out} to continue where it stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    for path in paths:
-        print(f"{ {'.json': 'results', '.md': 'table'}.get(path.suffix, 'plot')}: {path}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,17 +10,30 @@ import dataclasses
 import math
 import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from .errors import ConfigError
+from .fields import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_NUMBER,
+    WHOLE,
+    Limit,
+    Rule,
+    Seed,
+    above,
+    at_least,
+    check,
+    read_text,
+    size,
+)
 
 RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
-CapacityOverflow = Literal["next", "drop"]
-SoftmaxOver = Literal["chosen", "all"]
+CapacityOverflow = Annotated[Literal["next", "drop"], Rule("'next' (the next-best expert with room) or 'drop'")]
+SoftmaxOver = Annotated[Literal["chosen", "all"], Rule("'chosen' (the top-k, the rest -inf) or 'all' (every logit)")]
 
 
 class _JsonConfig:
@@ -39,13 +52,46 @@ class _JsonConfig:
         return cls(**data)
 
 
-# The largest value each size may take (the others: 2^27). Real Llama 4 shapes fit well inside (Maverick:
-# width 5,120, 48 layers, 128 experts, vocabulary 202,048; Scout's context 10M); the limits exist so that a
-# crafted config.json is refused before it can ask for terabytes.
-SEED_LIMIT = 2**63  # seeds are 0 .. 2^63 - 1: what torch's generators take, with room for derived seeds
-SIZE_LIMITS = {"vocab_size": 2**22, "d_model": 2**16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024,
-               "head_dim": 2048, "ffn_dim": 2**20, "expert_dim": 2**20, "n_experts": 4096, "experts_per_token": 4096,
-               "moe_every": 1024}
+# What each field takes: its type and limits (fields.Rule), read by fields.check for every door (Python, config
+# files, --set, config.json). The sizes' upper limits (size(N); the others 2^27) keep real Llama 4 shapes well
+# inside (Maverick: width 5,120, 48 layers, 128 experts, vocabulary 202,048; Scout's context 10M) and exist so
+# that a crafted config.json is refused before it can ask for terabytes.
+Count = Annotated[int, POSITIVE]
+Whole = Annotated[int, WHOLE]
+NonNegative = Annotated[float, NON_NEGATIVE]
+PositiveNumber = Annotated[float, POSITIVE_NUMBER]
+Factor = Annotated[float, above(0, "a positive factor or None")]
+_UNDER_2_27 = Limit("134,217,728", lambda v: v <= 2**27)
+Interval = Annotated[int, at_least(0, "0 (no NoPE layers) or a positive integer"), _UNDER_2_27]
+ChunkSize = Annotated[int, above(0, "a positive integer or None (no chunking)"), _UNDER_2_27]
+ExpertCount = Annotated[int, at_least(0, "0 (dense model) or a positive integer"), Limit("4,096", lambda v: v <= 4096)]
+TopK = Annotated[int, Limit("4,096", lambda v: v <= 4096)]  # positive where there are experts (a cross-field rule)
+CapacityFactor = Annotated[float, above(0, "positive or None (dropless)")]
+Decay = Annotated[float, Rule("a number in [0, 1)", lambda v: 0 <= v < 1)]
+BudgetShare = Annotated[float, Rule("a share of the time budget in [0, 1)", lambda v: 0 <= v < 1)]
+Share = Annotated[float, Rule("a share of the time budget in [0, 1] (0: validate by eval_interval steps alone)",
+                                  lambda v: 0 <= v <= 1)]
+Turns = Annotated[int, at_least(0, "a whole number >= 0 (0: every expert every step)")]
+Steps = Annotated[int, above(0, "positive or None")]
+Seconds = Annotated[float, above(0, "a positive, finite number of seconds or None")]
+Timeout = Annotated[float, above(0, "a positive, finite number of seconds")]
+Bf16 = Annotated[bool | str, Rule("true, false or 'auto' (bf16 autocast where its products measure faster than "
+                                  "float32's at the start of the run)", lambda v: v in (True, False, "auto"))]
+_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
+Device = Annotated[str, Rule("'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), 'mps' or 'xpu'",
+                             lambda v: bool(_DEVICE.fullmatch(v)))]
+InvalidUtf8 = Annotated[Literal["error", "replace"], Rule("'error' (stop, naming the file and offset) or "
+                                                          "'replace' (read bad bytes as U+FFFD)")]
+Held = Annotated[float, Rule("a share in (0, 0.5]: the end of the corpus kept for validation",
+                                    lambda v: 0 < v <= 0.5)]
+Text = Annotated[str, Rule("the path of a text (file, folder or glob) or None", bool)]
+Weights = Annotated[str, Rule("the path of a run, a checkpoint or a transformers folder, or None", bool)]
+LoraRank = Annotated[int, at_least(0, "a whole number >= 0 (0: train every weight)")]
+LoraAlpha = Annotated[float, above(0, "a positive number or None (= lora_rank)")]
+Parallel = Literal["ddp", "fsdp"]
+TokenizerKind = Literal["char", "bpe"]
+LogKind = Annotated[Literal["jsonl", "tensorboard"], Rule("'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard "
+                                                          "events as well)")]
 
 
 @dataclass
@@ -53,47 +99,47 @@ class ModelConfig(_JsonConfig):
     """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
 
     # --- sizes
-    vocab_size: int = 256  # rows of the token embedding and of the LM head
-    d_model: int = 128  # model width (residual stream)
-    n_layers: int = 4  # number of transformer blocks
-    n_heads: int = 8  # query heads
-    n_kv_heads: int = 2  # key/value heads (GQA); must divide n_heads
-    head_dim: int = 16  # width of one head; n_heads * head_dim need not equal d_model
-    max_seq_len: int = 256  # longest sequence the model is used with (training windows, generation)
+    vocab_size: size(2**22) = 256  # rows of the token embedding and of the LM head
+    d_model: size(2**16) = 128  # model width (residual stream)
+    n_layers: size(1024) = 4  # number of transformer blocks
+    n_heads: size(1024) = 8  # query heads
+    n_kv_heads: size(1024) = 2  # key/value heads (GQA); must divide n_heads
+    head_dim: size(2048) = 16  # width of one head; n_heads * head_dim need not equal d_model
+    max_seq_len: size() = 256  # longest sequence the model is used with (training windows, generation)
     # --- positions: RoPE, llama3-style frequency scaling, NoPE interleaving (iRoPE)
-    rope_theta: float = 10000.0  # RoPE base: theta_i = base^(-2i/head_dim)
-    rope_scaling: float | None = None  # llama3 scaling factor for long context; None = plain RoPE
+    rope_theta: PositiveNumber = 10000.0  # RoPE base: theta_i = base^(-2i/head_dim)
+    rope_scaling: Factor | None = None  # llama3 scaling factor for long context; None = plain RoPE
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above L0/low are divided by the factor
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below L0/high are kept as they are
-    rope_original_max_len: int = 8192  # llama3 scaling: L0, the context the base model was trained on
-    nope_interval: int = 4  # layer i has no positional embedding when (i+1) % interval == 0; 0 = none
+    rope_original_max_len: size() = 8192  # llama3 scaling: L0, the context the base model was trained on
+    nope_interval: Interval = 4  # layer i has no positional embedding when (i+1) % interval == 0; 0 = none
     # --- attention
-    attention_chunk_size: int | None = None  # RoPE layers attend within fixed chunks of this size; None = off
+    attention_chunk_size: ChunkSize | None = None  # RoPE layers attend within fixed chunks of this size; None = off
     use_qk_norm: bool = True  # weightless RMS norm of q and k per head, on RoPE layers only
     attn_temperature_tuning: bool = True  # scale NoPE-layer queries up slowly with position
-    floor_scale: int = 8192  # temperature tuning: positions are bucketed by this many tokens
-    attn_scale: float = 0.1  # temperature tuning: strength of the log growth
+    floor_scale: size() = 8192  # temperature tuning: positions are bucketed by this many tokens
+    attn_scale: NonNegative = 0.1  # temperature tuning: strength of the log growth
     # --- feed-forward: dense SwiGLU and mixture of experts
-    ffn_dim: int = 256  # width of the dense SwiGLU on non-MoE layers
-    n_experts: int = 4  # routed experts per MoE layer; 0 = dense model
-    experts_per_token: int = 1  # top-k: experts each token is sent to
-    expert_dim: int = 128  # width of each routed expert and of the shared expert
+    ffn_dim: size(2**20) = 256  # width of the dense SwiGLU on non-MoE layers
+    n_experts: ExpertCount = 4  # routed experts per MoE layer; 0 = dense model
+    experts_per_token: TopK = 1  # top-k: experts each token is sent to
+    expert_dim: size(2**20) = 128  # width of each routed expert and of the shared expert
     shared_expert: bool = True  # one always-on SwiGLU expert next to the routed ones
-    moe_every: int = 1  # layer i is MoE when (i+1) % moe_every == 0 (1 = all, 2 = layers 1,3,5...)
+    moe_every: size(1024) = 1  # layer i is MoE when (i+1) % moe_every == 0 (1 = all, 2 = layers 1,3,5...)
     router: RouterKind = "sigmoid"  # sigmoid: Llama 4 (score scales input); softmax: tutorial (weights output)
     router_noise: RouterNoise = "none"  # softmax router, training only: learned per-expert or fixed-std noise
-    router_noise_std: float = 1.0  # std of the "fixed" router noise
-    capacity_factor: float | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
+    router_noise_std: NonNegative = 1.0  # std of the "fixed" router noise
+    capacity_factor: CapacityFactor | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
     capacity_in_eval: bool = False  # also apply the capacity limit in eval() mode
     capacity_overflow: CapacityOverflow = "next"  # a full expert's token: to the "next" best with room, or "drop"
     softmax_over: SoftmaxOver = "chosen"  # softmax router: over the top-k ("chosen", the rest -inf) or "all" logits
-    aux_loss_coef: float = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
-    z_loss_coef: float = 0.0  # router z-loss coefficient (0 = off)
-    bias_balance_rate: float = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
+    aux_loss_coef: NonNegative = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
+    z_loss_coef: NonNegative = 0.0  # router z-loss coefficient (0 = off)
+    bias_balance_rate: NonNegative = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
     # --- the rest
-    norm_eps: float = 1e-5  # epsilon of every RMSNorm and of the QK norm
+    norm_eps: PositiveNumber = 1e-5  # epsilon of every RMSNorm and of the QK norm
     tie_embeddings: bool = False  # LM head shares the token embedding matrix
-    init_std: float = 0.02  # std of the normal initialisation of matrices
+    init_std: PositiveNumber = 0.02  # std of the normal initialisation of matrices
     imports: str = ""  # the modules (--import) that define this model's parts, comma-separated; filled in for you
 
     def __post_init__(self) -> None:
@@ -101,54 +147,20 @@ class ModelConfig(_JsonConfig):
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise one ValueError naming the first bad field and how to fix it."""
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "max_seq_len", "ffn_dim", "expert_dim", "moe_every", "rope_original_max_len", "floor_scale"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
-            if value > SIZE_LIMITS.get(name, 2**27):
-                raise ConfigError(f"{name} ({value:,}) is beyond what nanollama4 builds (at most "
-                                  f"{SIZE_LIMITS.get(name, 2**27):,}); the config is wrong or not ours")
-        for name in ("use_qk_norm", "attn_temperature_tuning", "shared_expert", "capacity_in_eval",
-                     "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} ({getattr(self, name)!r}) must be true or false")
-        for name in ("rope_theta", "norm_eps", "init_std"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{name} ({value!r}) must be a positive number")
+        """Raise one ConfigError naming the first bad field and how to fix it: each field's own type and limits
+        (its declaration above), then the rules between fields."""
+        check(self)
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}); "
                              "pick n_kv_heads among its divisors")
         if self.head_dim % 2 and self.nope_interval != 1:
             raise ConfigError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
-        if not isinstance(self.nope_interval, int) or self.nope_interval < 0:
-            raise ConfigError(f"nope_interval ({self.nope_interval!r}) must be 0 (no NoPE layers) or a positive "
-                              "integer")
-        if self.attention_chunk_size is not None and (
-                not isinstance(self.attention_chunk_size, int) or self.attention_chunk_size <= 0):
-            raise ConfigError(f"attention_chunk_size ({self.attention_chunk_size!r}) must be a positive integer "
-                             "or None (no chunking)")
-        for name in ("rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor", "capacity_factor"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
-                raise ConfigError(f"{name} ({value!r}) must be a finite number")
         if self.rope_scaling is not None:
-            if self.rope_scaling <= 0:
-                raise ConfigError(f"rope_scaling ({self.rope_scaling}) must be a positive factor or None")
             if not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
                 raise ConfigError(f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be positive and "
                                  f"<= rope_high_freq_factor ({self.rope_high_freq_factor})")
-        for name in ("nope_interval", "attention_chunk_size", "n_experts", "experts_per_token"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or (isinstance(value, int) and value > SIZE_LIMITS.get(name, 2**27)):
-                raise ConfigError(f"{name} ({value!r}) must be an integer of at most {SIZE_LIMITS.get(name, 2**27):,}")
-        if not isinstance(self.n_experts, int) or self.n_experts < 0:
-            raise ConfigError(f"n_experts ({self.n_experts!r}) must be 0 (dense model) or a positive integer")
         if self.n_experts:
-            if not isinstance(self.experts_per_token, int) or self.experts_per_token <= 0:
+            if self.experts_per_token <= 0:
                 raise ConfigError(f"experts_per_token ({self.experts_per_token!r}) must be a positive integer")
             if self.experts_per_token > self.n_experts:
                 raise ConfigError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
@@ -165,25 +177,11 @@ class ModelConfig(_JsonConfig):
         module = code_of(router)
         if module is not None and module not in self.imports.split(","):  # what a run records it needs
             self.imports = ",".join(filter(None, [*self.imports.split(","), module]))
-        if self.router_noise not in ("none", "fixed", "learned"):
-            raise ConfigError(f"router_noise ({self.router_noise!r}) must be 'none', 'fixed' or 'learned'")
-        if self.capacity_overflow not in ("next", "drop"):
-            raise ConfigError(f"capacity_overflow ({self.capacity_overflow!r}) must be 'next' (the next-best expert "
-                              "with room) or 'drop'")
-        if self.softmax_over not in ("chosen", "all"):
-            raise ConfigError(f"softmax_over ({self.softmax_over!r}) must be 'chosen' (the top-k, the rest -inf) "
-                              "or 'all' (every logit)")
         for name, off in (("router_noise", "none"), ("softmax_over", "chosen")):  # what only some kinds read
             if getattr(self, name) != off and name not in router.options:
                 takers = [kind for kind, cls in ROUTERS.items() if name in cls.options]
                 raise ConfigError(f"{name} applies to the {' or '.join(takers)} router only; set "
                                   f"router={takers[0]} or {name}={off}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ConfigError(f"capacity_factor ({self.capacity_factor}) must be positive or None (dropless)")
-        for name in ("aux_loss_coef", "z_loss_coef", "bias_balance_rate", "attn_scale", "router_noise_std"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
 
     # ------------------------------------------------------------------ derived layout
     def uses_rope(self, layer: int) -> bool:
@@ -217,121 +215,58 @@ class TrainConfig(_JsonConfig):
     muon_experts_per_step=2 (docs/experiments.md section 7).
     """
 
-    batch_size: int = 32  # sequences per optimizer step (per accumulation micro-step)
-    seq_len: int | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
-    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    batch_size: Count = 32  # sequences per optimizer step (per accumulation micro-step)
+    seq_len: Count | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
+    grad_accum: Count = 1  # micro-batches accumulated per optimizer step
     optimizer: str = "adamw"  # "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest)
-    lr: float = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
-    min_lr: float = 7e-5  # learning rate at the end of the cosine decay
-    warmup_steps: int = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
-    warmup_frac: float = 0.05  # under --max-time: linear warmup over this share of the time budget
-    weight_decay: float = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.99  # AdamW second-moment decay
-    muon_lr: float = 0.02  # optimizer=muon: peak learning rate of the hidden matrices (scaled per shape)
-    muon_momentum: float = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
-    muon_weight_decay: float = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
+    lr: NonNegative = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
+    min_lr: NonNegative = 7e-5  # learning rate at the end of the cosine decay
+    warmup_steps: Whole = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
+    warmup_frac: BudgetShare = 0.05  # under --max-time: linear warmup over this share of the time budget
+    weight_decay: NonNegative = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
+    beta1: Decay = 0.9  # AdamW first-moment decay
+    beta2: Decay = 0.99  # AdamW second-moment decay
+    muon_lr: NonNegative = 0.02  # optimizer=muon: peak learning rate of the hidden matrices (scaled per shape)
+    muon_momentum: Decay = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
+    muon_weight_decay: NonNegative = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
     muon_experts: bool = True  # optimizer=muon: Muon for the routed experts too (False: AdamW for them)
-    muon_experts_per_step: int = 0  # optimizer=muon: experts per layer re-orthogonalised each step, in turn (0 = all)
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0 = off)
-    max_steps: int | None = None  # stop after this many optimizer steps
-    max_time: float | None = None  # stop after this many seconds of training (the schedule follows time)
-    decay_steps: int | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
-    eval_interval: int = 250  # validate (and checkpoint) every this many steps (under --max-time: see eval_share)
-    eval_share: float = 0.2  # under --max-time: validate each time this share of the budget has passed (0 = by steps)
-    eval_batches: int = 16  # fixed validation batches per evaluation
-    bf16: bool | str = False  # autocast products to bfloat16 (weights, optimizer stay float32); "auto": if it pays
+    muon_experts_per_step: Turns = 0  # optimizer=muon: experts per layer re-orthogonalised each step, in turn (0 = all)
+    grad_clip: NonNegative = 1.0  # clip the global gradient norm to this (0 = off)
+    max_steps: Steps | None = None  # stop after this many optimizer steps
+    max_time: Seconds | None = None  # stop after this many seconds of training (the schedule follows time)
+    decay_steps: Steps | None = None  # cosine horizon in steps; None = max_steps (set it to stop early on plan)
+    eval_interval: Count = 250  # validate (and checkpoint) every this many steps (under --max-time: see eval_share)
+    eval_share: Share = 0.2  # under --max-time: validate each time this share of the budget has passed (0 = by steps)
+    eval_batches: Count = 16  # fixed validation batches per evaluation
+    bf16: Bf16 = False  # autocast products to bfloat16 (weights, optimizer stay float32); "auto": if it pays
     compile: bool = False  # torch.compile the model
-    seed: int = 1337  # seeds initialisation, batch sampling and router noise
-    tokenizer: str = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
-    bpe_vocab_size: int = 2048  # vocabulary size when tokenizer = "bpe"
-    threads: int = 0  # torch CPU threads; 0 = torch's default
-    device: str = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
-    invalid_utf8: str = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
-    val_fraction: float = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
-    val_data: str | None = None  # a separate validation text (file, folder or glob); then all the corpus trains
-    init_from: str | None = None  # start from these weights: a run, a checkpoint or a transformers folder (fine-tune)
-    lora_rank: int = 0  # with init_from: train rank-r adapters (attention, feed-forward, experts), the rest frozen
-    lora_alpha: float | None = None  # adapters' scale alpha / lora_rank; None = lora_rank (scale 1)
+    seed: Seed = 1337  # seeds initialisation, batch sampling and router noise
+    tokenizer: TokenizerKind = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
+    bpe_vocab_size: Count = 2048  # vocabulary size when tokenizer = "bpe"
+    threads: Whole = 0  # torch CPU threads; 0 = torch's default
+    device: Device = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
+    invalid_utf8: InvalidUtf8 = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
+    val_fraction: Held = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
+    val_data: Text | None = None  # a separate validation text (file, folder or glob); then all the corpus trains
+    init_from: Weights | None = None  # start from these weights: a run, a checkpoint or a transformers folder
+    lora_rank: LoraRank = 0  # with init_from: train rank-r adapters (attention, feed-forward, experts), the rest frozen
+    lora_alpha: LoraAlpha | None = None  # adapters' scale alpha / lora_rank; None = lora_rank (scale 1)
     # under torchrun (see distributed/); batch_size and grad_accum are then per rank
-    parallel: str = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
-    expert_parallel: int = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
-    log: str = "jsonl"  # "jsonl" (metrics.jsonl) or "tensorboard" (also TensorBoard events in RUN/tensorboard/)
-    dist_timeout: float = 600.0  # seconds a rank waits for its peers in one collective before giving up
+    parallel: Parallel = "ddp"  # data parallelism: "ddp" (every rank holds the model) or "fsdp" (FSDP2: sharded)
+    expert_parallel: Count = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
+    log: LogKind = "jsonl"  # "jsonl" (metrics.jsonl) or "tensorboard" (also TensorBoard events in RUN/tensorboard/)
+    dist_timeout: Timeout = 600.0  # seconds a rank waits for its peers in one collective before giving up
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "seq_len", "grad_accum", "eval_interval", "eval_batches", "bpe_vocab_size"):
-            value = getattr(self, name)
-            if name == "seq_len" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} ({value!r}) must be a positive integer")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "muon_lr", "muon_weight_decay"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} ({value!r}) must be a non-negative number")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < SEED_LIMIT:
-            raise ConfigError(f"seed ({self.seed!r}) must be an integer from 0 to 2^63 - 1")
+        """Each field's own type and limits (its declaration above), then the rules between fields."""
+        check(self)
         if self.min_lr > self.lr:
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError(f"beta1 ({self.beta1}) and beta2 ({self.beta2}) must be in [0, 1)")
-        if self.warmup_steps < 0 or self.threads < 0:
-            raise ConfigError("warmup_steps and threads must be non-negative")
-        if not isinstance(self.eval_share, (int, float)) or isinstance(self.eval_share, bool) \
-                or not 0 <= self.eval_share <= 1:
-            raise ConfigError(f"eval_share ({self.eval_share!r}) must be a share of the time budget in [0, 1] (0: "
-                              "validate by eval_interval steps alone)")
-        if self.log not in ("jsonl", "tensorboard"):
-            raise ConfigError(f"log ({self.log!r}) must be 'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard "
-                              "events as well)")
-        if not isinstance(self.warmup_frac, (int, float)) or not 0 <= self.warmup_frac < 1:
-            raise ConfigError(f"warmup_frac ({self.warmup_frac!r}) must be a share of the time budget in [0, 1)")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise ConfigError(f"max_steps ({self.max_steps}) must be positive or None")
-        if self.decay_steps is not None and self.decay_steps <= 0:
-            raise ConfigError(f"decay_steps ({self.decay_steps}) must be positive or None")
-        if self.max_time is not None and not (isinstance(self.max_time, (int, float))
-                                               and math.isfinite(self.max_time) and self.max_time > 0):
-            raise ConfigError(f"max_time ({self.max_time}) must be a positive, finite number of seconds or None")
         if self.max_time is not None and self.max_time > MAX_DURATION:
             raise ConfigError(f"max_time ({self.max_time:g} s) is more than a year; give the time you mean to train")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"optimizer ({self.optimizer!r}) must be 'adamw' or 'muon' (Muon for the hidden "
                               "matrices, AdamW for the rest)")
-        if not isinstance(self.muon_experts, bool):
-            raise ConfigError(f"muon_experts ({self.muon_experts!r}) must be true or false")
-        if not isinstance(self.muon_experts_per_step, int) or isinstance(self.muon_experts_per_step, bool) \
-                or self.muon_experts_per_step < 0:
-            raise ConfigError(f"muon_experts_per_step ({self.muon_experts_per_step!r}) must be a whole number >= 0 "
-                              "(0: every expert every step)")
-        if not isinstance(self.muon_momentum, (int, float)) or not 0 <= self.muon_momentum < 1:
-            raise ConfigError(f"muon_momentum ({self.muon_momentum!r}) must be in [0, 1)")
-        if self.tokenizer not in ("char", "bpe"):
-            raise ConfigError(f"tokenizer ({self.tokenizer!r}) must be 'char' or 'bpe'")
-        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
-            raise ConfigError(f"device ({self.device!r}) must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N a GPU index), "
-                              "'mps' or 'xpu'")
-        if not isinstance(self.val_fraction, (int, float)) or isinstance(self.val_fraction, bool) \
-                or not 0 < self.val_fraction <= 0.5:
-            raise ConfigError(f"val_fraction ({self.val_fraction!r}) must be a share in (0, 0.5]: the end of the "
-                              "corpus kept for validation")
-        if self.val_data is not None and (not isinstance(self.val_data, str) or not self.val_data):
-            raise ConfigError(f"val_data ({self.val_data!r}) must be the path of a text (file, folder or glob) or None")
-        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
-            raise ConfigError(f"init_from ({self.init_from!r}) must be the path of a run, a checkpoint or a "
-                              "transformers folder, or None")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(f"parallel ({self.parallel!r}) must be 'ddp' or 'fsdp'")
-        if not isinstance(self.expert_parallel, int) or isinstance(self.expert_parallel, bool) \
-                or self.expert_parallel < 1:
-            raise ConfigError(f"expert_parallel ({self.expert_parallel!r}) must be a positive integer")
-        if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
-            raise ConfigError(f"lora_rank ({self.lora_rank!r}) must be a whole number >= 0 (0: train every weight)")
-        if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float)) and not
-                                                isinstance(self.lora_alpha, bool) and math.isfinite(self.lora_alpha)
-                                                and self.lora_alpha > 0):
-            raise ConfigError(f"lora_alpha ({self.lora_alpha!r}) must be a positive number or None (= lora_rank)")
         if self.lora_rank:
             if self.init_from is None:
                 raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
@@ -342,22 +277,12 @@ class TrainConfig(_JsonConfig):
             if self.parallel == "fsdp" or self.expert_parallel > 1:
                 raise ConfigError("lora_rank works in one process or under torchrun with parallel=ddp and "
                                   "expert_parallel=1: the adapters are small, so every rank holds them whole")
-        if not (isinstance(self.dist_timeout, (int, float)) and math.isfinite(self.dist_timeout)
-                and self.dist_timeout > 0):
-            raise ConfigError(f"dist_timeout ({self.dist_timeout}) must be a positive, finite number of seconds")
-        if not (isinstance(self.bf16, bool) or self.bf16 == "auto"):
-            raise ConfigError(f"bf16 ({self.bf16!r}) must be true, false or 'auto' (bf16 autocast where its "
-                              "products measure faster than float32's at the start of the run)")
-        if self.invalid_utf8 not in ("error", "replace"):
-            raise ConfigError(f"invalid_utf8 ({self.invalid_utf8!r}) must be 'error' (stop, naming the file and "
-                             "offset) or 'replace' (read bad bytes as U+FFFD)")
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed, validated again."""
         return self.from_dict({**self.to_dict(), **changes})
 
 
-_DEVICE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d+)?")
 
 
 def _llama4_common() -> dict[str, Any]:
@@ -450,7 +375,7 @@ MAX_DURATION = 366 * 24 * 3600.0  # seconds: a longer --max-time is a slip of th
 def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
     """["key=value", ...] as typed values for the dataclass `cls`, unknown keys refused.
 
-    Each value is read as its field's declared type (`parse_value`), so `--set n_experts=eight` fails
+    Each value is read as its field's declared type (`fields.read_text`), so `--set n_experts=eight` fails
     here, naming the field, instead of deep in torch; the config's own checks then judge the value.
     """
     by_name = {f.name: f for f in fields(cls)}
@@ -462,7 +387,7 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
         key, raw = (part.strip() for part in pair.split("=", 1))
         if key not in by_name:
             raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
-        out[key] = parse_value(key, raw, hints[key])
+        out[key] = read_text(key, raw, hints[key])
     return out
 
 
@@ -477,35 +402,6 @@ def split_overrides(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
                               f"training {', '.join(sorted(train_keys))}")
         (train_pairs if key in train_keys else model_pairs).append(pair)
     return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
-
-
-_WORDS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
-
-
-def parse_value(key: str, raw: str, hint: Any) -> Any:
-    """`raw` read as the type `hint` declares (a field's resolved annotation): None for an optional field,
-    a bool word ("auto" too for `bool | str`), an int or a float; text and Literal fields stay text, for the
-    config's own checks to judge."""
-    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-    options = set(typing.get_args(hint)) if union else {hint}
-    optional = type(None) in options
-    if optional and raw.lower() in ("none", "null"):
-        return None
-    if bool in options:
-        if raw.lower() in _WORDS:
-            return _WORDS[raw.lower()]
-        if str in options and raw.lower() == "auto":  # bf16=auto
-            return "auto"
-        expected = "true, false or auto" if str in options else "bool"
-    elif options & {int, float}:
-        number = int if int in options else float
-        try:
-            return number(raw)
-        except ValueError:
-            expected = number.__name__
-    else:
-        return raw
-    raise ConfigError(f"{key}={raw!r}: expected {expected}{' or None' if optional else ''}")
 
 
 __all__ = ["ModelConfig", "TrainConfig", "PRESETS", "preset", "parse_overrides", "parse_duration"]

@@ -19,16 +19,14 @@ resolved file, every field filled in, as `config.toml` at its root, and `train -
 --out NEW` trains the same run again. `nanollama4 config [--preset P]` prints the full default file.
 
 There is no second list of fields: the names, types and defaults are the dataclasses' (`config.py`), and
-each field's one-line meaning is the comment on its line there (`field_help`). TOML has no null, so a
+each field's one-line meaning is the comment on its line there (`fields.field_help`). TOML has no null, so a
 field that may be None takes the string "none".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import re
 import sys
 import types
 import typing
@@ -38,6 +36,7 @@ from typing import Any, Literal
 
 from .config import ModelConfig, TrainConfig, preset
 from .errors import ConfigError
+from .fields import field_help
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,16 +66,6 @@ class ConfigFile:
 
 
 # ---------------------------------------------------------------------------------------------- the declarations
-def field_help(cls: type) -> dict[str, str]:
-    """Each field's one-line meaning: the comment on its line in the class's source."""
-    out = {}
-    for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"    (\w+): [^=]+= .*?  # (.*)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
-    return out
-
-
 def _expected(hint: Any) -> str:
     """What a field takes, in words, from its resolved annotation."""
     options = typing.get_args(hint) if _is_union(hint) else (hint,)

@@ -9,9 +9,19 @@ Offline generation is "add the prompts, step until done" (`generation.generate`)
 same engine on a thread of its own (`serve.engine`). See docs/reference.md for the picture of a step.
 """
 
-from .cache import SlotCache, check_cache_fits
-from .core import Engine, Event, Finished, Request, TokenEvent
-from .sampling import GREEDY_BELOW, Sampling, SamplingError, TextStream, filter_logits, next_token
+import importlib
+from typing import Any
 
-__all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event", "SlotCache", "check_cache_fits", "Sampling",
-           "SamplingError", "TextStream", "filter_logits", "next_token", "GREEDY_BELOW"]
+# Names load on first use (PEP 562), so that reading `engine.sampling.Sampling` (the command line builds its
+# flags from it) does not import torch through the engine's other modules.
+_HOMES = {"Engine": "core", "Request": "core", "TokenEvent": "core", "Finished": "core", "Event": "core",
+          "SlotCache": "cache", "check_cache_fits": "cache", "Sampling": "sampling", "SamplingError": "sampling",
+          "TextStream": "sampling", "filter_logits": "sampling", "next_token": "sampling",
+          "GREEDY_BELOW": "sampling"}
+__all__ = list(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)

@@ -1,9 +1,16 @@
 """The one sampling and stopping contract: what the next token may be, and where a continuation ends.
 
-`Sampling` holds and checks every setting once, with the limits every caller shares (the command line
-reports a bad value as one line, the API as an error object naming the field, the Python API raises
-the `SamplingError`). `choose` picks the next token of one row from its logits; `TextStream` turns a
-row's tokens into text and decides where it stops, holding back what could still become a stop string.
+`Sampling` is declared here once: each field's line gives its type, its limits (`Rule`s) and its meaning,
+and from that line come the command line's flags (`generate --top-p`), the HTTP bodies' fields
+(`serve/schema.py`), the Python API's keywords (`generate(..., top_p=0.9)`) and the one check all three
+share (`fields.check`: the command line reports a bad value as one line, the API as an error object naming
+the field, the Python API raises the `SamplingError`). `next_token` is the one place a next token is chosen
+from logits, greedy or sampled; `TextStream` turns a row's tokens into text and decides where it stops,
+holding back what could still become a stop string. A new sampling option is a field here and its use in
+`next_token` (docs/reference.md, "Adding a sampling option").
+
+torch is imported inside the functions that compute: the command line reads `Sampling` to build its parser
+before it needs torch.
 """
 
 from __future__ import annotations
@@ -12,15 +19,24 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Annotated, Any
 
 from ..errors import GenerationError
+from ..fields import Rule, Seed, check, integer
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_TEMPERATURE = 2.0  # OpenAI's limit; past it the distribution is close to uniform noise anyway
 GREEDY_BELOW = 1e-6  # temperatures below this are greedy: dividing the logits by them would overflow
-SEED_LIMIT = 2**63
+
+Temperature = Annotated[float, Rule(f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}",
+                                    lambda v: 0 <= v <= MAX_TEMPERATURE)]
+TopK = Annotated[int, Rule("a positive integer", lambda v: v >= 1)]
+TopP = Annotated[float, Rule("a number in (0, 1]", lambda v: 0 < v <= 1)]
+MinP = Annotated[float, Rule("a number in [0, 1]", lambda v: 0 <= v <= 1)]
+Stops = Annotated[tuple[str, ...], Rule("non-empty strings", lambda v: all(v))]
+StopIds = Annotated[tuple[int, ...], Rule("token ids (integers >= 0)", lambda v: all(i >= 0 for i in v))]
 
 
 class SamplingError(GenerationError):
@@ -31,19 +47,6 @@ class SamplingError(GenerationError):
         self.field = field
 
 
-def _number(v: Any) -> bool:
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an integer too large for a float
-        return False
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen and where a row stops: one object, checked once, passed whole.
@@ -52,33 +55,18 @@ class Sampling:
     generation functions also take these fields as keywords (`generate(..., temperature=0)`).
     """
 
-    temperature: float = 1.0  # 0 = greedy (always the most likely token), up to 2; higher = more random
-    top_k: int | None = None  # sample among the k most likely tokens only
-    top_p: float | None = None  # sample among the most likely tokens holding this probability mass, (0, 1]
-    min_p: float | None = None  # drop tokens less likely than min_p x the most likely one's probability, [0, 1]
-    seed: int | None = None  # seeds the row's own generator; None = torch's global RNG
-    stop: tuple[str, ...] = ()  # text: a row ends right before the first of these (not returned)
-    stop_ids: tuple[int, ...] = ()  # token ids: a row ends at the first of these
+    temperature: Temperature = 1.0  # 0 = greedy (always the most likely token), up to 2; higher = more random
+    top_k: TopK | None = None  # sample among the k most likely tokens only
+    top_p: TopP | None = None  # sample among the most likely tokens holding this probability mass, in (0, 1]
+    min_p: MinP | None = None  # drop tokens less likely than this share of the most likely one's probability, [0, 1]
+    seed: Seed | None = None  # seeds the row's own generator; None = torch's global RNG
+    stop: Stops = ()  # stop right before this text (not returned)
+    stop_ids: StopIds = ()  # token ids: a row ends at the first of these
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_ids", (self.stop_ids,) if isinstance(self.stop_ids, int)
-                           else tuple(self.stop_ids))
-        if not (_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
-            raise SamplingError("temperature", f"temperature ({self.temperature!r}) must be a number from 0 "
-                                f"(greedy) to {MAX_TEMPERATURE:g}")
-        if self.top_k is not None and not (_integer(self.top_k) and self.top_k >= 1):
-            raise SamplingError("top_k", f"top_k ({self.top_k!r}) must be a positive integer")
-        if self.top_p is not None and not (_number(self.top_p) and 0 < self.top_p <= 1):
-            raise SamplingError("top_p", f"top_p ({self.top_p!r}) must be a number in (0, 1]")
-        if self.min_p is not None and not (_number(self.min_p) and 0 <= self.min_p <= 1):
-            raise SamplingError("min_p", f"min_p ({self.min_p!r}) must be a number in [0, 1]")
-        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT):
-            raise SamplingError("seed", f"seed ({self.seed!r}) must be an integer from 0 to 2^63 - 1")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise SamplingError("stop", f"stop ({self.stop!r}) must hold non-empty strings")
-        if not all(_integer(i) and i >= 0 for i in self.stop_ids):
-            raise SamplingError("stop_ids", f"stop_ids ({self.stop_ids!r}) must hold token ids (integers >= 0)")
+        object.__setattr__(self, "stop_ids", (self.stop_ids,) if integer(self.stop_ids) else tuple(self.stop_ids))
+        check(self, SamplingError)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +74,8 @@ class Sampling:
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator of the row's own, seeded with `seed` (None: torch's global RNG draws)."""
+        import torch
+
         return None if self.seed is None else torch.Generator(device=device).manual_seed(self.seed)
 
 
@@ -110,6 +100,8 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     the tokens strictly more likely than it is still below top_p, so the most likely token always stays;
     min_p keeps it too (its probability is the maximum).
     """
+    import torch
+
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -133,6 +125,8 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     where the sharpened distribution is the argmax's anyway), else sample from the filtered distribution."""
     if sampling.greedy:
         return logits.argmax(-1)
+    import torch
+
     probs = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
                           sampling.min_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,67 @@
+"""The speeds a refactor must keep: the demo's training step and batch-1 / batch-16 decoding, in one process.
+
+Training: `make demo`'s settings (shakespeare-char, bf16=auto, seq_len 256, batch 32, Muon, two experts
+re-orthogonalised per step) for --steps steps on Shakespeare; the figure is the median of metrics.jsonl's
+per-step tokens/s after the first 5 steps. Decoding: the demo model (untrained, seeded) from a 16-token
+prompt, greedy, --tokens new tokens at batch 1 and 16 through `generate_ids`; best of 3 runs after a
+warm-up. Meant to be run against two checkouts in turn (PYTHONPATH=OTHER/src), A B A B, alone on the machine.
+
+    python benchmarks/arch_speed.py [--steps 40] [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import nanollama4
+from nanollama4.config import TrainConfig, preset
+from nanollama4.generation import generate_ids
+from nanollama4.runtime import tune_allocator
+from nanollama4.train import train
+
+DEMO = dict(bf16="auto", seq_len=256, batch_size=32, optimizer="muon", lr=2e-3, min_lr=2e-4,
+            muon_experts_per_step=2, eval_interval=10_000)
+
+
+def training_tokens_per_s(steps: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        train(preset("shakespeare-char"), TrainConfig(max_steps=steps, **DEMO), Path(tmp) / "run", progress=False)
+        lines = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        rates = [line["tokens_per_s"] for line in lines if "tokens_per_s" in line][5:]
+    return statistics.median(rates)
+
+
+def decode_tokens_per_s(rows: int, tokens: int) -> float:
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(preset("shakespeare-char", vocab_size=96)).eval()
+    prompts = [list(range(i, i + 16)) for i in range(rows)]
+    generate_ids(model, prompts, 8, temperature=0)  # warm-up: the runner's thread trials, allocations
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        generate_ids(model, prompts, tokens, temperature=0)
+        best = max(best, rows * tokens / (time.perf_counter() - start))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--tokens", type=int, default=256)
+    args = parser.parse_args()
+    tune_allocator()
+    print(f"{'figure':<28} {'tokens/s':>10}   ({nanollama4.__file__})")
+    print(f"{'demo training step':<28} {training_tokens_per_s(args.steps):>10,.0f}")
+    for rows in (1, 16):
+        print(f"{f'decode, batch {rows}':<28} {decode_tokens_per_s(rows, args.tokens):>10,.0f}")
+
+
+if __name__ == "__main__":
+    main()
