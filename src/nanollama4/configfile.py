@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from .config import ModelConfig, TrainConfig, preset
 from .errors import ConfigError
-from .fields import field_help
+from .fields import field_help, hints, split
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,9 +87,11 @@ def _is_union(hint: Any) -> bool:
 
 
 def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
-    """`value` as read from TOML, if its type is one the field declares (ints where floats go are widened);
-    else a ConfigError naming where, the key and what it takes. Ranges are the config's own checks."""
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    """`value` as read from TOML, if its JSON type is one the field declares (ints where floats go are
+    widened); else a ConfigError naming where, the key and what it takes. The field's choices and limits are
+    judged where the config is built, by its one declaration (`fields.check`), as for every other door."""
+    bare = split(hint)[0]
+    options = typing.get_args(bare) if _is_union(bare) else (bare,)
     if type(None) in options and value == "none":
         return None
     for option in options:
@@ -101,9 +103,9 @@ def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str) and (bool not in options or value == "auto"):
             return value
-        if typing.get_origin(option) is Literal and value in typing.get_args(option) and isinstance(value, str):
+        if typing.get_origin(option) is Literal and isinstance(value, str):
             return value
-    raise ConfigError(f"{where}: {key} = {_toml_value(value)} takes {_expected(hint)}")
+    raise ConfigError(f"{where}: {key} = {_toml_value(value)} takes {_expected(bare)}")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -141,7 +143,7 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
 
 def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile) -> dict[str, Any]:
     cls = TABLES[table]
-    hints = typing.get_type_hints(cls)
+    declared = hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     checked = {}
     for key, value in values.items():
@@ -161,7 +163,7 @@ def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile)
             other = next((t for t, c in TABLES.items() if key in {f.name for f in dataclasses.fields(c)}), None)
             hint = f"; it belongs in [{other}]" if other else f"; valid keys: {', '.join(sorted(known))}"
             raise ConfigError(f"{where} has no key {key!r}{hint}")
-        checked[key] = check_value(where, key, value, hints[key])
+        checked[key] = check_value(where, key, value, declared[key])
     return checked
 
 

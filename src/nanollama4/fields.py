@@ -32,9 +32,9 @@ from typing import Annotated, Any, Literal
 
 from .errors import ConfigError
 
-__all__ = ["Rule", "Limit", "Annotated", "check", "field_help", "hints", "read_text", "add_arguments",
-           "arguments_of", "number", "integer", "size", "Seed", "SEED_LIMIT", "POSITIVE", "WHOLE", "NON_NEGATIVE",
-           "POSITIVE_NUMBER", "at_least", "above"]
+__all__ = ["Rule", "Limit", "Annotated", "check", "problem", "field_help", "hints", "read_text", "add_arguments",
+           "arguments_of", "split", "number", "integer", "size", "Seed", "SEED_LIMIT", "POSITIVE", "WHOLE",
+           "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def _split(hint: Any) -> tuple[Any, tuple[Rule, ...]]:
+def split(hint: Any) -> tuple[Any, tuple[Rule, ...]]:
     """(the bare type, the rules) of an annotation; `Rule | None` is `Optional[Annotated[...]]`, so the
     members of a union are unwrapped too."""
     rules: list[Rule] = []
@@ -147,14 +147,14 @@ def _fits(value: Any, option: Any) -> bool:
         return isinstance(value, str) and value in typing.get_args(option)
     if typing.get_origin(option) is tuple:
         item = typing.get_args(option)[0]
-        return isinstance(value, tuple) and all(_fits(v, _split(item)[0]) for v in value)
+        return isinstance(value, tuple) and all(_fits(v, split(item)[0]) for v in value)
     raise TypeError(f"fields: no check for the annotation {option!r}")
 
 
 def type_words(hint: Any) -> str:
     """What an annotation takes, in words ("true or false", "'char' or 'bpe'", "a number or None")."""
     words = []
-    for option in _options(_split(hint)[0]):
+    for option in _options(split(hint)[0]):
         if option is type(None):
             continue
         if typing.get_origin(option) is Literal:
@@ -164,7 +164,7 @@ def type_words(hint: Any) -> str:
             words.append("a list of " + type_words(typing.get_args(option)[0]).removeprefix("a "))
         else:
             words.append({bool: "true or false", int: "an integer", float: "a number", str: "a string"}[option])
-    if type(None) in _options(_split(hint)[0]):
+    if type(None) in _options(split(hint)[0]):
         words.append("None")
     return " or ".join(words)
 
@@ -173,19 +173,24 @@ def check(obj: Any, error: Callable[[str, str], Exception] | None = None) -> Non
     """Raise one line naming the first field of dataclass `obj` whose value is not of its declared type or
     breaks one of its rules. `error(field, message)` makes the exception (default: ConfigError(message))."""
     for name, hint in hints(type(obj)).items():
-        value = getattr(obj, name)
-        base, rules = _split(hint)
-        options = _options(base)
-        if value is None and type(None) in options:
-            continue
-        if not any(_fits(value, option) for option in options):
-            words = rules[0].words if rules and not isinstance(rules[0], Limit) else type_words(hint)
-            message = f"{name} ({value!r}) must be {words}"
+        message = problem(name, getattr(obj, name), hint)
+        if message is not None:
             raise (error(name, message) if error else ConfigError(message))
-        for rule in rules:
-            if rule.ok is not None and not rule.ok(value):
-                message = rule.message(name, value)
-                raise (error(name, message) if error else ConfigError(message))
+
+
+def problem(name: str, value: Any, hint: Any) -> str | None:
+    """What is wrong with `value` for the field `name` declared as `hint`, in one line; None if nothing."""
+    base, rules = split(hint)
+    options = _options(base)
+    if value is None and type(None) in options:
+        return None
+    if not any(_fits(value, option) for option in options):
+        words = rules[0].words if rules and not isinstance(rules[0], Limit) else type_words(hint)
+        return f"{name} ({value!r}) must be {words}"
+    for rule in rules:
+        if rule.ok is not None and not rule.ok(value):
+            return rule.message(name, value)
+    return None
 
 
 @functools.cache
@@ -218,7 +223,7 @@ def read_text(key: str, raw: str, hint: Any) -> Any:
     """`raw` (a command line's or `--set`'s text) read as the type `hint` declares: None for an optional
     field, a bool word ("auto" too for `bool | str`), an int or a float; text and Literal fields stay text,
     for `check` to judge."""
-    options = set(_options(_split(hint)[0]))
+    options = set(_options(split(hint)[0]))
     optional = type(None) in options
     if optional and raw.lower() in ("none", "null"):
         return None
@@ -241,7 +246,7 @@ def read_text(key: str, raw: str, hint: Any) -> Any:
 
 def _argument_type(hint: Any) -> Callable[[str], Any]:
     """An argparse type for one field: the text read as the field's type; its limits are `check`'s."""
-    options = set(_options(_split(hint)[0]))
+    options = set(_options(split(hint)[0]))
 
     def read(text: str) -> Any:
         if int in options:
@@ -273,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if f.name in skip:
             continue
         hint = hints(cls)[f.name]
-        base = next(o for o in _options(_split(hint)[0]) if o is not type(None))
+        base = next(o for o in _options(split(hint)[0]) if o is not type(None))
         default = defaults.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
         flag = "--" + f.name.replace("_", "-")
         if typing.get_origin(base) is tuple:
@@ -292,5 +297,5 @@ def arguments_of(args: argparse.Namespace, cls: type, skip: tuple[str, ...] = ()
         if f.name not in skip and hasattr(args, f.name):
             value = getattr(args, f.name)
             out[f.name] = tuple(value or ()) if typing.get_origin(
-                next(o for o in _options(_split(hints(cls)[f.name])[0]) if o is not type(None))) is tuple else value
+                next(o for o in _options(split(hints(cls)[f.name])[0]) if o is not type(None))) is tuple else value
     return out

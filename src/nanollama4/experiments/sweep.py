@@ -38,7 +38,6 @@ import dataclasses
 import itertools
 import json
 import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 from ..config import ModelConfig, TrainConfig, parse_duration, preset
 from ..configfile import TABLES, ConfigFile, _toml_value, check_value, read_config_file
 from ..errors import ConfigError, Nanollama4Error
+from ..fields import hints
 from ..files import atomic_write, read_json
 from ..memory import format_count
 from . import common
@@ -212,7 +212,7 @@ def _arm(path: Path, name: str, values: dict[str, Any]) -> Arm:
         if table is None or key in NOT_PER_ARM:
             why = NOT_PER_ARM.get(key, "no such field in [model] or [train]")
             raise ConfigError(f"{path}: arm {name!r} sets {key!r}: {why}")
-        hint = typing.get_type_hints(TABLES[table])[key]
+        hint = hints(TABLES[table])[key]
         checked = check_value(f"{path}: arm {name!r}", key, value, hint)
         (model if table == "model" else train)[key] = checked
     return Arm(name, model, train)

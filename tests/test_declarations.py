@@ -1,0 +1,138 @@
+"""Each settings contract is declared once (`fields.py`): a field's line gives its type, limits and meaning, and
+the command line, config files, `--set` and the Python API all read it from there.
+
+The thought experiment of issue 48: a sampling option added to `Sampling` in one module reaches the command
+line's flags and the Python API, and is refused in the same words by both (the HTTP bodies:
+tests/test_serve_schema.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Annotated
+
+import pytest
+
+from nanollama4 import fields
+from nanollama4.cli import build_parser
+from nanollama4.config import ModelConfig, TrainConfig, parse_overrides
+from nanollama4.configfile import read_config_file, resolve
+from nanollama4.engine.sampling import Sampling, SamplingError
+from nanollama4.errors import ConfigError
+from nanollama4.fields import Rule, add_arguments, arguments_of, check, field_help
+
+Penalty = Annotated[float, Rule("a number from 1 to 2", lambda v: 1 <= v <= 2)]
+
+
+@dataclass(frozen=True)
+class WithPenalty(Sampling):
+    """Sampling with one more option, declared the way Sampling's own are (a field line with a Rule)."""
+
+    repetition_penalty: Penalty | None = None  # divide repeated tokens' logits by this
+
+
+def _generate_parser(cls: type = Sampling):
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser, cls, skip=("stop_ids",), defaults={"temperature": 0.8, "seed": 0})
+    return parser
+
+
+def test_every_sampling_field_is_a_generate_flag_with_its_declared_meaning():
+    parser = build_parser()
+    generate = parser._subparsers._group_actions[0].choices["generate"]  # noqa: SLF001 (argparse has no API)
+    flags = {a.dest: a for a in generate._actions}  # noqa: SLF001
+    helps = field_help(Sampling)
+    for f in dataclasses.fields(Sampling):
+        if f.name == "stop_ids":  # token ids: the Python API's and the server's chat template's, not a flag
+            continue
+        assert f.name in flags, f"Sampling.{f.name} has no generate flag"
+        assert flags[f.name].help.startswith(helps[f.name]), (f.name, flags[f.name].help)
+
+
+def test_a_new_sampling_option_reaches_the_flags_and_python_with_one_check():
+    # the flag exists, typed and explained by the field's line
+    args = _generate_parser(WithPenalty).parse_args(["--repetition-penalty", "1.3", "--top-k", "5"])
+    values = arguments_of(args, WithPenalty, skip=("stop_ids",))
+    assert values["repetition_penalty"] == 1.3 and values["top_k"] == 5
+    assert WithPenalty(**values).repetition_penalty == 1.3
+    assert "divide repeated tokens' logits by this" in _generate_parser(WithPenalty).format_help()
+    # a bad value is refused by the same check whichever door it came through, naming the field
+    args = _generate_parser(WithPenalty).parse_args(["--repetition-penalty", "3"])
+    with pytest.raises(SamplingError) as from_flags:
+        WithPenalty(**arguments_of(args, WithPenalty, skip=("stop_ids",)))
+    with pytest.raises(SamplingError) as from_python:
+        WithPenalty(repetition_penalty=3.0)
+    assert str(from_flags.value) == str(from_python.value) == "repetition_penalty (3.0) must be a number from 1 to 2"
+    assert from_python.value.field == "repetition_penalty"
+    with pytest.raises(SamplingError, match=r"repetition_penalty \('x'\) must be a number from 1 to 2"):
+        WithPenalty(repetition_penalty="x")  # the wrong type, in the rule's words
+
+
+@pytest.mark.parametrize(("cls", "key", "bad", "message"), [
+    (TrainConfig, "warmup_frac", "1.5", "warmup_frac (1.5) must be a share of the time budget in [0, 1)"),
+    (TrainConfig, "muon_momentum", "1.0", "muon_momentum (1.0) must be a number in [0, 1)"),
+    (TrainConfig, "tokenizer", "words", "tokenizer ('words') must be 'char' or 'bpe'"),
+    (TrainConfig, "log", "csv", "log ('csv') must be 'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard events "
+                                "as well)"),
+    (ModelConfig, "n_experts", "-1", "n_experts (-1) must be 0 (dense model) or a positive integer"),
+    (ModelConfig, "d_model", "70000", "d_model (70,000) is beyond what nanollama4 builds (at most 65,536); the config "
+                                      "is wrong or not ours"),
+    (ModelConfig, "capacity_overflow", "spill", "capacity_overflow ('spill') must be 'next' (the next-best expert "
+                                                "with room) or 'drop'"),
+])
+def test_a_bad_value_reads_the_same_from_python_set_and_a_config_file(cls, key, bad, message, tmp_path):
+    value = parse_overrides([f"{key}={bad}"], cls)[key]
+    with pytest.raises(ConfigError) as from_python:
+        cls(**{key: value})
+    assert str(from_python.value) == message
+    base = {"n_experts": 4} if key == "experts_per_token" else {}
+    with pytest.raises(ConfigError) as from_set:
+        cls(**base, **parse_overrides([f"{key}={bad}"], cls))
+    assert str(from_set.value) == message
+    table = "model" if cls is ModelConfig else "train"
+    toml_value = f'"{bad}"' if isinstance(value, str) else bad
+    (tmp_path / "c.toml").write_text(f"[{table}]\n{key} = {toml_value}\n")
+    file = read_config_file(tmp_path / "c.toml")  # read as TOML's types; judged where the configs are built
+    with pytest.raises(ConfigError) as from_file:
+        resolve(file, None, {}, {}, "tiny")
+    assert str(from_file.value).startswith(message + f" (from {tmp_path / 'c.toml'}")
+
+
+def test_every_config_field_has_a_meaning_and_a_check_the_type_alone_cannot_pass():
+    """Each field's line carries its comment; a value of another type is refused for every field."""
+    for cls in (ModelConfig, TrainConfig, Sampling):
+        helps = field_help(cls)
+        for f in dataclasses.fields(cls):
+            assert helps.get(f.name), f"{cls.__name__}.{f.name} has no comment on its line"
+    for f in dataclasses.fields(TrainConfig):
+        obj = TrainConfig()
+        object.__setattr__(obj, f.name, object())
+        with pytest.raises(ConfigError, match=f"^{f.name} "):
+            check(obj)
+
+
+def test_the_declared_rules_are_the_only_range_checks_left_in_the_configs():
+    """The configs' own validation holds only rules between fields: no field is compared with a constant by hand
+    any more (the declarations do that), which a grep of the two validators shows."""
+    import inspect
+    import re
+
+    for source in (inspect.getsource(ModelConfig.validate), inspect.getsource(TrainConfig.__post_init__)):
+        assert "isinstance(" not in source
+        assert not re.search(r"self\.\w+ not in \(", source.replace("self.optimizer", "")), source
+
+
+def test_seed_limits_are_declared_once():
+    import nanollama4.config as config
+    import nanollama4.engine.sampling as sampling
+
+    assert fields.SEED_LIMIT == 2**63
+    assert "SEED_LIMIT = " not in inspect_source(config) and "SEED_LIMIT = " not in inspect_source(sampling)
+
+
+def inspect_source(module) -> str:
+    import inspect
+
+    return inspect.getsource(module)
