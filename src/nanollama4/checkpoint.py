@@ -11,6 +11,9 @@ What in a run folder is ours to remove is decided in one place (`is_our_step`, `
 folder named `step-` + 7 digits that holds only checkpoint files, and that neither link resolves to
 (however the link is spelled); our own temporary folders (`.tmp-step-NNNNNNN-*`). Nothing else there is
 ever touched.
+
+Over 400 lines on purpose: writing, resolving, validating and pruning checkpoints share the rules of what
+a checkpoint folder is and what is ours to remove; one file keeps those rules in one place.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ config, evaluation.json) and writes into OUT:
     routing.png      the routing telemetry of the MoE runs' validations (when their metrics carry it)
 Every run gets one colour, the same in every plot. A run still training, or one without a checkpoint yet,
 is shown with what it has so far ("-" for the rest).
+
+Over 400 lines on purpose: the table and the three plots read the same per-run records, and splitting them
+would pass those records between modules for no reader's gain.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
-"""Model configuration: one typed, validated dataclass and the named presets.
+"""Model and training configuration: typed, validated dataclasses and the named presets.
 
-Every architectural choice of the model is a field here, so that a config file (JSON) fully describes
-a model and a bad value is caught once, at construction, with a message that names the field.
+Every architectural choice of the model is a field of `ModelConfig`, every training choice one of
+`TrainConfig`, so that a config file fully describes a run. Each field is declared once, on its line: its
+type, its limits (`fields.Rule`, named aliases below) and its meaning (the comment). `fields.check` judges a
+value by that line at construction, whichever door it came through, with a message that names the field;
+the validators here hold only the rules between fields. Just over 400 lines: the presets' shapes and the
+reasons for them belong beside the fields they set.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ with numpy) plus a JSON header. The cache is keyed by the text's sha256 and the 
 so a second run with the same text and tokenizer starts at once, and a change to either makes a new entry.
 Batches are random windows drawn from a `torch.Generator`, so they are reproducible from its state
 (which a checkpoint can save).
+
+Over 400 lines on purpose: discovery, decoding, the cache and the pieces a large corpus is tokenised in
+share one contract (the ids of a corpus are the ids of its whole text), which is easiest to check in one file.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ ordinary training loop, reading its metrics back, the results file, tables and p
 
 An *arm* is one model trained one way. Each arm is a normal run directory (`OUT/runs/ARM-seedS`), so any
 of them can be inspected with `nanollama4 generate`, `eval` or `plot` afterwards.
+
+Just over 400 lines: the arm runner and the results file are what every experiment module imports, and
+they belong together.
 """
 
 from __future__ import annotations
