@@ -81,8 +81,8 @@ def test_the_prompt_is_transformers_rendering_token_for_token(tmp_path):
 
 def test_a_served_chat_uses_the_template_and_ends_at_the_end_of_turn_id(tmp_path):
     openai = pytest.importorskip("openai")
-    from nanollama4.serve.api import chat_prompt
     from nanollama4.serve.engine import Engine
+    from nanollama4.serve.schema import chat_prompt
     from tests.test_serve import running
 
     folder = checkpoint(tmp_path / "hf", end_on_eot=True)

@@ -26,9 +26,10 @@ import torch
 
 import nanollama4
 from nanollama4.generation import generate
-from nanollama4.serve.api import chat_prompt, create_app
+from nanollama4.serve.api import create_app
 from nanollama4.serve.chat import END_OF_TURN
 from nanollama4.serve.engine import Engine, Finished, QueueFull, Request, TokenEvent
+from nanollama4.serve.schema import chat_prompt
 from nanollama4.serve.server import bind
 from nanollama4.tokenizer import CharTokenizer
 from tests.helpers import randomize_

@@ -38,10 +38,7 @@ def _requests(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: 
     if not prompts:
         raise GenerationError("every prompt needs at least one token (no prompts were given)")
     events: list[list] = [[] for _ in prompts]
-    requests = [Request(list(p), max_new_tokens, sampling, events[i].append) for i, p in enumerate(prompts)]
-    for r in requests:
-        engine.check(r)
-    engine.waiting.extend(requests)
+    engine.add(*[Request(list(p), max_new_tokens, sampling, events[i].append) for i, p in enumerate(prompts)])
     return events
 
 

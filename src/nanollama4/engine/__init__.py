@@ -1,9 +1,12 @@
 """One inference engine behind `generate`, `stream`, `explain --generate` and `serve`.
 
-  engine.core      Engine (the scheduler and one `step()`), Request, TokenEvent, Finished
-  engine.cache     SlotCache: the KV cache of the engine's rows (ring slots for chunked layers)
-  engine.runner    Runner: the prefill and the batched decode pass (compiled where it pays)
-  engine.sampling  Sampling (the one contract for sampling values), next_token, TextStream (stops)
+  engine.request    Request, TokenEvent, Finished: what goes in and what comes out
+  engine.scheduler  Scheduler: which requests wait, which rows are free, how much of a prompt a step feeds
+  engine.core       Engine: one `step()` (prefill, decode, choose, retire) over the scheduler's rows
+  engine.cache      SlotCache: the KV cache of the engine's rows (ring slots for chunked layers)
+  engine.runner     Runner: the prefill and the batched decode pass (compiled where it pays)
+  engine.sampling   Sampling (the one contract for sampling values), next_token (the one choice), TextStream
+  engine.trace      StepTrace, StepObserver: a traced step, built only when a request asks for it
 
 Offline generation is "add the prompts, step until done" (`generation.generate`); the server runs the
 same engine on a thread of its own (`serve.engine`). See docs/reference.md for the picture of a step.
@@ -14,10 +17,11 @@ from typing import Any
 
 # Names load on first use (PEP 562), so that reading `engine.sampling.Sampling` (the command line builds its
 # flags from it) does not import torch through the engine's other modules.
-_HOMES = {"Engine": "core", "Request": "core", "TokenEvent": "core", "Finished": "core", "Event": "core",
-          "SlotCache": "cache", "check_cache_fits": "cache", "Sampling": "sampling", "SamplingError": "sampling",
-          "TextStream": "sampling", "filter_logits": "sampling", "next_token": "sampling",
-          "GREEDY_BELOW": "sampling"}
+_HOMES = {"Engine": "core", "Request": "request", "TokenEvent": "request", "Finished": "request",
+          "Event": "request", "Scheduler": "scheduler", "QueueFull": "scheduler", "StepTrace": "trace",
+          "StepObserver": "trace", "SlotCache": "cache", "check_cache_fits": "cache", "Sampling": "sampling",
+          "SamplingError": "sampling", "TextStream": "sampling", "filter_logits": "sampling",
+          "next_token": "sampling", "GREEDY_BELOW": "sampling", "distribution": "sampling"}
 __all__ = list(_HOMES)
 
 

@@ -120,16 +120,21 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
+def distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The probabilities a sampled token is drawn from (rows, vocab): the logits divided by the temperature,
+    filtered, softmaxed. The one place a sampling option changes them; the trace shows the same numbers."""
+    return filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
+                         sampling.min_p).softmax(-1)
+
+
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row from logits (B, vocab): argmax when greedy (temperature below GREEDY_BELOW,
-    where the sharpened distribution is the argmax's anyway), else sample from the filtered distribution."""
+    where the sharpened distribution is the argmax's anyway), else draw from `distribution`."""
     if sampling.greedy:
         return logits.argmax(-1)
     import torch
 
-    probs = filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
-                          sampling.min_p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(distribution(logits, sampling), 1, generator=generator).squeeze(-1)
 
 
 class TextStream:

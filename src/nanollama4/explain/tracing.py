@@ -303,13 +303,13 @@ def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_
         if not isinstance(e, TokenEvent):
             continue
         t = e.trace
-        by_layer = {r["layer"]: r for r in t["routes"]}
+        by_layer = {r.layer: r for r in t.routes}
         routes = [None if i not in by_layer else
-                  [(x, w) for x, w, kind in zip(by_layer[i]["experts"], by_layer[i]["weights"], by_layer[i]["kinds"],
+                  [(x, w) for x, w, kind in zip(by_layer[i].experts, by_layer[i].weights, by_layer[i].kinds,
                                                strict=True) if kind != "dropped"]
                   for i in range(model.cfg.n_layers)]
-        first = 0 if t["kind"] == "prefill" else t["position"]
-        steps.append(GenerationStep(kind=t["kind"], positions=(first, t["position"]), fed=t["fed"],
-                                    cache_lengths=t["cache"], routes=routes,
-                                    next_tokens=[(o[0], o[1]) for o in t["odds"]], chosen=t["chosen"]))
+        first = 0 if t.kind == "prefill" else t.position
+        steps.append(GenerationStep(kind=t.kind, positions=(first, t.position), fed=t.fed, cache_lengths=t.cache,
+                                    routes=routes, next_tokens=[(text, p) for text, p, _ in t.odds],
+                                    chosen=t.chosen))
     return steps

@@ -2,7 +2,10 @@
 streamed token's route.
 
   engine.py  continuous batching: the slot KV cache and the loop that decodes all requests together
-  api.py     the HTTP side: the OpenAI request fields checked, the responses and server-sent events,
-             the page at /, health and shutdown (Starlette on uvicorn)
+  schema.py  the request bodies (their sampling fields read from `Sampling`), checked into `Params`,
+             and the API's error object
+  reply.py   the answers in each endpoint's shape: whole responses, streamed chunks, logprobs, usage
+  api.py     the HTTP side: the routes, health, the engine's events onto the event loop, the page at /
+             (Starlette on uvicorn)
   page.html  the page: one self-contained file, no network but this server
 """
