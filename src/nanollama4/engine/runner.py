@@ -22,7 +22,7 @@ import torch
 
 from ..attention import KVCache
 from ..model import Transformer
-from ..ops.experts import EVERY_EXPERT_ROWS, few_assignments
+from ..ops.decode import EVERY_EXPERT_ROWS, few_assignments
 from .cache import SlotCache
 
 TRIAL_STEPS = 4  # timed steps per thread count before a size's choice is made
@@ -98,7 +98,7 @@ def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
 def compiles_well(model: Transformer, batch: int) -> bool:
     """Whether a decode step of this batch stays one graph: up to one assignment per expert the chosen
     experts are gathered on the graph, and up to `EVERY_EXPERT_ROWS` rows every expert runs on every row
-    (`ops.experts.every_expert`); larger MoE batches decode eagerly."""
+    (`ops.decode.every_expert`); larger MoE batches decode eagerly."""
     cfg = model.cfg
     return cfg.n_experts == 0 or batch * cfg.experts_per_token <= few_assignments(cfg.n_experts, compiling=True) \
         or batch <= EVERY_EXPERT_ROWS

@@ -1,7 +1,12 @@
 """The fast ways to compute what the model files state plainly, installed from outside the model.
 
   ops.kernels    our compiled CPU grouped products (csrc/grouped.cpp: float32, and bf16 on AVX512_BF16)
-  ops.experts    FastExperts: the routed experts with the product chosen per call, and the few-row path
+  ops.products   the registry of routed-expert products (a product of your own is one `register_product`)
+  ops.experts    the built-in products, `auto`'s choice among the registered ones, and FastExperts, the routed
+                 experts with the product chosen per call
+  ops.kernel_swiglu  the compiled kernel as a routed-expert product
+  ops.decode     the routed experts for decoding-sized batches (a few assignments, no sort)
+  ops.routed     the kernel and the bucketed loop as one autograd node with the routing around them
   ops.linear     FastLinear: an nn.Linear that picks our kernel or a two-core row product per call
   ops.attention  the CPU bf16-autocast training attention (explicit scores)
 

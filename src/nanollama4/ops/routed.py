@@ -6,7 +6,7 @@ weights), multiply them (`products`, which for the CPU products also casts the r
 and un-pads the result), and add each result into its token's row (`combine`: a scaling and an index_add).
 Backward, autograd walks each of those nodes back on its own. `routed_experts` does the same arithmetic in
 one node, for the compiled kernel and the bucketed loop, whose forward and backward exist as separate
-stages (`experts.kernel_forward`/`kernel_backward`, `bucketed_forward`/`bucketed_backward`):
+stages (`kernel_swiglu.kernel_forward`/`kernel_backward`, `experts.bucketed_forward`/`bucketed_backward`):
 
 - forward: one sort gives each product row its assignment (`plan_rows`, padding rows included, so there is
   no second gather to pad and no scatter to un-pad); the rows are gathered and scaled in x's dtype and
@@ -36,7 +36,7 @@ from ..moe import count_per_expert
 
 @dataclass
 class Stages:
-    """A product's forward and backward stages (`experts.kernel_forward` and the like: forward(x_PD, gate_up,
+    """A product's forward and backward stages (`kernel_swiglu.kernel_forward` and the like: forward(x_PD, gate_up,
     down, groups) -> (y_PD, saved tensors, saved other); backward(dy_PD, saved tensors, saved other, needs)
     -> (dx_PD, d_gate_up, d_down)), what it takes as groups (the counts tensor, or a list), and the row
     multiple it wants each group padded to."""
