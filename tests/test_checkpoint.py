@@ -30,8 +30,9 @@ from nanollama4.checkpoint import (
 from nanollama4.config import TrainConfig, preset
 from nanollama4.model import Transformer
 from nanollama4.ops import build_model
+from nanollama4.optim import make_optimizer
 from nanollama4.tokenizer import CharTokenizer, load_tokenizer
-from nanollama4.train import make_optimizer, train
+from nanollama4.train import train
 from tests.helpers import assert_cli_error, assert_refused, run_cli, run_cli_limited, snapshot, train_cli
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"

@@ -72,7 +72,7 @@ def test_a_new_sampling_option_reaches_the_flags_and_python_with_one_check():
 
 @pytest.mark.parametrize(("cls", "key", "bad", "message"), [
     (TrainConfig, "warmup_frac", "1.5", "warmup_frac (1.5) must be a share of the time budget in [0, 1)"),
-    (TrainConfig, "muon_momentum", "1.0", "muon_momentum (1.0) must be a number in [0, 1)"),
+    (TrainConfig, "muon_momentum", "1.0", "muon_momentum (1.0) must be in [0, 1)"),
     (TrainConfig, "tokenizer", "words", "tokenizer ('words') must be 'char' or 'bpe'"),
     (TrainConfig, "log", "csv", "log ('csv') must be 'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard events "
                                 "as well)"),

@@ -57,9 +57,10 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
 ROOT = Path(nanollama4.__file__).parent
 PACKAGE = "nanollama4"
 MODEL_FILES = ("model", "attention", "router", "moe", "rope", "config")
-# what the model files may reach, directly or through each other: the model itself, its config, errors and the
-# plain-Python field declarations the config is written in
-MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields")}
+# what the model files may reach, directly or through each other: the model itself, its config, errors, the
+# plain-Python field declarations the config is written in, and the optimizer kinds TrainConfig asks for its
+# names (optim.py: torch and errors only)
+MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields", "optim")}
 
 
 def module_names() -> dict[str, Path]:

@@ -29,7 +29,8 @@ from nanollama4.evaluation import full_validation_loss
 from nanollama4.model import Loss, Transformer
 from nanollama4.ops import build_model
 from nanollama4.runs import resume_config
-from nanollama4.train import TrainingError, lr_at, train
+from nanollama4.schedule import lr_at
+from nanollama4.train import TrainingError, train
 from tests.helpers import (
     assert_cli_error,
     assert_one_line,
@@ -601,7 +602,7 @@ def test_a_signal_before_the_first_checkpoint_says_nothing_was_saved(corpus, tmp
 def test_a_metrics_write_that_fails_is_one_write_error(tmp_path):
     """/dev/full answers every write with ENOSPC, as a full disk does."""
     from nanollama4.errors import WriteError
-    from nanollama4.train import MetricsFile
+    from nanollama4.metrics import MetricsFile
 
     with pytest.raises(WriteError) as info, MetricsFile(Path("/dev/full"), tmp_path) as metrics:
         metrics.write("{}\n")

@@ -71,7 +71,7 @@ ChunkSize = Annotated[int, above(0, "a positive integer or None (no chunking)"),
 ExpertCount = Annotated[int, at_least(0, "0 (dense model) or a positive integer"), Limit("4,096", lambda v: v <= 4096)]
 TopK = Annotated[int, Limit("4,096", lambda v: v <= 4096)]  # positive where there are experts (a cross-field rule)
 CapacityFactor = Annotated[float, above(0, "positive or None (dropless)")]
-Decay = Annotated[float, Rule("a number in [0, 1)", lambda v: 0 <= v < 1)]
+Decay = Annotated[float, Rule("in [0, 1)", lambda v: 0 <= v < 1)]
 BudgetShare = Annotated[float, Rule("a share of the time budget in [0, 1)", lambda v: 0 <= v < 1)]
 Share = Annotated[float, Rule("a share of the time budget in [0, 1] (0: validate by eval_interval steps alone)",
                                   lambda v: 0 <= v <= 1)]
@@ -268,16 +268,21 @@ class TrainConfig(_JsonConfig):
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.max_time is not None and self.max_time > MAX_DURATION:
             raise ConfigError(f"max_time ({self.max_time:g} s) is more than a year; give the time you mean to train")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ConfigError(f"optimizer ({self.optimizer!r}) must be 'adamw' or 'muon' (Muon for the hidden "
-                              "matrices, AdamW for the rest)")
+        # the kinds are optim.py's classes, imported here for the reason router.py's are in ModelConfig
+        from .optim import OPTIMIZERS, optimizer_kind
+
+        kind = optimizer_kind(self.optimizer)  # a ConfigError naming the kinds there are
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in sorted({o for k in OPTIMIZERS.values() for o in k.options} - set(kind.options)):
+            if getattr(self, name) != defaults[name]:  # what only some kinds read
+                takers = [k for k, c in OPTIMIZERS.items() if name in c.options]
+                raise ConfigError(f"{name} applies to optimizer={' or '.join(takers)} only; set optimizer="
+                                  f"{takers[0]} or leave {name} at {defaults[name]!r}")
+        if self.lora_rank and self.init_from is None:
+            raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
+                              "RUN|HF_DIR")
+        kind.check(self)  # what the optimizer cannot do (Muon: FSDP, LoRA)
         if self.lora_rank:
-            if self.init_from is None:
-                raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
-                                  "RUN|HF_DIR")
-            if self.optimizer != "adamw":
-                raise ConfigError(f"lora_rank trains with optimizer=adamw, not {self.optimizer!r} (Muon "
-                                  "orthogonalises whole matrices; an adapter is two thin factors)")
             if self.parallel == "fsdp" or self.expert_parallel > 1:
                 raise ConfigError("lora_rank works in one process or under torchrun with parallel=ddp and "
                                   "expert_parallel=1: the adapters are small, so every rank holds them whole")

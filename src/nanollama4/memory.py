@@ -153,13 +153,13 @@ bytes each, 3 under bf16 autocast);
 
 def training_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str = "adamw",
                     eval_batches: int = 16, state_shards: int = 1, bf16: bool = False) -> TrainingMemory:
-    """The memory a training step of `cfg` takes (see `TrainingMemory`); `state_shards` ranks share the state
-    (FSDP); `bf16` autocast keeps some activations at half the size (about a quarter less in all)."""
+    """The memory a training step of `cfg` takes (see `TrainingMemory`) with the optimizer of that name (its
+    kind's `state_count`); `state_shards` ranks share the state (FSDP); `bf16` autocast keeps some activations
+    at half the size (about a quarter less in all)."""
+    from .optim import optimizer_kind  # here, not above: it brings torch, which `params` does without
+
     counts = param_counts(cfg)
-    moments = 2 * counts.total  # AdamW: two moments per weight
-    if optimizer == "muon":  # one momentum for the hidden matrices, AdamW's two for the rest
-        rest = counts.embedding + counts.lm_head + counts.norms
-        moments = (counts.total - rest) + 2 * rest
+    moments = optimizer_kind(optimizer).state_count(counts)  # AdamW: two per weight
     state = 4 * (2 * counts.total + moments) // state_shards
     d = cfg.d_model
     per_token = 3 * cfg.vocab_size  # logits, their softmax and its gradient

@@ -18,18 +18,36 @@ each layer in turn (experts (t·n) mod N … (t·n + n − 1) mod N at that para
 other expert steps along the orthogonalised update it got last (kept as `ortho`, in the parameter's
 dtype, saved with the momentum): Muon's momentum moves slowly (0.95 keeps ~20 steps), so a direction a few steps old
 is close to today's, and the cost per step is n experts' whatever N is. The first step orthogonalises all.
+
+Which optimizer a run uses is a name in its config (`optimizer`), looked up in `OPTIMIZERS`. A kind is one
+subclass of `OptimizerKind` with `name=`, and answers everything the rest of the package asks about an
+optimizer: the config fields it reads (`options`), how it is built, each param group's peak learning rate
+(the schedule scales it), what it refuses, its state's size (the memory check) and a line for the run's
+summary. So adding one is one subclass, here or in a module of your own loaded with --import:
+
+    class SGD(OptimizerKind, name="sgd", about="SGD with momentum 0.9"):
+        @classmethod
+        def build(cls, model, tc):
+            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=0.9)
+
+        @classmethod
+        def state_count(cls, counts):
+            return counts.total  # one momentum per weight
+
+This module does not import the config (the config asks it which kinds there are): what a kind reads of
+`TrainConfig` is spelled out in `OptimizerSettings`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from .config import TrainConfig
+from .errors import ConfigError
 
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (those torch.optim.Muon uses): chosen for
 # the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
@@ -155,41 +173,182 @@ def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
     return ".attn." in name or (".ffn." in name and ".router." not in name)
 
 
-def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer tc names: "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest).
-    With muon_experts False the routed experts' matrices go to AdamW as well: Newton-Schulz on every expert
-    costs in proportion to N, the total parameters, which an MoE is meant not to pay for; AdamW's step is
-    elementwise. muon_experts_per_step > 0 keeps Muon for them but orthogonalises only that many of each
-    layer's experts per step, in turn (`MuonAdamW._in_turn`). The loop sets each group's lr from the
-    schedule every step (`set_lr`). Frozen parameters (LoRA's base) are left out."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if tc.optimizer == "adamw":
-        # weight decay on matrices only: decaying norm gains toward 0 would fight the norm
+# ---------------------------------------------------------------------------------------------- the kinds
+OPTIMIZERS: dict[str, type[OptimizerKind]] = {}  # name -> kind, filled by each subclass's `name=`
+
+
+def optimizer_kind(name: str) -> type[OptimizerKind]:
+    """The kind a config's `optimizer` names, or a ConfigError naming the kinds there are."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"optimizer ({name!r}) must be one of: " +
+                          ", ".join(f"'{k}' ({c.about})" for k, c in OPTIMIZERS.items()) +
+                          "; an optimizer of your own: define it in a module and pass --import MODULE")
+    return OPTIMIZERS[name]
+
+
+def make_optimizer(model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+    """The optimizer tc names, over the parameters of `model` that train (`OptimizerKind.build`)."""
+    return optimizer_kind(tc.optimizer).build(model, tc)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter of `model` that trains: frozen ones (a LoRA run's base) are left out."""
+    return [p for _, p in _named_trainable(model)]
+
+
+def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+class OptimizerSettings(Protocol):
+    """The fields of `config.TrainConfig` the kinds here read (a kind of your own may read any other)."""
+
+    optimizer: str  # the kind's name
+    lr: float  # AdamW's peak learning rate
+    weight_decay: float
+    beta1: float
+    beta2: float
+    muon_lr: float
+    muon_momentum: float
+    muon_weight_decay: float
+    muon_experts: bool
+    muon_experts_per_step: int
+    parallel: str  # "ddp" or "fsdp"
+    lora_rank: int  # 0: no LoRA
+
+
+class Counts(Protocol):
+    """The parameter counts `state_count` reads (`memory.ParamCounts`)."""
+
+    total: int
+    embedding: int
+    lm_head: int
+    norms: int
+
+
+class OptimizerKind:
+    """One optimizer a config can name. A subclass registers itself with `name=` (and `about=`, a few words
+    for error messages); `options=` names the TrainConfig fields that only this kind reads, and `keeps=` those
+    of them a resume cannot change, each with why (the end of a sentence "RUN was trained with FIELD=VALUE").
+    It is never instantiated: each method is asked of the class."""
+
+    name: ClassVar[str]
+    about: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ()
+    keeps: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, name: str | None = None, about: str = "", options: tuple[str, ...] | None = None,
+                          keeps: dict[str, str] | None = None, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if options is not None:
+            cls.options = options
+        if keeps is not None:
+            cls.keeps = keeps
+        if name is not None:
+            cls.name, cls.about = name, about or name
+            OPTIMIZERS[name] = cls
+
+    @classmethod
+    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+        """The optimizer over `model`'s trainable parameters (`trainable_parameters`), each group at its
+        peak learning rate. The loop sets every group's lr from the schedule before each step."""
+        raise NotImplementedError
+
+    @classmethod
+    def peak_lr(cls, group: dict[str, Any], tc: OptimizerSettings) -> float:
+        """The peak learning rate of one of the optimizer's param groups, which the schedule scales
+        (`schedule.set_lr`). Read from tc, not from the group, so that a resume may change it."""
+        return tc.lr
+
+    @classmethod
+    def check(cls, tc: OptimizerSettings) -> None:
+        """Refuse, with a ConfigError saying why and what to do instead, settings this optimizer cannot
+        train with (a spread over ranks, LoRA); before anything is created."""
+
+    @classmethod
+    def state_count(cls, counts: Counts) -> int:
+        """The numbers the optimizer keeps per model of these parameter counts (`memory.training_memory`;
+        it errs low): two moments per weight, as AdamW, unless a kind says otherwise."""
+        return 2 * counts.total
+
+    @classmethod
+    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
+        """The optimizer in a few words for the run's summary (`train.run_summary`), its peak lr included."""
+        return f"{cls.name} at {tc.lr:g}"
+
+
+class AdamW(OptimizerKind, name="adamw", about="AdamW on every parameter"):
+    """torch's fused AdamW on every trainable parameter; weight decay on the matrices only, since decaying
+    the norms' gains toward 0 would fight the norm."""
+
+    @classmethod
+    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+        named = _named_trainable(model)
         groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": tc.weight_decay},
                   {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
         # fused: one pass over each tensor instead of a kernel per operation
         return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
-    hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p) and (tc.muon_experts or p.dim() != 3)]
-    linear = [p for n, p in hidden if p.dim() == 2]
-    gate_up = [p for n, p in hidden if p.dim() == 3 and n.endswith("gate_up")]
-    down = [p for n, p in hidden if p.dim() == 3 and not n.endswith("gate_up")]
-    taken = {id(p) for _, p in hidden}
-    rest = [(n, p) for n, p in named if id(p) not in taken]
-    muon = dict(muon=True, lr=tc.muon_lr, weight_decay=tc.muon_weight_decay)
-    experts = dict(muon, layout="experts", ns_experts=tc.muon_experts_per_step)
-    groups = [{**muon, "params": linear, "layout": "linear", "blocks": 1},
-              {**experts, "params": gate_up, "blocks": 2},
-              {**experts, "params": down, "blocks": 1},
-              {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": tc.weight_decay},
-              {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    for g in groups:
-        g.setdefault("lr", tc.lr)
-    return MuonAdamW(groups, betas=(tc.beta1, tc.beta2), momentum=tc.muon_momentum)
+
+    @classmethod
+    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
+        return f"AdamW at {tc.lr:g}"
 
 
-def set_lr(optimizer: torch.optim.Optimizer, tc: TrainConfig, scale: float) -> None:
-    """Every group's learning rate at `scale` (the schedule's share) of its peak: tc.muon_lr for Muon's
-    groups, tc.lr for AdamW's. Read from tc, not from the saved groups, so a resume may change either."""
-    for group in optimizer.param_groups:
-        group["lr"] = scale * (tc.muon_lr if group.get("muon") else tc.lr)
+class Muon(OptimizerKind, name="muon", about="Muon for the hidden matrices, AdamW for the rest",
+           options=("muon_lr", "muon_momentum", "muon_weight_decay", "muon_experts", "muon_experts_per_step"),
+           keeps={"muon_experts": ", whose expert state the other optimizer cannot take over",
+                  "muon_experts_per_step": "; a resume keeps it (its experts' saved updates follow that turn)"}):
+    """`MuonAdamW`: Muon on the hidden matrices, AdamW on the rest. With muon_experts False the routed
+    experts' matrices go to AdamW as well: Newton-Schulz on every expert costs in proportion to N, the total
+    parameters, which an MoE is meant not to pay for; AdamW's step is elementwise. muon_experts_per_step > 0
+    keeps Muon for them but orthogonalises only that many of each layer's experts per step, in turn
+    (`MuonAdamW._in_turn`)."""
+
+    @classmethod
+    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+        named = _named_trainable(model)
+        hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p) and (tc.muon_experts or p.dim() != 3)]
+        linear = [p for n, p in hidden if p.dim() == 2]
+        gate_up = [p for n, p in hidden if p.dim() == 3 and n.endswith("gate_up")]
+        down = [p for n, p in hidden if p.dim() == 3 and not n.endswith("gate_up")]
+        taken = {id(p) for _, p in hidden}
+        rest = [(n, p) for n, p in named if id(p) not in taken]
+        muon = dict(muon=True, lr=0.0, weight_decay=tc.muon_weight_decay)  # lr below (keys in the saved order)
+        experts = dict(muon, layout="experts", ns_experts=tc.muon_experts_per_step)
+        groups = [{**muon, "params": linear, "layout": "linear", "blocks": 1},
+                  {**experts, "params": gate_up, "blocks": 2},
+                  {**experts, "params": down, "blocks": 1},
+                  {"params": [p for _, p in rest if p.dim() >= 2], "weight_decay": tc.weight_decay},
+                  {"params": [p for _, p in rest if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        for g in groups:
+            g["lr"] = cls.peak_lr(g, tc)
+        return MuonAdamW(groups, betas=(tc.beta1, tc.beta2), momentum=tc.muon_momentum)
+
+    @classmethod
+    def peak_lr(cls, group: dict[str, Any], tc: OptimizerSettings) -> float:
+        return tc.muon_lr if group.get("muon") else tc.lr
+
+    @classmethod
+    def check(cls, tc: OptimizerSettings) -> None:
+        if tc.parallel == "fsdp":
+            raise ConfigError("optimizer=muon with parallel=fsdp is not supported: Muon orthogonalises whole "
+                              "matrices and FSDP2 gives each rank a slice of them; use parallel=ddp "
+                              "(expert_parallel works with it) or optimizer=adamw")
+        if tc.lora_rank:
+            raise ConfigError("lora_rank trains with optimizer=adamw, not 'muon' (Muon orthogonalises whole "
+                              "matrices; an adapter is two thin factors)")
+
+    @classmethod
+    def state_count(cls, counts: Counts) -> int:
+        rest = counts.embedding + counts.lm_head + counts.norms  # on AdamW: two moments each
+        return (counts.total - rest) + 2 * rest  # one momentum for each hidden matrix's weight
+
+    @classmethod
+    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
+        experts = ""
+        if n_experts:
+            experts = ("; routed experts on AdamW" if not tc.muon_experts else
+                       f"; {tc.muon_experts_per_step} of {n_experts} experts a layer orthogonalised per step"
+                       if 0 < tc.muon_experts_per_step < n_experts else "; every expert every step")
+        return f"Muon at {tc.muon_lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest"

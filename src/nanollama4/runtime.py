@@ -1,6 +1,7 @@
 """Process-level settings: the allocator tuning that makes CPU training faster (applied by the CLI and the
-benchmarks), the device a config names, whether bf16 products pay on it (measured), and the memory the
-machine can still give (what a corpus or a KV cache is checked against before it is allocated).
+benchmarks), the device a config names, whether bf16 products pay on it (measured, and bf16=auto decided
+from that: `choose_precision`), and the memory the machine can still give (what a corpus or a KV cache is
+checked against before it is allocated).
 
 glibc serves every allocation above 32 MiB with a fresh mmap and returns it to the OS on free, so a
 large-expert model that allocates its expert gradients every step pays the page faults of touching that
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .config import ModelConfig, TrainConfig
 from .errors import TrainingError
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
@@ -196,6 +198,23 @@ def bf16_speedup(device: torch.device, rows: int, d_in: int, d_out: int) -> Bf16
         return Bf16Choice.measured(native, *_interleaved_times(rows, d_in, d_out))
     finally:
         torch.set_num_threads(threads)
+
+
+def choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device,
+                     max_over_ranks: Callable[[list[float]], list[float]], ranks: int = 1, announce: bool = True,
+                     speedup: Callable[[torch.device, int, int, int], Bf16Choice] = bf16_speedup) -> TrainConfig:
+    """tc with bf16=auto made true or false (any other tc as it is): from the device, and on a CPU its bf16
+    instructions and the model's widest product timed at the run's batch (`speedup`, `bf16_speedup`); every
+    rank takes bf16 only where every rank chose it (`Bf16Choice.across`; every rank calls this). The choice
+    is what the run saves, so a resumed run keeps it. `announce` prints the one line that says why."""
+    if tc.bf16 != "auto":
+        return tc
+    width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim)
+    rows = min(tc.batch_size * tc.seq_len, 8192)
+    choice = speedup(device, rows, cfg.d_model, 2 * width).across(max_over_ranks, ranks)
+    if announce:
+        print(choice.describe(), flush=True)
+    return tc.replace(bf16=choice.chosen)
 
 
 def _interleaved_times(rows: int, d_in: int, d_out: int) -> tuple[list[float], list[float]]:

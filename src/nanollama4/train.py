@@ -1,11 +1,13 @@
-"""The training loop: AdamW or Muon, warmup + cosine over steps or the clock, clipping, accumulation, validation,
-checkpoints, exact resume.
+"""The training loop: steps at the schedule's learning rate, clipping, accumulation, validation, checkpoints,
+exact resume.
 
 One function, `train`, does a whole run. Everything that makes a run resumable lives in the checkpoint:
 model and optimizer tensors, the step, the batch sampler's generator and the best validation loss, so a
 resumed run draws the same batches and computes the same losses as one that never stopped. (Router noise
-is seeded per step and micro-batch, so it needs no saved state.) Who may train in a run directory, and how
-a resumed run is fitted to a new launch, is `runs`'s business.
+is seeded per step and micro-batch, so it needs no saved state.) Around the loop: who may train in a run
+directory, and how a resumed run is fitted to a new launch (`runs`); building what a run trains with
+(`runsetup`); the optimizers (`optim`) and the learning-rate schedule (`schedule`); what a run logs
+(`metrics`); bf16=auto's choice (`runtime`).
 
 Under torchrun the same function trains on every rank (`distributed` spreads the model). A step's R x a
 micro-batches are the ones one process with accumulation R x a would draw: every rank draws all of
@@ -13,117 +15,55 @@ their windows from the same generator and keeps micro-batches r, r + R, r + 2R, 
 run can change world size on resume and stay comparable. Rank 0 alone writes the run directory and
 shows progress (every rank reads the corpus and its token cache, which is written atomically).
 
-Read from the top: the optimizer, the schedule, one step, validation + saving, the loop; below it what the
-loop carries, and how a run is set up.
+Read from the top: one step, validation + saving, the loop and its summary; below it the step's line in
+metrics.jsonl, and the checks and signals around the loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from . import distributed, lora
-from .checkpoint import (
-    check_vocab,
-    load_model,
-    load_optimizer_state,
-    load_train_state,
-    model_tensors,
-    optimizer_tensors,
-    read_model_config,
-    resolve_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import model_tensors, optimizer_tensors, read_model_config, resolve_checkpoint, save_checkpoint
 from .config import ModelConfig, TrainConfig
 from .configfile import run_config_toml
-from .data import (
-    Batch,
-    TokenDataset,
-    check_disk_for,
-    corpus_characters,
-    default_cache_dir,
-    find_corpus_files,
-    vocabulary_pieces,
-)
-from .distributed import Parallel, World
-from .errors import CheckpointError, TrainingError
+from .data import find_corpus_files
+from .distributed import World
+from .errors import TrainingError
 from .evaluation import autocast, evaluate
-from .files import atomic_write, open_owned, own_folder, read_json, read_safetensors, write_failed
-from .memory import format_bytes, format_count, param_counts, training_memory
-from .model import Transformer
-from .ops import build_model, kernels
-from .optim import make_optimizer, set_lr
-from .runs import (
-    check_budget_ahead,
-    check_new_run_dir,
-    check_resume_dir,
-    corpus_of,
-    fit_seq_len,
-    fit_world,
-    holds_run,
-    owning,
-    token_dataset,
-    truncate_metrics,
+from .files import atomic_write, open_owned
+from .memory import format_count, param_counts
+from .metrics import (
+    MetricsFile,
+    StepResult,
+    check_log,
+    expert_counts,
+    expert_load,
+    routing_stats,
+    tensorboard_dir,
 )
-from .runtime import available_memory, bf16_speedup, pick_device
-from .tokenizer import (
-    BPETokenizer,
-    CharTokenizer,
-    Tokenizer,
-    load_tokenizer,
-    tokenizer_from_json,
-)
+from .ops import kernels
+from .optim import optimizer_kind
+from .runs import check_new_run_dir, check_resume_dir, fit_seq_len, holds_run, owning, truncate_metrics
+from .runsetup import Run, check_step_fits, resume_run, start_run
+from .runtime import bf16_speedup, choose_precision, pick_device
+from .schedule import logged_lr, lr_scale, set_lr
 
-ALONE = World()  # a process not started by torchrun
-
-
-def lr_scale(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0) -> float:
-    """The schedule's share of the peak learning rate for the step about to run: a linear warmup from 0 to
-    1, then a cosine down to min_lr / lr.
-
-    The schedule follows the budget that was given. Under --max-steps it is counted in steps (warmup_steps,
-    then a cosine over decay_steps or max_steps); under --max-time in seconds (warmup over warmup_frac of
-    the budget, then a cosine over the rest), so a slow machine spends the same share of its budget warming
-    up as a fast one. `elapsed` is the clock at the step's start and `step_time` the last step's duration: the
-    warmup reads the clock at the step's expected end, so the first step does not run at lr 0. With both
-    budgets each phase ends with whichever budget reaches it first."""
-    warm, progress = [], []
-    if tc.max_time:
-        warm_time = tc.warmup_frac * tc.max_time
-        warm.append(min(1.0, (elapsed + step_time) / warm_time) if warm_time > 0 else 1.0)
-        progress.append((elapsed - warm_time) / (tc.max_time - warm_time))
-    horizon = tc.decay_steps or tc.max_steps
-    if horizon or not tc.max_time:
-        warm.append(min(1.0, (step + 1) / tc.warmup_steps) if tc.warmup_steps else 1.0)
-        if horizon:
-            progress.append((step - tc.warmup_steps) / max(1, horizon - tc.warmup_steps))
-    if max(warm) < 1.0:
-        return max(warm)
-    p = min(1.0, max(0.0, *progress)) if progress else 0.0
-    floor = tc.min_lr / tc.lr if tc.lr > 0 else 0.0
-    return floor + 0.5 * (1 - floor) * (1 + math.cos(math.pi * p))
-
-
-def lr_at(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0) -> float:
-    """The (AdamW) learning rate of the step about to run; Muon's groups take the same share of muon_lr."""
-    return tc.lr * lr_scale(tc, step, elapsed, step_time)
+LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
 
 
 def train_step(run: Run, scale: float) -> StepResult:
-    """One optimizer step at `scale` of the peak learning rates (`lr_scale`): this rank's grad_accum of the
+    """One optimizer step at `scale` of the peak learning rates (`schedule.lr_scale`): this rank's grad_accum of the
     step's R x grad_accum micro-batches (all of them drawn, to keep the ranks' samplers alike), clipping, the
     update, the balancing bias. A non-finite loss or gradient norm stops the run before anything of the step
     is applied."""
@@ -258,7 +198,10 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
         run = resume_run(tc, run_dir, data, cache_dir, world, device)
     else:
         run = start_run(model_cfg, tc, run_dir, data, cache_dir, world, device)
-    tc = run.tc  # with seq_len filled in
+    # bf16=auto decided here, with this module's name for the timing, which a test replaces
+    run.tc = choose_precision(run.tc, run.model.cfg, run.device, run.parallel.max_over_ranks, world.size, world.main,
+                              speedup=bf16_speedup)
+    tc = run.tc  # with seq_len filled in and bf16 decided
     metrics_path = run_dir / "metrics.jsonl"
     if world.main and resume:
         truncate_metrics(metrics_path, run.step)
@@ -305,7 +248,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
             result = train_step(run, scale)
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
-            log_step(metrics, run, result, tc.lr * scale, elapsed(), tokens_per_step / dt, tokens_per_step)
+            log_step(metrics, run, result, logged_lr(tc, scale), elapsed(), tokens_per_step / dt, tokens_per_step)
             if not by_clock and run.step % tc.eval_interval == 0:
                 validate_and_save(run, metrics, elapsed())
                 saved_step = run.step
@@ -345,15 +288,7 @@ def run_summary(run: Run, world: World) -> str:
     when = (f"every {eval_period(tc):g} s ({tc.eval_share:.0%} of the budget)" if eval_period(tc)
             else f"every {tc.eval_interval:,} steps")
     precision = "bf16 autocast (weights and optimizer state float32)" if tc.bf16 is True else "float32"
-    if tc.optimizer == "muon":
-        experts = ""
-        if cfg.n_experts:
-            experts = ("; routed experts on AdamW" if not tc.muon_experts else
-                       f"; {tc.muon_experts_per_step} of {cfg.n_experts} experts a layer orthogonalised per step"
-                       if 0 < tc.muon_experts_per_step < cfg.n_experts else "; every expert every step")
-        optimizer = (f"Muon at {tc.muon_lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest")
-    else:
-        optimizer = f"AdamW at {tc.lr:g}"
+    optimizer = optimizer_kind(tc.optimizer).describe(tc, cfg.n_experts)
     if tc.lora_rank:
         optimizer += (f" on rank-{tc.lora_rank} LoRA adapters ({format_count(lora.trainable(run.model))} parameters, "
                       f"scale {(tc.lora_alpha or tc.lora_rank) / tc.lora_rank:g}); the model itself frozen")
@@ -368,57 +303,6 @@ def run_summary(run: Run, world: World) -> str:
         f"  {precision}; {optimizer}"])
 
 
-# ---------------------------------------------------------------------------------------------- what the loop carries
-class MetricsFile:
-    """metrics.jsonl, appended to without following a planted symlink; a write that fails (a full disk) is
-    a WriteError naming the file, the checkpoints being intact. Without a path (ranks other than 0) writes
-    go nowhere. With `tensorboard` (a folder of ours) every record's numbers also go to TensorBoard events
-    there, the steps past `step` (a resume's) replacing what an earlier process logged."""
-
-    def __init__(self, path: Path | None, run_dir: Path, tensorboard: Path | None = None, step: int = 0) -> None:
-        self.path, self.run_dir = path, run_dir
-        self.file = open_owned(path) if path is not None else open(os.devnull, "a")
-        self.board = None
-        if tensorboard is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.board = SummaryWriter(str(tensorboard), purge_step=step + 1 if step else None)
-
-    def __enter__(self) -> MetricsFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.file.close()
-            if self.board is not None:
-                self.board.close()
-        except OSError:
-            pass  # the error that matters was raised by write or flush
-
-    def record(self, line: dict) -> None:
-        """One line of metrics.jsonl (and its numbers as TensorBoard scalars)."""
-        self.write(json.dumps(line) + "\n")
-        if self.board is not None:
-            for tag, value in board_scalars(line):
-                self.board.add_scalar(tag, value, line["step"])
-
-    def write(self, text: str) -> None:
-        self._guarded(self.file.write, text)
-
-    def flush(self) -> None:
-        self._guarded(self.file.flush)
-        if self.board is not None:
-            self._guarded(self.board.flush)
-
-    def _guarded(self, call, *args) -> None:
-        try:
-            call(*args)
-        except OSError as e:
-            raise write_failed(self.path, e, f"the last checkpoint in {self.run_dir} is kept: make room and "
-                               f"continue with --resume {self.run_dir}") from None
-
-
-
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -428,38 +312,6 @@ class TrainResult:
     tokens_per_s: float  # training throughput over the run (all ranks together)
     interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
     saved: bool = True  # whether run_dir holds a checkpoint to resume from
-
-
-@dataclass
-class Run:
-    """What a run carries from step to step; a checkpoint saves all of it but the spread over ranks."""
-
-    dir: Path
-    tc: TrainConfig
-    model: Transformer
-    tokenizer: Tokenizer
-    optimizer: torch.optim.Optimizer
-    dataset: TokenDataset
-    val_batches: list[Batch]
-    batches: torch.Generator  # the batch sampler's own RNG (router noise draws from torch's global one)
-    device: torch.device
-    data: str | None  # the corpus's absolute path; None = the default corpus
-    world: World  # this process among torchrun's (rank 0 of 1 when alone)
-    parallel: Parallel  # how the model is spread over the ranks (not at all for one process)
-    step: int = 0
-    best: float | None = None  # best validation loss so far
-    val: float | None = None  # validation loss at the last evaluation
-    elapsed_before: float = 0.0  # seconds trained by earlier processes of this run
-    telemetry: Telemetry = field(default_factory=lambda: Telemetry())  # routing since the last validation
-
-
-@dataclass
-class StepResult:
-    lm: float  # mean next-token loss over the step's micro-batches
-    aux: float  # mean MoE auxiliary loss
-    grad_norm: float  # before clipping
-    counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
-    routing: torch.Tensor | None = None  # (layers, ROUTING) the last micro-batch's `routing_stats`, rank mean
 
 
 # ---------------------------------------------------------------------------------------------- logging and checks
@@ -475,82 +327,6 @@ def log_step(metrics: MetricsFile, run: Run, result: StepResult, lr: float, elap
         line["expert_load"] = [[round(v, 4) for v in row] for row in load]
     run.telemetry.add(result)
     metrics.record(line)
-
-
-def expert_counts(model: Transformer) -> torch.Tensor | None:
-    """(layers, experts): the routed assignments each expert got in the last forward pass, None without MoE."""
-    counts = [c for c in (m.counts for m in model.moe_layers()) if c is not None]
-    return torch.stack(counts).float() if counts else None
-
-
-ROUTING = ("rerouted_frac", "dropped_frac", "entropy", "balance_loss", "z_loss")  # `MoE.stats` a step logs
-ROUTING_NAMES = ("rerouted", "dropped", "entropy", "balance_loss", "z_loss")  # ... as metrics.jsonl names them
-
-
-def routing_stats(model: Transformer) -> torch.Tensor | None:
-    """(layers, ROUTING): each MoE layer's rerouted and dropped shares, router entropy, balancing loss and
-    z-loss in the last training pass (`MoE.stats`), None without MoE."""
-    rows = [torch.stack([s[k].float() for k in ROUTING]) for s in (m.stats for m in model.moe_layers()) if s]
-    return torch.stack(rows) if rows else None
-
-
-@dataclass
-class Telemetry:
-    """The routing of the steps since the last validation, summed; `take` turns it into the validation
-    line's "routing" block (means over those steps) and starts again."""
-
-    counts: torch.Tensor | None = None  # (layers, experts) assignments
-    sums: torch.Tensor | None = None  # (layers, ROUTING)
-    steps: int = 0
-
-    def add(self, result: StepResult) -> None:
-        if result.counts is None or result.routing is None:
-            return
-        first = self.counts is None
-        self.counts = result.counts.double() if first else self.counts + result.counts.double()
-        self.sums = result.routing.double() if first else self.sums + result.routing.double()
-        self.steps += 1
-
-    def take(self, model: Transformer) -> dict | None:
-        """Per MoE layer: the expert-load shares, the ROUTING means over the steps taken, and the balancing
-        bias's range now; None when no step was counted (or no MoE)."""
-        if not self.steps:
-            return None
-        block = {"load": [[round(v, 4) for v in row] for row in expert_load(self.counts)]}
-        means = (self.sums / self.steps).T.tolist()  # (ROUTING, layers)
-        for name, values in zip(ROUTING_NAMES, means, strict=True):
-            block[name] = [round(v, 6) for v in values]
-        bias = [m.router.expert_bias.detach().float().cpu() for m in model.moe_layers()]
-        block["bias_min"] = [round(b.min().item(), 6) for b in bias]
-        block["bias_max"] = [round(b.max().item(), 6) for b in bias]
-        self.counts, self.sums, self.steps = None, None, 0
-        return block
-
-
-def board_scalars(line: dict) -> Iterator[tuple[str, float]]:
-    """A metrics.jsonl line's numbers as TensorBoard (tag, value) pairs: the losses and rates under train/,
-    the validation loss under val/, each MoE layer's routing under routing/layerN/ (the most and least
-    loaded expert over uniform stand for the load shares)."""
-    for key, value in line.items():
-        if key in ("step", "time", "tokens") or not isinstance(value, int | float):
-            continue
-        yield ("val/" if key == "val_loss" else "train/") + key, float(value)
-    routing = line.get("routing") or {}
-    for name, values in routing.items():
-        if name == "load":
-            for i, shares in enumerate(values):
-                yield f"routing/layer{i}/max_load", max(shares) * len(shares)
-                yield f"routing/layer{i}/min_load", min(shares) * len(shares)
-        else:
-            for i, value in enumerate(values):
-                yield f"routing/layer{i}/{name}", float(value)
-
-
-def expert_load(counts: torch.Tensor | None) -> list[list[float]]:
-    """Per MoE layer, each expert's fraction of the routed assignments in `counts` (from `expert_counts`)."""
-    if counts is None:
-        return []
-    return (counts / counts.sum(-1, keepdim=True)).tolist()
 
 
 def noise_seed(seed: int, step: int, micro_batch: int) -> int:
@@ -573,192 +349,11 @@ def _diverged(what: str, step: int, run_dir: Path, applied: bool = False) -> Tra
     return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
 
 
-# ---------------------------------------------------------------------------------------------- setting a run up
-def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str | None,
-              cache_dir: Path | None, world: World = ALONE, device: torch.device | None = None) -> Run:
-    """A new run: tokenizer from the corpus, a freshly initialised model (seeded), a new optimizer; or, with
-    tc.init_from, the weights and tokenizer there (a fine-tune: only the optimizer, schedule and data are new)."""
-    _set_threads(tc)
-    files = find_corpus_files(data)
-    if tc.init_from is not None:
-        from .hf import load_any
-
-        model, tokenizer = load_any(tc.init_from)  # the same on every rank: they read the same files
-        model = model.float()
-        if tc.lora_rank:
-            torch.manual_seed(tc.seed)  # the same adapters on every rank
-            lora.attach(model, tc.lora_rank, tc.lora_alpha)
-        advice = f"the tokenizer comes with the weights of {tc.init_from}: train on text it can encode"
-        return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device, advice)
-    check_disk_for(files, np.dtype(np.uint16), cache_dir or default_cache_dir())  # before reading it for the vocabulary
-    tokenizer = None
-    if world.main:  # the corpus read piece by piece: it need not fit in memory
-        tokenizer = CharTokenizer.from_text(corpus_characters(files, tc.invalid_utf8)) if tc.tokenizer == "char" \
-            else BPETokenizer.train(vocabulary_pieces(files, tc.invalid_utf8), tc.bpe_vocab_size)
-    if world.distributed:  # every rank encodes with rank 0's tokenizer
-        sent = distributed.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
-        tokenizer = tokenizer_from_json(sent)
-    torch.manual_seed(tc.seed)  # the same initial weights on every rank
-    model = build_model(model_cfg.replace(vocab_size=tokenizer.vocab_size))  # with the fast modules (ops)
-    return _assemble(tc, run_dir, data, cache_dir, files, tokenizer, model, world, device)
-
-
-# Fields a resume cannot change, because the saved state depends on them: (field, whether it matters for
-# this TrainConfig, why, given the value asked for). A run saved before a field existed had its default.
-KEPT_ON_RESUME = (
-    ("optimizer", lambda tc: True, lambda new: f", whose state {new} cannot take over"),
-    ("muon_experts", lambda tc: tc.optimizer == "muon",
-     lambda new: ", whose expert state the other optimizer cannot take over"),
-    ("muon_experts_per_step", lambda tc: tc.optimizer == "muon",
-     lambda new: "; a resume keeps it (its experts' saved updates follow that turn)"),
-    ("lora_rank", lambda tc: True, lambda new: ", which a resume keeps (its saved adapters are of that rank)"),
-    ("lora_alpha", lambda tc: True, lambda new: ", which a resume keeps (its saved adapters are of that scale)"),
-)
-
-
-def check_kept_on_resume(saved: dict, tc: TrainConfig, run_dir: Path) -> None:
-    """Refuse, in one line, a resume that changes a field of `KEPT_ON_RESUME` from the run's train_config.json."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for key, matters, why in KEPT_ON_RESUME:
-        was, now = saved.get(key, defaults[key]), getattr(tc, key)
-        if matters(tc) and was != now:
-            raise TrainingError(f"{run_dir} was trained with {key}={was}{why(now)}; resume without --set {key}, or "
-                                f"start a new run from its weights: --init-from {run_dir}")
-
-
-def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None,
-               world: World = ALONE, device: torch.device | None = None) -> Run:
-    """The run in run_dir, as its last checkpoint left it: model, optimizer, sampler state, step and losses."""
-    _set_threads(tc)
-    ckpt = resolve_checkpoint(run_dir, prefer="last")
-    state, rng = load_train_state(ckpt)
-    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
-    saved = read_json(ckpt / "train_config.json")
-    check_kept_on_resume(saved, tc, run_dir)
-    model = load_model(ckpt, merged=False)  # a LoRA run's adapters stay apart, training
-    check_vocab(tokenizer, model.cfg, ckpt)
-    check_budget_ahead(tc, state, run_dir)
-    data = corpus_of(run_dir, state, data)
-    tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
-    run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
-    trained_on = state.get("corpus_sha256")
-    if trained_on is not None and run.dataset.header.get("content_sha256") != trained_on:
-        raise TrainingError(f"{data or 'the default corpus'} is not the text {run_dir} was trained on (--data on "
-                            "--resume names the same text at a new place); to train its weights on new text, start "
-                            f"a new run from them: nanollama4 train --init-from {run_dir} --data NEW_TEXT "
-                            "--out NEW_RUN")
-    try:
-        load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
-                             read_json(ckpt / "optimizer.json"), part=run.parallel.part)
-    except CheckpointError as e:
-        raise CheckpointError(f"{ckpt / 'optimizer.safetensors'}: {e}") from None
-    run.batches.set_state(rng["batches"])
-    run.step, run.best, run.val = int(state["step"]), state.get("best_val_loss"), state.get("val_loss")
-    run.elapsed_before = float(state.get("elapsed", 0.0))
-    return run
-
-
-def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
-              tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None,
-              advice: str = "resume on the text the run was trained on") -> Run:
-    """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
-    spread over the ranks, the optimizer."""
-    dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data, advice)
-    if tc.val_data is not None:  # a validation text of its own: all of the corpus trains
-        held = token_dataset(find_corpus_files(tc.val_data), tokenizer, cache_dir or default_cache_dir(), tc,
-                             tc.val_data, "give a validation text in the training text's characters (or "
-                             "--set tokenizer=bpe, which encodes any text)")
-        dataset = dataset.with_validation(held)
-    dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
-    val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
-    device = device or pick_device(tc.device)
-    model.to(device).train()
-    spread = distributed.spread(model, world, tc, device)  # before the optimizer: it may replace parameters
-    tc = _choose_precision(tc, model.cfg, device, world, spread)
-    return Run(dir=run_dir, tc=tc, model=model, tokenizer=tokenizer, optimizer=make_optimizer(model, tc),
-               dataset=dataset, val_batches=val_batches, batches=torch.Generator().manual_seed(tc.seed),
-               device=device, data=_corpus_path(data), world=world, parallel=spread)
-
-
-def _choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device, world: World,
-                      spread: distributed.Parallel) -> TrainConfig:
-    """bf16=auto made true or false from this CPU's bf16 instructions and the model's widest product
-    timed at the run's batch (`runtime.bf16_speedup`); every rank takes bf16 only where every rank chose
-    it. The choice is what the run saves, so a resumed run keeps it."""
-    if tc.bf16 != "auto":
-        return tc
-    width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim)
-    rows = min(tc.batch_size * tc.seq_len, 8192)
-    choice = bf16_speedup(device, rows, cfg.d_model, 2 * width).across(spread.max_over_ranks, world.size)
-    if world.main:
-        print(choice.describe(), flush=True)
-    return tc.replace(bf16=choice.chosen)
-
-
-LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
-
-
-def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> None:
-    """Refuse, before anything is allocated, a training step that cannot fit in the memory this machine has
-    free (`memory.training_memory`, which errs low), in one line naming the largest batch_size that fits.
-    A huge batch_size used to be a MemoryError traceback from the batch sampler, or the kernel's kill on
-    resume. On the CPU only: a GPU's free memory is not read before the rank has chosen its device."""
-    if tc.device not in ("cpu", "auto") or (tc.device == "auto" and torch.cuda.is_available()):
-        return
-    free = available_memory()
-    if free is None:
-        return
-    free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))  # ranks on this machine share it
-    seq_len = tc.seq_len or cfg.max_seq_len
-    step = training_memory(cfg, tc.batch_size, seq_len, tc.optimizer, tc.eval_batches,
-                           state_shards=world.size if tc.parallel == "fsdp" else 1, bf16=tc.bf16 is not False)
-    if step.total <= free:
-        return
-    fits = step.largest_batch(free)
-    if fits == 0:
-        raise TrainingError(f"the model's weights, gradients and {tc.optimizer} state alone need about "
-                            f"{format_bytes(step.state)} and {format_bytes(free)} is free; train a smaller model")
-    raise TrainingError(f"a step of batch_size {tc.batch_size:,} x seq_len {seq_len:,} needs about "
-                        f"{format_bytes(step.total)} (of it {format_bytes(step.state)} weights, gradients and "
-                        f"optimizer state) and {format_bytes(free)} is free; pass --set batch_size={fits:,} or "
-                        "less (with --set grad_accum=N for as many tokens per step)")
-
-
 def eval_period(tc: TrainConfig) -> float:
     """Seconds between validations when they follow the clock (under --max-time with eval_share > 0), else 0:
     validation every eval_interval steps. A run's plot then has as many points on a slow machine as on a
     fast one."""
     return tc.max_time * tc.eval_share if tc.max_time and tc.eval_share else 0.0
-
-
-def tensorboard_dir(run_dir: Path, resume: bool) -> Path:
-    """RUN/tensorboard/, a folder of ours (never through a planted link). A new run starts it empty."""
-    folder = own_folder(run_dir, "tensorboard")
-    if not resume:
-        for old in folder.glob("events.out.tfevents.*"):
-            old.unlink()
-    return folder
-
-
-def check_log(tc: TrainConfig) -> None:
-    """log=tensorboard needs the tensorboard package: say so before anything starts."""
-    if tc.log == "tensorboard":
-        import importlib.util
-
-        if importlib.util.find_spec("tensorboard") is None:
-            raise TrainingError("log=tensorboard needs the tensorboard package: pip install 'nanollama4[tensorboard]' "
-                                "(or --set log=jsonl)")
-
-
-def _set_threads(tc: TrainConfig) -> None:
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
-
-
-def _corpus_path(data: str | Path | None) -> str | None:
-    """How a run records its corpus: an absolute path (None = the default corpus), so that resume and eval
-    work from any working directory."""
-    return None if data is None else str(Path(data).expanduser().resolve())
 
 
 # ---------------------------------------------------------------------------------------------- signals and RNG

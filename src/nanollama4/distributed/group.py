@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..config import ModelConfig, TrainConfig
 from ..errors import ConfigError, Nanollama4Error, TrainingError
+from ..optim import optimizer_kind
 from ..runtime import pick_device
 
 
@@ -49,11 +50,9 @@ class World:
 
 
 def check(world: World, tc: TrainConfig, cfg: ModelConfig) -> None:
-    """Refuse a spread that cannot work, before any process joins a group or creates a file."""
-    if tc.optimizer == "muon" and tc.parallel == "fsdp":
-        raise ConfigError("optimizer=muon with parallel=fsdp is not supported: Muon orthogonalises whole matrices "
-                          "and FSDP2 gives each rank a slice of them; use parallel=ddp (expert_parallel works with "
-                          "it) or optimizer=adamw")
+    """Refuse a spread that cannot work, before any process joins a group or creates a file: the optimizer's
+    own refusals first (`OptimizerKind.check`: Muon takes no FSDP2 slices), then the spread's."""
+    optimizer_kind(tc.optimizer).check(tc)
     e = tc.expert_parallel
     if e == 1:
         return
