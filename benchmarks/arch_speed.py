@@ -3,10 +3,10 @@
 Training: `make demo`'s settings (shakespeare-char, bf16=auto, seq_len 256, batch 32, Muon, two experts
 re-orthogonalised per step) for --steps steps on Shakespeare; the figure is the median of metrics.jsonl's
 per-step tokens/s after the first 5 steps. Decoding: the demo model (untrained, seeded) from a 16-token
-prompt, greedy, --tokens new tokens at batch 1 and 16 through `generate_ids`; best of 3 runs after a
+prompt, greedy, --tokens new tokens (prompt + tokens within the model's 256) at batch 1 and 16 through `generate_ids`; best of 5 runs after a
 warm-up. Meant to be run against two checkouts in turn (PYTHONPATH=OTHER/src), A B A B, alone on the machine.
 
-    python benchmarks/arch_speed.py [--steps 40] [--tokens 256]
+    python benchmarks/arch_speed.py [--steps 40] [--tokens 200] [--only train|decode]
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def decode_tokens_per_s(rows: int, tokens: int) -> float:
     torch.manual_seed(0)
     model = nanollama4.Transformer(preset("shakespeare-char", vocab_size=96)).eval()
     prompts = [list(range(i, i + 16)) for i in range(rows)]
-    generate_ids(model, prompts, 8, temperature=0)  # warm-up: the runner's thread trials, allocations
+    generate_ids(model, prompts, 64, temperature=0)  # warm-up: the runner's thread trials, allocations
     best = 0.0
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         generate_ids(model, prompts, tokens, temperature=0)
         best = max(best, rows * tokens / (time.perf_counter() - start))
@@ -54,12 +54,14 @@ def decode_tokens_per_s(rows: int, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--only", choices=["train", "decode"], help="measure one of the two")
     args = parser.parse_args()
     tune_allocator()
     print(f"{'figure':<28} {'tokens/s':>10}   ({nanollama4.__file__})")
-    print(f"{'demo training step':<28} {training_tokens_per_s(args.steps):>10,.0f}")
-    for rows in (1, 16):
+    if args.only != "decode":
+        print(f"{'demo training step':<28} {training_tokens_per_s(args.steps):>10,.0f}")
+    for rows in (1, 16) if args.only != "train" else ():
         print(f"{f'decode, batch {rows}':<28} {decode_tokens_per_s(rows, args.tokens):>10,.0f}")
 
 
