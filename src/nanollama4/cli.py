@@ -19,10 +19,10 @@ from typing import Any
 
 from . import commands
 from .commands import DEFAULT_PRESET, EXIT_CTRL_C, EXIT_INTERRUPTED
-from .config import PRESETS, parse_duration
+from .config import PRESETS, TrainConfig, parse_duration
 from .engine.sampling import Sampling
 from .errors import ConfigError, Nanollama4Error
-from .fields import SEED_LIMIT, add_arguments
+from .fields import SEED_LIMIT, Seed, add_arguments, flag_type, hints
 
 __all__ = ["main", "build_parser", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_CTRL_C"]
 EXIT_ERROR = 2  # an error meant for people, printed as one line
@@ -58,7 +58,7 @@ def _checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], rule: str) 
 
 
 _positive_int = _checked(_whole, lambda v: v >= 1, "must be at least 1")
-_seed = _checked(_whole, lambda v: 0 <= v < SEED_LIMIT, f"must be a seed from 0 to 2^63 - 1 ({SEED_LIMIT - 1})")
+_seed = flag_type("seed", Seed)  # the flags that set a declared field are judged by its declaration
 _new_tokens = _checked(_whole, lambda v: 1 <= v <= MAX_NEW_TOKENS, f"must be from 1 to {MAX_NEW_TOKENS:,}")
 _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
 _port = _checked(_whole, lambda v: 0 <= v <= 65535, "must be a TCP port from 0 (any free one) to 65535")
@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a separate validation text (file, folder or glob); all of --data then trains")
     p.add_argument("--out", type=_path, help="run directory, new or empty (default: runs/PRESET-TIMESTAMP)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps (of the whole run)")
+    budget.add_argument("--max-steps", type=flag_type("max_steps", hints(TrainConfig)["max_steps"]),
+                        help="stop after N optimizer steps (of the whole run)")
     budget.add_argument("--max-time", type=_duration,
                         help="stop after this long, e.g. 300, 5m, 1.5h (of the whole run)")
     p.add_argument("--resume", metavar="RUN_DIR", type=_path,

@@ -76,7 +76,7 @@ BudgetShare = Annotated[float, Rule("a share of the time budget in [0, 1)", lamb
 Share = Annotated[float, Rule("a share of the time budget in [0, 1] (0: validate by eval_interval steps alone)",
                                   lambda v: 0 <= v <= 1)]
 Turns = Annotated[int, at_least(0, "a whole number >= 0 (0: every expert every step)")]
-Steps = Annotated[int, above(0, "positive or None")]
+Steps = Annotated[int, above(0, "a positive integer")]
 Seconds = Annotated[float, above(0, "a positive, finite number of seconds or None")]
 Timeout = Annotated[float, above(0, "a positive, finite number of seconds")]
 Bf16 = Annotated[bool | str, Rule("true, false or 'auto' (bf16 autocast where its products measure faster than "

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from .errors import ConfigError
 
 __all__ = ["Rule", "Limit", "Annotated", "check", "problem", "field_help", "hints", "read_text", "add_arguments",
-           "arguments_of", "split", "number", "integer", "size", "Seed", "SEED_LIMIT", "POSITIVE", "WHOLE",
+           "arguments_of", "flag_type", "split", "number", "integer", "size", "Seed", "SEED_LIMIT", "POSITIVE", "WHOLE",
            "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above"]
 
 
@@ -267,6 +267,21 @@ def _argument_type(hint: Any) -> Callable[[str], Any]:
         return text
 
     return read
+
+
+def flag_type(name: str, hint: Any) -> Callable[[str], Any]:
+    """An argparse type for a flag that sets a declared field: the text read as the field's type, then
+    judged by its rules (`problem`), so the flag refuses a value in the declaration's own words."""
+    read = _argument_type(hint)
+
+    def judged(text: str) -> Any:
+        value = read(text)
+        message = problem(name, value, hint)
+        if message is not None:
+            raise argparse.ArgumentTypeError(message)
+        return value
+
+    return judged
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
