@@ -222,7 +222,7 @@ class TrainConfig(_JsonConfig):
     batch_size: Count = 32  # sequences per optimizer step (per accumulation micro-step)
     seq_len: Count | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
     grad_accum: Count = 1  # micro-batches accumulated per optimizer step
-    optimizer: str = "adamw"  # "adamw" (every parameter) or "muon" (hidden matrices; AdamW for the rest)
+    optimizer: str = "adamw"  # "adamw", "muon" (hidden matrices; AdamW for the rest) or a kind of yours (optim.py)
     lr: NonNegative = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: NonNegative = 7e-5  # learning rate at the end of the cosine decay
     warmup_steps: Whole = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
