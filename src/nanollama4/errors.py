@@ -7,6 +7,10 @@ is a bug and keeps its traceback. Each subclass also derives from the builtin a 
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
 
 class Nanollama4Error(Exception):
     """Base of every error whose message tells a person what to fix."""
@@ -43,3 +47,13 @@ class MissingRunFile(Nanollama4Error, FileNotFoundError):
 class WriteError(Nanollama4Error, OSError):
     """A file could not be written (a full disk, a read-only folder, a symlink where a file of ours goes);
     whatever was there before is kept."""
+
+
+def registered(table: dict[str, T], name: Any, field: str, yours: str) -> T:
+    """`table[name]` for a registry (router kinds, optimizer kinds), else a ConfigError that lists every
+    registered name with its `about` and says how to bring one of `yours` (--import)."""
+    if name not in table:
+        known = ", ".join(f"'{k}' ({getattr(c, 'about', '')})" for k, c in table.items())
+        raise ConfigError(f"{field} ({name!r}) must be one of: {known}; {yours} of your own: define it in a module "
+                          "and pass --import MODULE")
+    return table[name]

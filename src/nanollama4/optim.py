@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from .errors import ConfigError
+from .errors import ConfigError, registered
 
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (those torch.optim.Muon uses): chosen for
 # the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
@@ -179,11 +179,7 @@ OPTIMIZERS: dict[str, type[OptimizerKind]] = {}  # name -> kind, filled by each 
 
 def optimizer_kind(name: str) -> type[OptimizerKind]:
     """The kind a config's `optimizer` names, or a ConfigError naming the kinds there are."""
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"optimizer ({name!r}) must be one of: " +
-                          ", ".join(f"'{k}' ({c.about})" for k, c in OPTIMIZERS.items()) +
-                          "; an optimizer of your own: define it in a module and pass --import MODULE")
-    return OPTIMIZERS[name]
+    return registered(OPTIMIZERS, name, "optimizer", "an optimizer")
 
 
 def make_optimizer(model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:

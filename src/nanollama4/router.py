@@ -34,18 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ConfigError
+from .errors import registered
 
 ROUTERS: dict[str, type[Router]] = {}  # kind -> class, filled by each subclass's `kind=`
 
 
 def router_class(kind: str) -> type[Router]:
     """The router class of a kind (config's `router`), or a ConfigError naming the kinds there are."""
-    if kind not in ROUTERS:
-        raise ConfigError(f"router ({kind!r}) must be one of: " +
-                          ", ".join(f"'{k}' ({c.about})" for k, c in ROUTERS.items()) +
-                          "; a kind of your own: define it in a module and pass --import MODULE")
-    return ROUTERS[kind]
+    return registered(ROUTERS, kind, "router", "a kind")
 
 
 class RouterSettings(Protocol):
