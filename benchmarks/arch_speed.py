@@ -2,9 +2,10 @@
 
 Training: `make demo`'s settings (shakespeare-char, bf16=auto, seq_len 256, batch 32, Muon, two experts
 re-orthogonalised per step) for --steps steps on Shakespeare; the figure is the median of metrics.jsonl's
-per-step tokens/s after the first 5 steps. Decoding: the demo model (untrained, seeded) from a 16-token
-prompt, greedy, --tokens new tokens (prompt + tokens within the model's 256) at batch 1 and 16 through `generate_ids`; best of 5 runs after a
-warm-up. Meant to be run against two checkouts in turn (PYTHONPATH=OTHER/src), A B A B, alone on the machine.
+per-step tokens/s after the first 5 steps. Decoding: the demo model (untrained,
+seeded) from a 16-token prompt, greedy, --tokens new tokens (prompt + tokens within the model's 256) at
+batch 1 and 16 through `generate_ids`; best of 5 runs after a warm-up. Meant to be run against two
+checkouts in turn (PYTHONPATH=OTHER/src), A B A B, alone on the machine.
 
     python benchmarks/arch_speed.py [--steps 40] [--tokens 200] [--only train|decode]
 """
