@@ -35,13 +35,10 @@ _FIXED_ON_RESUME = ("tokenizer", "bpe_vocab_size", "seed")  # the checkpoint alr
 
 
 def _check_text(prompt: str) -> None:
-    """An empty prompt, or one the shell handed over with bytes that are not UTF-8 (they arrive as surrogates)."""
-    if not prompt:
-        raise ConfigError("the prompt is empty; pass --prompt with some text")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfigError("--prompt is not valid UTF-8 text; pass it as UTF-8") from None
+    """The prompt's own check (tokenizer.check_prompt), before a model is loaded for it."""
+    from .tokenizer import check_prompt
+
+    check_prompt(prompt, "pass --prompt with some text, as UTF-8")
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:

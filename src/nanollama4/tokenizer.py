@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .errors import CheckpointError, TokenizerError
+from .errors import CheckpointError, GenerationError, TokenizerError
 from .files import JSON_LIMIT, regular_file
 
 
@@ -250,6 +250,28 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF = _byte_level_alphabet()
+
+
+def check_prompt(text: str, fix: str, name: str = "prompt") -> None:
+    """Refuse, in one line ending with `fix`, an empty prompt or one that is not text: a lone surrogate
+    (\\ud800-\\udfff), which is how a shell hands over bytes that are not UTF-8 and JSON can spell."""
+    if not text:
+        raise GenerationError(f"the {name} is empty; {fix}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GenerationError(f"the {name} is not valid text (a lone surrogate, \\ud800-\\udfff: bytes that "
+                              f"were not UTF-8); {fix}") from None
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str, fix: str, name: str = "prompt") -> list[int]:
+    """A prompt's ids, every door's one check: `check_prompt`, then the tokenizer's own refusal (an unknown
+    character), then a prompt that encodes to no tokens."""
+    check_prompt(text, fix, name)
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise GenerationError(f"the {name} encodes to no tokens; {fix}")
+    return ids
 
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:

@@ -25,7 +25,7 @@ from ..model import Transformer
 from ..moe import MoE
 from ..observe import describe_slots, observe
 from ..router import Routing
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, prompt_ids
 
 TOP_NEXT = 10  # next tokens listed
 
@@ -118,11 +118,7 @@ def trace(model: Transformer, tokenizer: Tokenizer, prompt: str, mode: str = "ev
     if mode not in ("eval", "train"):
         raise GenerationError(f"mode ({mode!r}) must be 'eval' (as generation runs) or 'train' (noise and "
                               "capacity acting)")
-    if not prompt:
-        raise GenerationError("the prompt is empty; give some text to explain")
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise GenerationError("the prompt encodes to no tokens; give some text to explain")
+    ids = prompt_ids(tokenizer, prompt, "give some text to explain")
     limit = model.cfg.max_seq_len
     if len(ids) > limit:
         raise GenerationError(f"the prompt is {len(ids)} tokens, more than the model's max_seq_len ({limit}); "
@@ -282,9 +278,7 @@ def trace_generation(model: Transformer, tokenizer: Tokenizer, prompt: str, max_
     The tokens are those `generation.generate` picks with temperature 0, because it is the same engine."""
     from ..engine import Engine, Request, Sampling, TokenEvent
 
-    ids = tokenizer.encode(prompt) if prompt else []
-    if not ids:
-        raise GenerationError("the prompt is empty; give some text to explain")
+    ids = prompt_ids(tokenizer, prompt, "give some text to explain")
     if len(ids) + max_new_tokens > model.cfg.max_seq_len:
         raise GenerationError(f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceed the model's "
                               f"max_seq_len ({model.cfg.max_seq_len}); shorten the prompt or generate fewer")

@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.responses import Response
 
 from ..engine.sampling import Sampling, SamplingError
-from ..errors import TokenizerError
+from ..errors import GenerationError, TokenizerError
+from ..tokenizer import prompt_ids
 from .chat import ChatFormat, ChatTemplateError, PlayFormat
 
 if TYPE_CHECKING:
@@ -373,20 +374,12 @@ def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
 
 
 def _encode(text: str, engine: Engine, param: str) -> list[int]:
-    if not text:
-        raise ApiError(400, f"the {param} is empty; give some text to continue", param=param)
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError(400, f"the {param} holds a lone surrogate (\\ud800-\\udfff), which is not text; send "
-                       "valid Unicode", param=param) from None
-    try:
-        ids = engine.tokenizer.encode(text)
+        return prompt_ids(engine.tokenizer, text, "give some text to continue (as valid Unicode)", name=param)
+    except GenerationError as e:
+        raise ApiError(400, str(e), param=param) from None
     except TokenizerError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
-    if not ids:
-        raise ApiError(400, f"the {param} encodes to no tokens; give some text to continue", param=param)
-    return ids
 
 
 def chat_prompt(messages: Any, chat: ChatFormat | None = None) -> str:
