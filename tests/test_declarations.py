@@ -136,3 +136,35 @@ def inspect_source(module) -> str:
     import inspect
 
     return inspect.getsource(module)
+
+
+@dataclass(frozen=True)
+class WithSwitch(Sampling):
+    """A bool option and an optional one: the flags read "true"/"false" and "none" as the field's own values."""
+
+    penalise_prompt: bool = False  # count the prompt's tokens as seen too
+
+
+def test_flags_read_bools_and_none_as_the_declaration_types_them():
+    args = _generate_parser(WithSwitch).parse_args(["--penalise-prompt", "yes", "--seed", "none"])
+    values = arguments_of(args, WithSwitch, skip=("stop_ids",))
+    assert values["penalise_prompt"] is True and values["seed"] is None
+    assert WithSwitch(**values).seed is None
+    with pytest.raises(Exception, match="'maybe' is not true or false"):
+        _generate_parser(WithSwitch).parse_args(["--penalise-prompt", "maybe"])
+
+
+def test_a_value_of_no_list_is_refused_in_words_and_a_huge_one_is_quoted_short():
+    with pytest.raises(SamplingError, match=r"^stop_ids \(True\) must be token ids"):
+        Sampling(stop_ids=True)
+    with pytest.raises(SamplingError, match=r"^stop \(5\) must be non-empty strings"):
+        Sampling(stop=5)
+    with pytest.raises(SamplingError) as e:
+        Sampling(seed=10**5000)  # past the digits Python will print
+    assert len(str(e.value)) < 200 and str(e.value).startswith("seed (")
+
+
+def test_an_optimizers_own_fields_are_ignored_by_the_others_not_refused():
+    """A sweep may switch one arm to AdamW while its [train] table sets Muon's fields; a run saved so loads."""
+    tc = TrainConfig(optimizer="adamw", muon_lr=0.05, muon_experts_per_step=2)
+    assert tc.muon_lr == 0.05

@@ -22,7 +22,7 @@ from .commands import DEFAULT_PRESET, EXIT_CTRL_C, EXIT_INTERRUPTED
 from .config import PRESETS, TrainConfig, parse_duration
 from .engine.sampling import Sampling
 from .errors import ConfigError, Nanollama4Error
-from .fields import SEED_LIMIT, Seed, add_arguments, flag_type, hints
+from .fields import Seed, add_arguments, flag_type, hints, problem
 
 __all__ = ["main", "build_parser", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_CTRL_C"]
 EXIT_ERROR = 2  # an error meant for people, printed as one line
@@ -292,7 +292,7 @@ def _seeds(text: str) -> tuple[int, ...]:
         seeds = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if len(set(seeds)) != len(seeds) or any(not 0 <= s < SEED_LIMIT for s in seeds):
+    if len(set(seeds)) != len(seeds) or any(problem("seed", s, Seed) for s in seeds):
         raise argparse.ArgumentTypeError(f"{text!r}: seeds must be distinct, from 0 to 2^63 - 1")
     return seeds
 

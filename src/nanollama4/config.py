@@ -14,7 +14,6 @@ import dataclasses
 import math
 import re
 import sys
-import typing
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
@@ -30,6 +29,7 @@ from .fields import (
     above,
     at_least,
     check,
+    hints,
     read_text,
     size,
 )
@@ -268,16 +268,12 @@ class TrainConfig(_JsonConfig):
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.max_time is not None and self.max_time > MAX_DURATION:
             raise ConfigError(f"max_time ({self.max_time:g} s) is more than a year; give the time you mean to train")
-        # the kinds are optim.py's classes, imported here for the reason router.py's are in ModelConfig
-        from .optim import OPTIMIZERS, optimizer_kind
+        # the kinds are optim.py's classes, imported here for the reason router.py's are in ModelConfig. A kind's
+        # own fields (its `options`) are ignored by the others, not refused: a sweep may switch the optimizer
+        # in one arm, and a run saved with both keeps loading
+        from .optim import optimizer_kind
 
         kind = optimizer_kind(self.optimizer)  # a ConfigError naming the kinds there are
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name in sorted({o for k in OPTIMIZERS.values() for o in k.options} - set(kind.options)):
-            if getattr(self, name) != defaults[name]:  # what only some kinds read
-                takers = [k for k, c in OPTIMIZERS.items() if name in c.options]
-                raise ConfigError(f"{name} applies to optimizer={' or '.join(takers)} only; set optimizer="
-                                  f"{takers[0]} or leave {name} at {defaults[name]!r}")
         if self.lora_rank and self.init_from is None:
             raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
                               "RUN|HF_DIR")
@@ -388,7 +384,7 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
     here, naming the field, instead of deep in torch; the config's own checks then judge the value.
     """
     by_name = {f.name: f for f in fields(cls)}
-    hints = typing.get_type_hints(cls)
+    declared = hints(cls)
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -396,7 +392,7 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
         key, raw = (part.strip() for part in pair.split("=", 1))
         if key not in by_name:
             raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
-        out[key] = read_text(key, raw, hints[key])
+        out[key] = read_text(key, raw, declared[key])
     return out
 
 

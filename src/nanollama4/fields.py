@@ -32,9 +32,9 @@ from typing import Annotated, Any, Literal
 
 from .errors import ConfigError
 
-__all__ = ["Rule", "Limit", "Annotated", "check", "problem", "field_help", "hints", "read_text", "add_arguments",
-           "arguments_of", "flag_type", "split", "number", "integer", "size", "Seed", "SEED_LIMIT", "POSITIVE", "WHOLE",
-           "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above"]
+__all__ = ["Rule", "Limit", "Annotated", "check", "problem", "shown", "field_help", "hints", "read_text",
+           "add_arguments", "arguments_of", "flag_type", "split", "number", "integer", "size", "Seed", "SEED_LIMIT",
+           "POSITIVE", "WHOLE", "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Rule:
     ok: Callable[[Any], bool] | None = None
 
     def message(self, name: str, value: Any) -> str:
-        return f"{name} ({value!r}) must be {self.words}"
+        return f"{name} ({shown(value)}) must be {self.words}"
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,15 @@ class Limit(Rule):
 
 
 SEED_LIMIT = 2**63  # seeds are 0 .. 2^63 - 1: what torch's generators take, with room for derived seeds
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """`value` as a message quotes it: its repr, cut to `limit` characters (a 4,000-digit seed stays one line)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<an integer of about {value.bit_length() * 0.30103:,.0f} digits>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def number(v: Any) -> bool:
@@ -186,7 +195,7 @@ def problem(name: str, value: Any, hint: Any) -> str | None:
         return None
     if not any(_fits(value, option) for option in options):
         words = rules[0].words if rules and not isinstance(rules[0], Limit) else type_words(hint)
-        return f"{name} ({value!r}) must be {words}"
+        return f"{name} ({shown(value)}) must be {words}"
     for rule in rules:
         if rule.ok is not None and not rule.ok(value):
             return rule.message(name, value)
@@ -245,10 +254,17 @@ def read_text(key: str, raw: str, hint: Any) -> Any:
 
 
 def _argument_type(hint: Any) -> Callable[[str], Any]:
-    """An argparse type for one field: the text read as the field's type; its limits are `check`'s."""
+    """An argparse type for one field: the text read as the field's type ("none" for an optional one, a
+    true/false word for a bool, a whole or finite number); its limits are `check`'s."""
     options = set(_options(split(hint)[0]))
 
     def read(text: str) -> Any:
+        if type(None) in options and text.lower() in ("none", "null"):
+            return None
+        if bool in options:
+            if text.lower() not in _WORDS:
+                raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+            return _WORDS[text.lower()]
         if int in options:
             try:
                 return int(text)

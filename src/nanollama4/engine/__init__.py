@@ -25,6 +25,10 @@ _HOMES = {"Engine": "core", "Request": "request", "TokenEvent": "request", "Fini
 __all__ = list(_HOMES)
 
 
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
 def __getattr__(name: str) -> Any:
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

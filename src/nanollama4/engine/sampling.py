@@ -39,6 +39,10 @@ Stops = Annotated[tuple[str, ...], Rule("non-empty strings", lambda v: all(v))]
 StopIds = Annotated[tuple[int, ...], Rule("token ids (integers >= 0)", lambda v: all(i >= 0 for i in v))]
 
 
+def _listlike(v: Any) -> bool:
+    return hasattr(v, "__iter__") and not isinstance(v, (str, bytes, dict))
+
+
 class SamplingError(GenerationError):
     """A sampling value outside its limits; `field` names it (the API's error object names it too)."""
 
@@ -64,8 +68,11 @@ class Sampling:
     stop_ids: StopIds = ()  # token ids: a row ends at the first of these
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
-        object.__setattr__(self, "stop_ids", (self.stop_ids,) if integer(self.stop_ids) else tuple(self.stop_ids))
+        # one stop or id stands for a list of one; anything else that is not a list is left for `check` to refuse
+        if isinstance(self.stop, str) or _listlike(self.stop):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if integer(self.stop_ids) or _listlike(self.stop_ids):
+            object.__setattr__(self, "stop_ids", (self.stop_ids,) if integer(self.stop_ids) else tuple(self.stop_ids))
         check(self, SamplingError)
 
     @property
