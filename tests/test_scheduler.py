@@ -191,3 +191,32 @@ def test_a_traced_greedy_step_is_written_by_the_observer_and_costs_nothing_untra
                          "chosen_odds", "prompt"}
     assert set(page["routes"][0]) == {"layer", "experts", "weights", "kinds", "from"}
     assert set(page["prompt"][0]) == {"position", "token", "routes"} and "prompt" not in later[0].to_json()
+
+
+def test_a_row_whose_draw_fails_ends_alone_and_the_others_go_on(monkeypatch):
+    """A sampled row's next_token raising ends that request with an error; a greedy row beside it finishes."""
+    import torch
+
+    import nanollama4
+    from nanollama4.engine import Engine, Finished, Request, Sampling
+    from nanollama4.engine import core as core_mod
+
+    torch.manual_seed(0)
+    model = nanollama4.Transformer(nanollama4.preset("tiny")).eval()
+    engine = Engine(model, max_batch=2)
+    real = core_mod.next_token
+
+    def failing(logits, sampling, generator):
+        if not sampling.greedy and engine.steps >= 2:
+            raise RuntimeError("a draw that failed")
+        return real(logits, sampling, generator)
+
+    monkeypatch.setattr(core_mod, "next_token", failing)
+    ends = {}
+    for name, sampling in (("greedy", Sampling(temperature=0)), ("sampled", Sampling(seed=1))):
+        engine.add(Request([1, 2, 3], 6, sampling,
+                           lambda e, name=name: ends.__setitem__(name, e) if isinstance(e, Finished) else None))
+    while engine.has_work:
+        engine.step()
+    assert ends["greedy"].reason == "length"
+    assert ends["sampled"].reason == "error" and "a draw that failed" in ends["sampled"].error

@@ -231,6 +231,8 @@ class Engine:
             self._retire(r, "length")
             return
         (token,) = self._choose(logits[-1:], [r])
+        if isinstance(token, Exception):
+            raise token
         trace = None
         if r.trace and token is not None:
             trace = self.observer.prefilled(seen, r.prompt_ids, logits[-1], [held(layer, 0) for layer in cache.layers],
@@ -269,12 +271,14 @@ class Engine:
         for b, (r, token) in enumerate(zip(rows, tokens, strict=True)):
             r.position += 1
             try:
+                if isinstance(token, Exception):  # its draw failed: this row ends, the others go on
+                    raise token
                 trace = None
                 if r.trace and token is not None:
                     trace = self.observer.decoded(seen, b, r.last, r.position - 1, logits[b],
                                                   [held(layer, b) for layer in self.cache.layers], r.sampling, token)
                 going = self._emit(r, token, logits[b], trace)
-            except Exception as e:  # sending failed for this row alone: it ends, the others go on
+            except Exception as e:  # choosing or sending failed for this row alone: it ends, the others go on
                 if self.fail_fast:
                     raise
                 log.exception("%s: a step failed", r.id)
@@ -286,14 +290,14 @@ class Engine:
             self._retire(r, None)
 
     # ------------------------------------------------------------------ the sampler
-    def _choose(self, logits: torch.Tensor, rows: list[Request]) -> list[int | None]:
+    def _choose(self, logits: torch.Tensor, rows: list[Request]) -> list[int | Exception | None]:
         """Each row's next token from logits (rows, vocab), each by its own Sampling through `next_token`,
         the one place a token is chosen; None for a row whose logits are not finite (max propagates NaN, and
         a row with +inf or only -inf has no finite maximum). Rows with equal greedy settings draw nothing,
         so they choose in one call (a greedy batch is one argmax); sampled rows draw one by one, each from
         its own generator, as each would alone."""
         finite = logits.amax(-1).isfinite().tolist()
-        tokens: list[int | None] = [None] * len(rows)
+        tokens: list[int | Exception | None] = [None] * len(rows)
         alike: dict[Sampling, list[int]] = {}
         for b, r in enumerate(rows):
             if not finite[b]:
@@ -301,7 +305,10 @@ class Engine:
             if r.sampling.greedy:
                 alike.setdefault(r.sampling, []).append(b)
             else:
-                tokens[b] = int(next_token(logits[b:b + 1], r.sampling, r.generator)[0])
+                try:
+                    tokens[b] = int(next_token(logits[b:b + 1], r.sampling, r.generator)[0])
+                except Exception as e:  # noqa: BLE001 (handed to the row, which ends with it)
+                    tokens[b] = e
         for sampling, batch in alike.items():
             chosen = next_token(logits if len(batch) == len(rows) else logits[batch], sampling, None)
             for b, token in zip(batch, chosen.tolist(), strict=True):
