@@ -74,3 +74,21 @@ def test_an_expert_product_in_a_file_of_ones_own_is_what_auto_picks_in_training(
     assert proc.returncode == 0, proc.stderr
     calls = (tmp_path / "my_product.calls").read_text()
     assert len(calls) >= 3 * 4, calls  # every MoE layer of the tiny model, every step, went through it
+
+
+def test_a_run_trained_with_ones_own_optimizer_names_the_file_a_resume_needs(tmp_path, corpus):
+    """As a run records the module of its router, it records its optimizer's: a resume without it says what
+    to pass, and with it continues."""
+    (tmp_path / "my_sgd.py").write_text(MY_SGD)
+    assert _train(tmp_path, corpus, "--import", str(tmp_path / "my_sgd.py"), "--set",
+                  "optimizer=plain-sgd").returncode == 0
+    saved = json.loads((tmp_path / "run" / "last" / "train_config.json").read_text())
+    assert saved["optimizer_imports"] == str(tmp_path / "my_sgd.py")
+    resume = [sys.executable, "-m", "nanollama4.cli", "train", "--resume", str(tmp_path / "run"), "--max-steps", "4",
+              "--quiet"]
+    proc = subprocess.run(resume, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"pass --import {tmp_path / 'my_sgd.py'}" in proc.stderr, proc.stderr
+    proc = subprocess.run([*resume, "--import", str(tmp_path / "my_sgd.py")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr

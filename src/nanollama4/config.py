@@ -223,6 +223,7 @@ class TrainConfig(_JsonConfig):
     seq_len: Count | None = None  # tokens per training window, at most max_seq_len; None = the model's max_seq_len
     grad_accum: Count = 1  # micro-batches accumulated per optimizer step
     optimizer: str = "adamw"  # "adamw", "muon" (hidden matrices; AdamW for the rest) or a kind of yours (optim.py)
+    optimizer_imports: str = ""  # the module (--import) that defines a kind of your own; filled in for you
     lr: NonNegative = 7e-4  # peak learning rate, reached after warmup (best of 4e-4..3e-3 in 5-minute demo runs)
     min_lr: NonNegative = 7e-5  # learning rate at the end of the cosine decay
     warmup_steps: Whole = 100  # under --max-steps: linear warmup from 0 to lr over this many steps
@@ -271,9 +272,14 @@ class TrainConfig(_JsonConfig):
         # the kinds are optim.py's classes, imported here for the reason router.py's are in ModelConfig. A kind's
         # own fields (its `options`) are ignored by the others, not refused: a sweep may switch the optimizer
         # in one arm, and a run saved with both keeps loading
-        from .optim import optimizer_kind
+        from .optim import OPTIMIZERS, optimizer_kind
 
+        if self.optimizer not in OPTIMIZERS and self.optimizer_imports:
+            needed = " ".join(f"--import {m}" for m in self.optimizer_imports.split(","))
+            raise ConfigError(f"optimizer {self.optimizer!r} is defined by code this run was trained with "
+                              f"({self.optimizer_imports}), which is not imported: pass {needed}")
         kind = optimizer_kind(self.optimizer)  # a ConfigError naming the kinds there are
+        self.optimizer_imports = code_of(kind) or ""  # what a run records it needs
         if self.lora_rank and self.init_from is None:
             raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
                               "RUN|HF_DIR")
