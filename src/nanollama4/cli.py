@@ -100,15 +100,27 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: one subparser per command, grouped as docs/reference.md lists them."""
     parser = _Parser(prog="nanollama4", description="A readable Llama 4-style MoE language model.")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_arithmetic_commands, _training_commands, _model_commands, _run_commands):
+        add(sub)
+    for p in sub.choices.values():  # every command can meet a model built with your code
+        p.add_argument("--import", dest="imports", action="append", type=_text, metavar="MODULE",
+                       help="import your code first (a module name or a .py file): it may register a router kind, "
+                            "an optimizer, an expert product or another part; repeatable (see docs/training.md)")
+    return parser
 
-    def add_preset(p: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET) -> None:
-        # train's is None so that --resume can tell a --preset given from the default
-        p.add_argument("--preset", default=default, choices=sorted(PRESETS),
-                       help=f"named model config (default {DEFAULT_PRESET})")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
 
+def add_preset(p: argparse.ArgumentParser, default: str | None = DEFAULT_PRESET) -> None:
+    # train's is None so that --resume can tell a --preset given from the default
+    p.add_argument("--preset", default=default, choices=sorted(PRESETS),
+                   help=f"named model config (default {DEFAULT_PRESET})")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+
+
+def _arithmetic_commands(sub: Any) -> None:
+    """params, kv-cache, rope-check, summary: a preset's numbers, no run needed."""
     p = sub.add_parser("params", help="total and active-per-token parameters, by component")
     add_preset(p)
     p.add_argument("--compare", action="store_true", help="MoE against a dense model of the same active size")
@@ -130,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_preset(p)
     p.set_defaults(func=commands.cmd_summary)
 
+
+def _training_commands(sub: Any) -> None:
+    """train and config."""
     p = sub.add_parser("train", help="train a model (default: the shakespeare-char preset on Shakespeare)")
     add_preset(p, default=None)
     p.add_argument("--config", type=_path, metavar="FILE.toml",
@@ -159,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_preset(p)
     p.set_defaults(func=commands.cmd_config)
 
+
+def _model_commands(sub: Any) -> None:
+    """What reads a trained model: generate, explain, serve, export, eval."""
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", type=_path,
                    help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
@@ -242,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "its validation split); or another text, scored whole")
     p.set_defaults(func=commands.cmd_eval)
 
+
+def _run_commands(sub: Any) -> None:
+    """What reads or makes runs: plot, compare, sweep, experiment."""
     p = sub.add_parser("plot", help="(re)draw a run's loss curves, expert-load heatmap and routing telemetry")
     p.add_argument("run_dir", type=_path, nargs="+", metavar="RUN_DIR", help="one or more runs, each drawn in its "
                    "own plots/ folder (`compare` sets runs side by side)")
@@ -272,11 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arm_options(p, "(default 0,1,2)")
     p.set_defaults(func=commands.cmd_experiment)
 
-    for p in sub.choices.values():  # every command can meet a model built with your code
-        p.add_argument("--import", dest="imports", action="append", type=_text, metavar="MODULE",
-                       help="import your code first (a module name or a .py file): it may register a router kind "
-                            "or another part; repeatable (see docs/training.md)")
-    return parser
+
 
 
 def add_arm_options(p: argparse.ArgumentParser, seeds: str) -> None:
