@@ -23,11 +23,11 @@ from .fields import (
     POSITIVE,
     POSITIVE_NUMBER,
     WHOLE,
-    Limit,
     Rule,
     Seed,
     above,
     at_least,
+    at_most,
     check,
     hints,
     read_text,
@@ -65,11 +65,10 @@ Whole = Annotated[int, WHOLE]
 NonNegative = Annotated[float, NON_NEGATIVE]
 PositiveNumber = Annotated[float, POSITIVE_NUMBER]
 Factor = Annotated[float, above(0, "a positive factor or None")]
-_UNDER_2_27 = Limit("134,217,728", lambda v: v <= 2**27)
-Interval = Annotated[int, at_least(0, "0 (no NoPE layers) or a positive integer"), _UNDER_2_27]
-ChunkSize = Annotated[int, above(0, "a positive integer or None (no chunking)"), _UNDER_2_27]
-ExpertCount = Annotated[int, at_least(0, "0 (dense model) or a positive integer"), Limit("4,096", lambda v: v <= 4096)]
-TopK = Annotated[int, Limit("4,096", lambda v: v <= 4096)]  # positive where there are experts (a cross-field rule)
+Interval = Annotated[int, at_least(0, "0 (no NoPE layers) or a positive integer"), at_most(2**27)]
+ChunkSize = Annotated[int, above(0, "a positive integer or None (no chunking)"), at_most(2**27)]
+ExpertCount = Annotated[int, at_least(0, "0 (dense model) or a positive integer"), at_most(4096)]
+TopK = Annotated[int, at_most(4096)]  # positive where there are experts (a cross-field rule)
 CapacityFactor = Annotated[float, above(0, "positive or None (dropless)")]
 Decay = Annotated[float, Rule("in [0, 1)", lambda v: 0 <= v < 1)]
 BudgetShare = Annotated[float, Rule("a share of the time budget in [0, 1)", lambda v: 0 <= v < 1)]

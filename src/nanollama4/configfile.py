@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any, Literal
 
 from .config import ModelConfig, TrainConfig, preset
 from .errors import ConfigError
-from .fields import field_help, hints, split
+from .fields import field_help, hints, options_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,7 +67,7 @@ class ConfigFile:
 # ---------------------------------------------------------------------------------------------- the declarations
 def _expected(hint: Any) -> str:
     """What a field takes, in words, from its resolved annotation."""
-    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    options = options_of(hint)
     words = []
     for option in options:
         if option is type(None):
@@ -82,16 +81,11 @@ def _expected(hint: Any) -> str:
     return " or ".join(words)
 
 
-def _is_union(hint: Any) -> bool:
-    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
-
-
 def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
     """`value` as read from TOML, if its JSON type is one the field declares (ints where floats go are
     widened); else a ConfigError naming where, the key and what it takes. The field's choices and limits are
     judged where the config is built, by its one declaration (`fields.check`), as for every other door."""
-    bare = split(hint)[0]
-    options = typing.get_args(bare) if _is_union(bare) else (bare,)
+    options = options_of(hint)
     if type(None) in options and value == "none":
         return None
     for option in options:
@@ -105,7 +99,7 @@ def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
             return value
         if typing.get_origin(option) is Literal and isinstance(value, str):
             return value
-    raise ConfigError(f"{where}: {key} = {_toml_value(value)} takes {_expected(bare)}")
+    raise ConfigError(f"{where}: {key} = {_toml_value(value)} takes {_expected(hint)}")
 
 
 # ---------------------------------------------------------------------------------------------- reading

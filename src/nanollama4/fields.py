@@ -34,7 +34,7 @@ from .errors import ConfigError
 
 __all__ = ["Rule", "Limit", "Annotated", "check", "problem", "shown", "field_help", "hints", "read_text",
            "add_arguments", "arguments_of", "flag_type", "split", "number", "integer", "size", "Seed", "SEED_LIMIT",
-           "POSITIVE", "WHOLE", "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above"]
+           "POSITIVE", "WHOLE", "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above", "at_most", "options_of"]
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,14 @@ POSITIVE_NUMBER = above(0, "a positive number")
 Seed = Annotated[int, Rule("an integer from 0 to 2^63 - 1", lambda v: 0 <= v < SEED_LIMIT)]
 
 
+def at_most(limit: int) -> Limit:
+    """The largest size the project builds: past it, a crafted file (`Limit`'s words)."""
+    return Limit(f"{limit:,}", lambda v: v <= limit)
+
+
 def size(limit: int = 2**27) -> Any:
     """A positive integer of at most `limit`."""
-    return Annotated[int, POSITIVE, Limit(f"{limit:,}", lambda v: v <= limit)]
+    return Annotated[int, POSITIVE, at_most(limit)]
 
 
 @functools.cache
@@ -139,6 +144,11 @@ def _is_union(hint: Any) -> bool:
 
 def _options(hint: Any) -> tuple[Any, ...]:
     return typing.get_args(hint) if _is_union(hint) else (hint,)
+
+
+def options_of(hint: Any) -> tuple[Any, ...]:
+    """The bare types an annotation allows (`int | None` -> int, NoneType), rules and Annotated stripped."""
+    return _options(split(hint)[0])
 
 
 def _fits(value: Any, option: Any) -> bool:
