@@ -5,6 +5,13 @@ chat reply ends at the checkpoint's end-of-turn id. Our runs keep the play templ
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +121,98 @@ def test_our_runs_and_folders_without_a_template_keep_the_play_template(tiny_run
     (tmp_path / "hf" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
     with pytest.raises(CheckpointError, match="chat_template.jinja: the chat template is not valid Jinja"):
         chat_format_of(tmp_path / "hf", tokenizer)
+
+
+# A checkpoint's template is code from a download: each of these would hold the server's event loop for
+# hours or take gigabytes if it rendered in the server's own process.
+LOOPS_ON_A_REPLY = ("{% if messages|length > 1 %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}{% endif %}ok")
+
+
+def test_a_template_past_its_time_is_stopped_and_the_next_render_starts_afresh():
+    from nanollama4.serve.chat import TemplateLimit, TemplateProcess
+
+    process = TemplateProcess(LOOPS_ON_A_REPLY, Path("chat_template.jinja"), seconds=0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TemplateLimit, match=r"chat_template.jinja\) took over 0.5 s on these messages"):
+            process.render({"messages": MESSAGES})
+        assert time.monotonic() - start < 5
+        assert process.render({"messages": MESSAGES[:1]}) == "ok"  # a fresh process answers the next one
+    finally:
+        process.close()
+    assert process.proc is None
+
+
+@pytest.mark.parametrize("source, match", [
+    ('{% set s = "a" * 3000000000 %}{{ s }}', r"builds a value of 3,000,000,000 items with '\*'"),
+    ('{% set ns = namespace(s="ab") %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}',
+     "needs more memory than a template may take|ran out of memory"),
+    ('{% for i in range(100000) %}{{ "x" * 1000 }}{% endfor %}', "writes more than 4,194,304 characters"),
+    ("{{ 2 ** 100000000000 }}", r"builds a value of [\d,]+ items with '\*\*'"),
+])
+def test_a_template_that_builds_too_much_is_refused_when_the_checkpoint_loads(source, match):
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"chat_template.jinja: the chat template ({match}).* and was stopped, "
+                                              "rendering it when it was loaded .*; fix or remove it"):
+        TemplateFormat(source, Path("chat_template.jinja"), None, None, ())
+    assert time.monotonic() - start < 10  # nothing of it was built: refused before, or at the memory ceiling
+
+
+def test_a_slow_template_holds_up_neither_the_server_nor_its_other_requests(tmp_path):
+    import httpx
+
+    from nanollama4.serve.engine import Engine
+    from tests.test_serve import running
+
+    folder = checkpoint(tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text(LOOPS_ON_A_REPLY)
+    model, tokenizer = load_any(folder)
+    chat = chat_format_of(folder, tokenizer)
+    chat.process.seconds = 1.5
+    engine = Engine(model, tokenizer, max_batch=2, max_queue=2).start()
+    try:
+        with running(engine, "slow", {"chat": chat}) as url, httpx.Client(base_url=url, timeout=30) as http:
+            answers: list[httpx.Response] = []
+            body = {"model": "slow", "messages": MESSAGES, "max_tokens": 2}
+            asking = threading.Thread(target=lambda: answers.append(http.post("/v1/chat/completions", json=body)))
+            asking.start()
+            time.sleep(0.3)  # the render is under way
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            done = http.post("/v1/completions", json={"model": "slow", "prompt": "It is", "max_tokens": 2})
+            assert done.status_code == 200 and time.monotonic() - start < 1.0
+            asking.join(30)
+            assert answers[0].status_code == 400
+            assert "took over 1.5 s on these messages and was stopped" in answers[0].json()["error"]["message"]
+            # the template still answers what it can: a one-message conversation
+            one = http.post("/v1/chat/completions", json={**body, "messages": MESSAGES[:1]})
+            assert one.status_code == 200, one.text
+    finally:
+        engine.close(cancel=True, timeout=30)
+        chat.close()
+
+
+def test_serve_stops_on_sigterm_while_a_template_renders(tmp_path):
+    import httpx
+
+    folder = checkpoint(tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text(LOOPS_ON_A_REPLY)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", str(folder), "--port", "0", "--name", "m"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())[0]
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+        asking = threading.Thread(target=lambda: httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30),
+                                  daemon=True)
+        asking.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in proc.stderr.read()

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import Any
 
@@ -25,7 +26,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..explain import palette
-from .chat import ChatFormat
+from .chat import ChatFormat, TemplateFormat
 from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 from .reply import ChatReply, CompletionReply, Reply, failed
@@ -110,11 +111,30 @@ def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, o
     async def index(_: HttpRequest) -> Response:
         return HTMLResponse(page)
 
+    # A checkpoint's template renders in a process of its own, waited on by one thread of this pool, never by
+    # the event loop: however long a template takes (up to its limit), /health, completions and signals are
+    # answered. Renders take turns; past max_queue waiting, a chat request is told to come back.
+    templates = ThreadPoolExecutor(1, thread_name_prefix="chat-template") if isinstance(chat, TemplateFormat) else None
+    rendering = [0]
+
+    async def parsed(body: Any, schema: type[Body]) -> Params:
+        if templates is None or schema is not BODIES["chat"]:
+            return parse_request(body, schema, engine, model_name, chat)
+        if rendering[0] >= engine.max_queue:
+            raise ApiError(429, f"{rendering[0]} chat requests wait for the chat template already; retry in a moment",
+                           kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        rendering[0] += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(templates, parse_request, body, schema, engine,
+                                                                    model_name, chat)
+        finally:
+            rendering[0] -= 1
+
     def endpoint(schema: type[Body], reply: type[Reply]) -> Callable[[HttpRequest], Any]:
         async def handle(http: HttpRequest) -> Response:
             try:
                 body = await _read_json(http)
-                params = parse_request(body, schema, engine, model_name, chat)
+                params = await parsed(body, schema)
                 session = Session(engine, params)
                 session.submit()
             except ApiError as e:

@@ -11,8 +11,14 @@ whitespace rules and helpers), so the server sends the model the token ids it wa
 
 from __future__ import annotations
 
+import contextlib
 import json
-from datetime import datetime
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +28,26 @@ from ..files import read_json
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names
 END_OF_TURN = "\n\n"  # the play template ends each message with a blank line; chat replies stop at one
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")  # where checkpoints keep it
+# What a checkpoint's template may cost (it is code from a download): real chat templates render in
+# milliseconds, write a few kilobytes and need a few megabytes beyond the interpreter's own.
+RENDER_SECONDS = 2.0  # a conversation's render; past it the template's process is killed
+START_SECONDS = 20.0  # starting that process and compiling the template
+RENDER_CHARS = 1 << 22  # characters a render may write, and items any string or list it builds may hold
+RENDER_MEMORY = 256 << 20  # bytes of address space of the template's process (the interpreter takes ~25 MB)
 
 
 class ChatTemplateError(Nanollama4Error, ValueError):
     """A checkpoint's template refused a conversation (its own `raise_exception`, or a failed expression)."""
+
+
+class TemplateLimit(ChatTemplateError):
+    """A checkpoint's template was stopped: it ran past `RENDER_SECONDS`, or built more than `RENDER_CHARS`
+    or `RENDER_MEMORY` allows. `why` says which, as "the chat template ..." goes on."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"the model's chat template ({name}) {why} and was stopped (docs/serve.md says what a "
+                         "template may cost)")
+        self.why = why
 
 
 class PlayFormat:
@@ -49,55 +71,131 @@ class PlayFormat:
                  else f"{ROLE_NAMES[m['role']]}.\n{m['content']}{END_OF_TURN}" for m in messages]
         return "".join(parts) + f"{ROLE_NAMES['assistant']}.\n"
 
+    def close(self) -> None:
+        """Nothing to stop: the play template renders in the caller's thread, in microseconds."""
+
     def describe(self) -> str:
         return "chat: the play template (docs/serve.md); replies end at a blank line"
 
 
 class TemplateFormat:
     """A checkpoint's Jinja chat template, rendered with `bos_token`/`eos_token` and add_generation_prompt;
-    a reply ends at any of `stop_ids` (the checkpoint's end-of-turn and end-of-text tokens)."""
+    a reply ends at any of `stop_ids` (the checkpoint's end-of-turn and end-of-text tokens).
+
+    The template is untrusted code, so it runs in a `TemplateProcess` of its own, within the limits above
+    (`RENDER_SECONDS`, `RENDER_CHARS`, `RENDER_MEMORY`). Loading it also renders a one-message conversation,
+    so that a template which cannot render even that within its limits stops the command at once, not each
+    chat request later."""
 
     stop: tuple[str, ...] = ()
 
     def __init__(self, source: str, where: Path, bos_token: str | None, eos_token: str | None,
                  stop_ids: tuple[int, ...]) -> None:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson  # Jinja's own escapes <, > and & for HTML; templates mean plain JSON
-        env.globals.update(raise_exception=_refuse, strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        try:
-            self.template = env.from_string(source)
-        except TemplateError as e:
-            raise CheckpointError(f"{where}: the chat template is not valid Jinja ({e}); fix or remove it") from None
         self.where, self.bos_token, self.eos_token, self.stop_ids = where, bos_token, eos_token, stop_ids
+        self.process = TemplateProcess(source, where)
+        try:
+            self.process.render({"messages": [{"role": "user", "content": "Hello."}], "bos_token": bos_token,
+                                 "eos_token": eos_token}, doing="on a one-message conversation")
+        except TemplateLimit as e:
+            self.close()
+            raise CheckpointError(f"{where}: the chat template {e.why} and was stopped, rendering it when it was "
+                                  "loaded (docs/serve.md says what a template may cost); fix or remove it") from None
+        except ChatTemplateError:  # the template may refuse a conversation it finds too short: its right
+            pass
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        from jinja2 import TemplateError
+        """The prompt for checked `messages`; a `ChatTemplateError` (a `TemplateLimit` past a limit) if the
+        template refuses them or cannot render them within its limits."""
+        return self.process.render({"messages": messages, "bos_token": self.bos_token, "eos_token": self.eos_token})
 
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                        eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template ({self.where.name}) refused these messages: {e}"
-                                    ) from None
+    def close(self) -> None:
+        self.process.close()
 
     def describe(self) -> str:
         return f"chat: the checkpoint's template ({self.where.name}); replies end at token ids {list(self.stop_ids)}"
 
 
+class TemplateProcess:
+    """The process a template renders in (`template_worker.py`), started on first need and killed when a
+    render outlasts `RENDER_SECONDS`; the next render starts a fresh one. Renders take turns (one lock):
+    the server calls `render` from a thread of its own, never from its event loop."""
+
+    def __init__(self, source: str, where: Path, seconds: float = RENDER_SECONDS, chars: int = RENDER_CHARS,
+                 memory: int = RENDER_MEMORY) -> None:
+        self.source, self.where, self.seconds, self.chars, self.memory = source, where, seconds, chars, memory
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.pending = b""
+        self._start()  # a template that is not valid Jinja is refused when it is loaded
+
+    def _start(self) -> None:
+        script = Path(__file__).with_name("template_worker.py")
+        self.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
+        self.pending = b""
+        setup = {"source": self.source, "parent": os.getpid(), "limits": {"chars": self.chars, "memory": self.memory}}
+        reply = self._ask(setup, START_SECONDS, "to load")
+        if "error" in reply:
+            self._kill()
+            what = "is not valid Jinja" if reply.get("kind") == "refused" else "cannot be loaded"
+            raise CheckpointError(f"{self.where}: the chat template {what} ({reply['error']}); fix or remove it")
+
+    def render(self, request: dict[str, Any], doing: str = "on these messages") -> str:
+        """The template rendered for `request` ({messages, bos_token, eos_token}), within its limits."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            reply = self._ask(request, self.seconds, doing)
+        if isinstance(reply.get("text"), str):
+            return reply["text"]
+        error = str(reply.get("error"))
+        if reply.get("kind") == "refused":
+            raise ChatTemplateError(f"the model's chat template ({self.where.name}) refused these messages: {error}")
+        raise TemplateLimit(self.where.name, error)
+
+    def _ask(self, message: dict[str, Any], seconds: float, doing: str) -> dict[str, Any]:
+        """Send one line and wait at most `seconds` for the answer; past that the process is killed."""
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + seconds
+        try:
+            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self._kill()
+            raise TemplateLimit(self.where.name, "ended its process") from None
+        fd, limit = self.proc.stdout.fileno(), 12 * self.chars + 4096  # JSON's escapes: up to 12 bytes a character
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            ready = select.select([fd], [], [], max(left, 0))[0] if left > 0 else []
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if not chunk or len(self.pending) > limit:
+                self._kill()
+                raise TemplateLimit(self.where.name, f"took over {seconds:g} s {doing}" if not ready
+                                    else "answered more than its limit" if chunk else "ran out of memory or failed")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        reply = json.loads(line)
+        return reply if isinstance(reply, dict) else {"error": "an answer not of the protocol", "kind": "failed"}
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+        self.proc = None
+
+    def close(self) -> None:
+        """Stop the process (the server does when it stops; a process left behind also ends with its parent)."""
+        with self.lock:
+            self._kill()
+
+
 ChatFormat = PlayFormat | TemplateFormat  # what `chat_format_of` gives and the server takes
 
-
-def _refuse(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _token_text(value: Any) -> str | None:

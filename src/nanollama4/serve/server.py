@@ -112,4 +112,6 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         engine.close(cancel=True, timeout=GRACE)
+        if chat is not None:
+            chat.close()  # a checkpoint's template process
         sock.close()
