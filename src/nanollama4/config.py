@@ -247,7 +247,7 @@ class TrainConfig(_JsonConfig):
     seed: Seed = 1337  # seeds initialisation, batch sampling and router noise
     tokenizer: TokenizerKind = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: Count = 2048  # vocabulary size when tokenizer = "bpe"
-    threads: Whole = 0  # torch CPU threads; 0 = torch's default
+    threads: Whole = 0  # torch CPU threads; 0 = all cores, fewer while other work slows the step (threads.py)
     device: Device = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: InvalidUtf8 = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
     val_fraction: Held = 0.1  # the corpus's last share held out for validation (in [0, 0.5])

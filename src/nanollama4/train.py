@@ -58,6 +58,7 @@ from .runs import check_new_run_dir, check_resume_dir, fit_seq_len, holds_run, o
 from .runsetup import Run, check_step_fits, resume_run, start_run
 from .runtime import bf16_speedup, choose_precision, pick_device
 from .schedule import logged_lr, lr_scale, set_lr
+from .threads import ThreadWatch
 
 LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
 
@@ -179,7 +180,7 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     # every rank has made the checks above; rank 0 alone creates and locks the run directory
     device = distributed.join(world, tc)
     try:
-        with distributed.peers_fail_as_errors(world), owning(run_dir, resume, world):
+        with distributed.peers_fail_as_errors(world), owning(run_dir, resume, world), _restoring_threads():
             announce = (progress if summary is None else summary) and world.main
             result = _train(model_cfg, tc, run_dir, data, resume, progress and world.main, cache_dir, world, device,
                             announce)
@@ -214,8 +215,13 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     if world.distributed and world.main:
         print(f"torchrun: {run.parallel.describe()}; global batch {world.size} ranks x {tc.batch_size} x "
               f"{tc.grad_accum} accumulated = {sequences} sequences of {tc.seq_len} tokens per step", flush=True)
+    # threads=0: all cores while they pay, fewer while other work on the machine holds one (threads.py)
+    watch = ThreadWatch(torch.get_num_threads()) if not tc.threads and device.type == "cpu" and \
+        not world.distributed else None
     if announce:
         print(run_summary(run, world), flush=True)
+        print("  " + (watch.describe() if watch else f"threads: {torch.get_num_threads()}"
+                      + (" (set by threads)" if tc.threads else "")), flush=True)
     if device.type == "cpu":
         kernels.load()  # a first-time build (~20 s) stays out of the run's clock, its times and --max-time
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
@@ -244,10 +250,15 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
                     validate_and_save(run, metrics, now)
                     saved_step = run.step
             scale = lr_scale(tc, run.step, now, step_time)
+            if watch:
+                watch.before(run.step)
             t_step = time.perf_counter()
             result = train_step(run, scale)
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
+            moved = watch.after(dt) if watch else None
+            if moved and world.main and progress:
+                bar.write(moved)
             log_step(metrics, run, result, logged_lr(tc, scale), elapsed(), tokens_per_step / dt, tokens_per_step)
             if not by_clock and run.step % tc.eval_interval == 0:
                 validate_and_save(run, metrics, elapsed())
@@ -347,6 +358,17 @@ def _diverged(what: str, step: int, run_dir: Path, applied: bool = False) -> Tra
     if applied:
         return TrainingError(f"{what}; the step's weights were not saved, {advice}")
     return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
+
+
+@contextmanager
+def _restoring_threads() -> Iterator[None]:
+    """The process's thread count as it was before the run, whatever the run set or its `ThreadWatch` chose
+    (a sweep trains its arms one after another in one process)."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def eval_period(tc: TrainConfig) -> float:
