@@ -348,3 +348,14 @@ def test_a_resume_cuts_metrics_lines_it_cannot_read_instead_of_failing(tmp_path)
     before = path.stat().st_mtime_ns
     truncate_metrics(path, 2)  # nothing to cut: the file is left as it was
     assert path.stat().st_mtime_ns == before
+
+
+def test_a_corpus_path_a_run_folder_names_is_shown_with_control_characters_visible(run_copy, capsys):
+    """Issue 55: text a run folder chose reached the terminal raw; its train_state.json's corpus path too."""
+    import json
+
+    path = run_copy / "step-0000004" / "train_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "data": "/gone\x1b[2J\nforged"}))
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "train")
+    assert f"{run_copy} was trained on /gone\\x1b[2J\\nforged, which no longer exists" in line, line

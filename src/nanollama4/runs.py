@@ -32,7 +32,7 @@ import torch
 from .checkpoint import LOCK_NAME, clear_leftovers, linked_steps, resolve_checkpoint, step_folders
 from .config import ModelConfig, TrainConfig
 from .data import TokenDataset
-from .errors import CheckpointError, ConfigError, DataError, MissingImport, TrainingError, WriteError
+from .errors import CheckpointError, ConfigError, DataError, MissingImport, TrainingError, WriteError, shown
 from .files import atomic_write, json_lines, read_json
 from .tokenizer import Tokenizer, UnknownCharacters
 
@@ -195,7 +195,7 @@ def saved_train_config(run_dir: str | Path, saved: dict[str, Any]) -> TrainConfi
     except MissingImport as e:  # the folder, maybe downloaded, chose the name: say so
         raise CheckpointError(e.message(f"the run folder {run_dir}", "its train_config.json")) from None
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({shown(str(e))})") from None
 
 
 def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> str | None:
@@ -205,8 +205,8 @@ def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> s
         return data
     data = state.get("data")
     if data is not None and not Path(data).exists():
-        raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with the "
-                        "same text")
+        raise DataError(f"{run_dir} was trained on {shown(data)}, which no longer exists; pass --data PATH with "
+                        "the same text")
     return data
 
 
