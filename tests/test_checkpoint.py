@@ -550,3 +550,17 @@ def test_a_non_finite_number_in_a_state_file_is_refused_in_one_line(file, key, t
     path.write_text(json.dumps(doc).replace('"PLACEHOLDER"', text))
     line = assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet"], run_copy)
     assert f"{path} holds a non-finite number ({text}), which no file of ours holds" in line, line
+
+
+def test_code_a_checkpoint_names_is_shown_escaped_and_said_to_come_from_it(run_copy, capsys):
+    """Issue 55: a crafted config.json's `imports` reached the terminal raw (an escape sequence, a forged
+    second line), and the message advised --import of a path the downloaded folder chose without saying so."""
+    path = run_copy / "step-0000004" / "config.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "router": "theirs", "imports": "/tmp/evil.py\x1b[2J\nnanollama4: all fine"}))
+    rc, _, err = run_cli(["generate", str(run_copy), "--prompt", "the", "--max-new-tokens", "2"], capsys)
+    line = assert_cli_error(rc, err, "generate")
+    assert "\x1b" not in line
+    assert (f"router 'theirs' is defined by code that the checkpoint {run_copy / 'step-0000004'} names (/tmp/evil.py"
+            "\\x1b[2J\\nnanollama4: all fine, in its config.json), which is not imported: pass --import "
+            "/tmp/evil.py\\x1b[2J\\nnanollama4: all fine if you trust that code") in line, line

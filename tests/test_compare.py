@@ -342,3 +342,44 @@ def test_a_folder_compare_did_not_write_is_refused_and_left_alone(runs, tmp_path
         compare_runs([runs["dense"], runs["dense-2"]], mine)
     assert sorted(p.name for p in mine.iterdir()) == ["routing.png"]
     assert (mine / "routing.png").read_bytes() == b"my own picture"
+
+
+# ---------------------------------------------------------------------------------------------- crafted run folders
+def _bare_run(path: Path, data: str, evaluation: dict | None = None) -> Path:
+    """A run folder without a checkpoint (so no training): metrics.jsonl, a config.toml naming `data`, and
+    an evaluation.json if given."""
+    path.mkdir(parents=True)
+    write_metrics(path, moe=False)
+    (path / "config.toml").write_text(f"data = {json.dumps(data)}\n")
+    if evaluation is not None:
+        (path / "evaluation.json").write_text(json.dumps(evaluation))
+    return path
+
+
+@pytest.mark.parametrize("evaluation", [
+    {"checkpoint": "../../../etc", "full_val_loss": 1.5, "tokens": 5000, "window": 16},
+    {"checkpoint": "step-0000004", "full_val_loss": -3.0, "tokens": 5000, "window": 16},
+])
+def test_a_crafted_evaluation_is_not_shown_and_the_run_says_why(tmp_path, evaluation) -> None:
+    """Issue 55: compare printed a crafted evaluation.json's "../../../etc" as the checkpoint, and a negative
+    loss, unflagged: a cross-entropy is never negative, and a checkpoint is a step folder, last or best."""
+    run = _bare_run(tmp_path / "run", "corpus.txt", evaluation)
+    assert read_full_validation(run) is None
+    text, _ = compare_runs([run], tmp_path / "cmp")
+    assert table_rows(text)[1][8] == "-"
+    assert "etc" not in text
+    assert "run: evaluation.json is not one `nanollama4 eval` wrote" in text
+
+
+def test_crafted_metrics_lines_are_counted_in_a_note_and_control_characters_are_shown(tmp_path) -> None:
+    """Issue 55: a 5,000-digit number in metrics.jsonl was a ValueError traceback in compare; and text from a
+    run's files (its config.toml's data) reached the terminal raw: an escape sequence, a forged line."""
+    first = _bare_run(tmp_path / "first", "plain.txt")
+    second = _bare_run(tmp_path / "second", "\x1b[2J\x1b[31mred\ntwo\u202e")
+    with (second / "metrics.jsonl").open("a") as f:
+        f.write('{"step": ' + "1" * 5000 + ', "loss": 2.0}\n{"step": 3, "loss": NaN}\n')
+    text, _ = compare_runs([first, second], tmp_path / "cmp")
+    assert "\x1b" not in text and "\u202e" not in text
+    assert table_rows(text)[2][-1] == "\\x1b[2J\\x1b[31mred two\\u202e"  # the data column, escapes visible
+    assert "- second: 2 line(s) of metrics.jsonl are not step records (cut short or edited) and were skipped" in text
+    assert table_rows(text)[2][3] == f"{N_STEPS:,}"

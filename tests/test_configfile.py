@@ -137,3 +137,63 @@ def test_a_file_trains_and_the_runs_config_toml_trains_the_same_run_again(tmp_pa
     rc, _, err = run_cli(["train", "--resume", str(first), "--config", str(path), "--max-steps", "8"], capsys)
     assert "--config cannot change on --resume" in assert_cli_error(rc, err, "train")
 
+
+
+# ---------------------------------------------------------------------------------------------- files we are handed
+def _fifo_with_a_way_out(path: Path):
+    """A FIFO at `path`, and a thread that writes a line that is not TOML into it if a reader waits there for
+    more than 2 seconds, so that code which opens it (as `train --config` used to) fails the test at once
+    instead of hanging (or training)."""
+    import errno
+    import os
+    import threading
+
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def release() -> None:
+        if done.wait(2):
+            return
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody is reading
+        except OSError as e:
+            assert e.errno == errno.ENXIO
+            return
+        os.write(fd, b"= not toml\n")
+        os.close(fd)
+
+    threading.Thread(target=release, daemon=True).start()
+    return done
+
+
+def test_a_fifo_a_device_or_a_huge_file_is_refused_before_it_is_read(tmp_path, capsys):
+    """Issue 55: `train --config` (and a sweep file) on a FIFO hung forever, on a link to /dev/zero it read
+    until a MemoryError; a config is now a regular file of at most 1 MiB, judged before it is read."""
+    done = _fifo_with_a_way_out(tmp_path / "pipe.toml")
+    try:
+        rc, _, err = run_cli(["train", "--config", str(tmp_path / "pipe.toml"), "--max-steps", "1",
+                              "--out", str(tmp_path / "r")], capsys)
+    finally:
+        done.set()
+    line = assert_cli_error(rc, err, "train")
+    assert "pipe.toml is not a regular file but a FIFO (reading it would wait forever); a config file is a plain " \
+           "file" in line, line
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "null.toml").symlink_to("/dev/null")  # a device that ends, so that the old code fails, not hangs
+    with pytest.raises(ConfigError, match="null.toml is not a regular file but a device") as e:
+        read_config_file(tmp_path / "null.toml")
+    assert_one_line(e.value)
+    big = write(tmp_path, "# padding\n" * 110_000, "big.toml")
+    with pytest.raises(ConfigError, match=r"big.toml is 1,100,000 bytes, more than the 1,048,576 a config file may"):
+        read_config_file(big)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[model]\nn_layers = " + "[" * 20_000 + "]" * 20_000 + "\n", "nests its arrays or tables too deeply"),
+    ("[model]\nn_layers = " + "9" * 5000 + "\n", "holds a value no config takes"),
+])
+def test_deep_nesting_or_a_huge_number_is_one_line(tmp_path, text, expected):
+    """tomllib raised a RecursionError, and a ValueError past Python's 4,300 digits: both were tracebacks."""
+    with pytest.raises(ConfigError, match=expected) as e:
+        read_config_file(write(tmp_path, text))
+    assert_one_line(e.value)

@@ -107,6 +107,39 @@ def test_corpus_errors(tmp_path):
         TokenDataset.build(blank, CharTokenizer.from_text("a"), tmp_path / "cache")
 
 
+def test_a_glob_does_not_follow_a_folder_link_as_a_folder_given_whole_does_not(tmp_path, monkeypatch):
+    """Issue 55: a quoted --data 'dir/**/*.txt' walked into a link to "." over and over (Python's recursive glob
+    follows folder links: one link read each file 41 times, two never returned); --data dir never did."""
+    folder = tmp_path / "books"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("a", encoding="utf-8")
+    (folder / "sub" / "b.txt").write_text("b", encoding="utf-8")
+    (folder / ".notes").mkdir()
+    (folder / ".notes" / "n.txt").write_text("n", encoding="utf-8")
+    (folder / "loop").symlink_to(".")
+    expected = [folder / "a.txt", folder / "sub" / "b.txt"]
+    assert find_corpus_files(str(folder / "**" / "*.txt")) == expected
+    assert find_corpus_files(str(folder / "**")) == expected  # glob.glob's "dir/**": every file below
+    assert find_corpus_files(folder) == expected
+    monkeypatch.chdir(tmp_path)  # a relative pattern gives relative paths, as glob.glob did
+    assert find_corpus_files("books/*/b.txt") == [Path("books/sub/b.txt")]
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "fifo"])
+def test_a_device_or_a_fifo_as_data_is_named_as_such(tmp_path, capsys, device):
+    """Issue 55: --data /dev/zero said "folder /dev/zero has no files"."""
+    if device == "fifo":
+        device = tmp_path / "pipe"
+        os.mkfifo(device)
+        what = "a FIFO"
+    else:
+        what = "a device"
+    with pytest.raises(DataError, match=f"data path {device} is {what}.*, not a text file or a folder"):
+        find_corpus_files(device)
+    rc, _, err = run_cli(["train", "--data", str(device), "--max-steps", "1", "--out", str(tmp_path / "r")], capsys)
+    assert "not a text file or a folder" in assert_cli_error(rc, err, "train")
+
+
 @pytest.mark.parametrize(("content", "offset", "byte"), [(b"ok \xff ok", 3, "0xff"),
                                                           ("caf\u00e9 ok".encode("latin-1"), 3, "0xe9"),
                                                           (b"\x89PNG\r\n\x1a\n\x00\x00", 0, "0x89")],

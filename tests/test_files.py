@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from nanollama4.errors import CheckpointError, WriteError
-from nanollama4.files import atomic_write, open_owned, read_json, regular_file, safetensors_shapes
+from nanollama4.files import (
+    atomic_write,
+    json_lines,
+    open_owned,
+    read_bytes,
+    read_json,
+    regular_file,
+    safetensors_shapes,
+)
+from tests.helpers import assert_one_line
 
 
 def test_atomic_writes_keep_the_file_mode(tmp_path):
@@ -105,3 +114,61 @@ def test_atomic_writes_of_safetensors_are_not_private(tmp_path):
 
     atomic_write(tmp_path / "m.safetensors", lambda p: save_file({"a": torch.zeros(2)}, p))
     assert (tmp_path / "m.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+# ------------------------------------------------------------------------------------ bounded readers (issue 55)
+def test_read_bytes_refuses_fifos_and_devices_without_blocking_and_bounds_the_size(tmp_path):
+    """A config or JSON file we are handed: a FIFO used to block the read forever, a link to /dev/zero to
+    read until memory ran out. Both are judged before a byte is read; a plain file is read up to its cap."""
+    fifo = tmp_path / "pipe.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match=r"is not a regular file but a FIFO \(reading it would wait forever\)"):
+        read_bytes(fifo, 100)
+    (tmp_path / "zero.toml").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="is not a regular file but a device; a config file is a plain file"):
+        read_bytes(tmp_path / "zero.toml", 100, "a config file")
+    with pytest.raises(CheckpointError, match="is not a regular file but a folder"):
+        read_bytes(tmp_path, 100)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * 101)
+    with pytest.raises(CheckpointError, match=r"big.toml is 101 bytes, more than the 100 a config file may be") as e:
+        read_bytes(big, 100, "a config file")
+    assert_one_line(e.value)
+    assert read_bytes(big, 101) == b"#" * 101
+
+
+def test_read_json_refuses_a_whole_number_too_long_to_be_ours_in_one_line(tmp_path):
+    """json.loads raises a plain ValueError (Python's 4,300-digit limit) for such a number: it was a traceback."""
+    path = tmp_path / "config.json"
+    path.write_text('{"d_model": ' + "9" * 5000 + "}")
+    with pytest.raises(CheckpointError, match="holds a whole number of 5,000 digits, which no file of ours holds") as e:
+        read_json(path)
+    assert_one_line(e.value)
+
+
+def test_json_lines_skips_lines_not_ours_and_never_holds_a_long_line_whole(tmp_path):
+    """metrics.jsonl is a file we may be handed: a 5,000-digit number, NaN, 1e999, deep nesting and a line
+    past the limit are each one line that is not ours (None), and an 8 MB line is read in 64 kB pieces
+    without ever being held whole."""
+    import tracemalloc
+
+    path = tmp_path / "metrics.jsonl"
+    long = '{"step": 3, "loss": 1.0, "pad": "' + "x" * 8_000_000 + '"}'
+    lines = ['{"step": 1, "loss": 2.5}', '{"step": ' + "1" * 5000 + "}", '{"step": 2, "loss": NaN}',
+             '{"step": 2, "loss": 1e999}', "[" * 100_000 + "]" * 100_000, "", long, '{"step": 4, "loss": 1.5}',
+             '{"step": 5, "lo']
+    path.write_text("\n".join(lines))
+    tracemalloc.start()
+    try:
+        got = list(json_lines(path, limit=2**20, chunk=2**16))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [value for _, value in got] == [{"step": 1, "loss": 2.5}, None, None, None, None, None,
+                                           {"step": 4, "loss": 1.5}, None]
+    assert got[5][0] == ""  # the long line's text is not kept either
+    assert peak < 4 * 2**20, peak
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="is not a regular file but a FIFO"):
+        list(json_lines(fifo))

@@ -277,3 +277,23 @@ def test_load_hf_fills_the_model_in_the_dtype_asked(tmp_path):
         assert all(not moe.router.expert_bias.any() for moe in loaded.moe_layers())
         with torch.no_grad():
             assert (loaded(ids).float() - ours(ids)).abs().max().item() <= tol
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor_and_the_file(tiny_run, tmp_path, capsys):
+    """Issue 55: NaN weights in a transformers folder loaded, and --init-from then said "lower lr"; they are
+    refused as checkpoint.py refuses them in our own checkpoints."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers import assert_cli_error, run_cli
+
+    assert run_cli(["export", str(tiny_run), str(tmp_path / "hf")], capsys)[0] == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(weights)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{weights} holds non-finite values \(in {name}\); the weights are "
+                                              "damaged"):
+        nanollama4.load_hf(tmp_path / "hf")
+    rc, _, err = run_cli(["generate", str(tmp_path / "hf"), "--prompt", "the", "--max-new-tokens", "1"], capsys)
+    assert f"holds non-finite values (in {name})" in assert_cli_error(rc, err, "generate")

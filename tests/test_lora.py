@@ -5,6 +5,7 @@ merged for generate, eval and export, and merged logits equal to the adapted mod
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -129,6 +130,29 @@ def test_bad_settings_and_files_are_one_clear_error(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 40)
     with pytest.raises(CheckpointError, match="not an adapters file"):
         lora.load_adapters(mixed_model(), tmp_path / "junk.safetensors")
+
+
+def test_adapters_that_are_not_floating_point_or_not_a_file_are_refused(tmp_path):
+    """Issue 55: int32 adapters loaded without a word (copied into the float factors); judged from the header,
+    before a tensor is read. A FIFO in their place is refused instead of blocking the read."""
+    import os
+
+    model = mixed_model()
+    lora.attach(model, rank=2)
+    lora.save_adapters(model, tmp_path / "a.safetensors")
+    with safe_open(tmp_path / "a.safetensors", framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(tmp_path / "a.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, tmp_path / "int.safetensors", metadata=meta)
+    with pytest.raises(CheckpointError, match=rf"int.safetensors holds a tensor that is not floating point, "
+                                              rf"{re.escape(name)} \(I32\); adapters are float factors") as e:
+        lora.load_adapters(mixed_model(), tmp_path / "int.safetensors")
+    assert "\n" not in str(e.value)
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    with pytest.raises(CheckpointError, match="is not a regular file but a FIFO"):
+        lora.load_adapters(mixed_model(), tmp_path / "fifo.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- through the CLI

@@ -12,7 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from nanollama4.plots import _parse_metrics, plot_run, read_metrics, routing_of
+from nanollama4.plots import parse_metrics, plot_run, read_metrics, routing_of
 
 
 def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: int = 50,
@@ -86,7 +86,7 @@ def test_moe_run(tmp_path: Path) -> None:
     _write_run(tmp_path)
     train, val = read_metrics(tmp_path / "metrics.jsonl")
     assert (len(train), len(val)) == (300, 6)
-    assert _parse_metrics(tmp_path / "metrics.jsonl")[2] == 1
+    assert parse_metrics(tmp_path / "metrics.jsonl")[2] == 1
     paths = plot_run(tmp_path)
     assert [p.name for p in paths] == ["loss.png", "expert_load.png"]
     for p in paths:
@@ -235,3 +235,25 @@ def test_load_shares_alone_make_no_routing_plot(tmp_path: Path) -> None:
     _write_run(tmp_path, routing={"load": [[0.25] * 4] * 2})
     assert len(read_metrics(tmp_path / "metrics.jsonl")[1]) == 6
     assert [p.name for p in plot_run(tmp_path)] == ["loss.png", "expert_load.png"]
+
+
+def test_lines_python_cannot_read_or_too_long_to_hold_are_skipped_with_the_one_warning(tmp_path: Path, capsys) -> None:
+    """Issue 55: a 5,000-digit number was a ValueError traceback in plot, compare and a sweep's read-back; a
+    NaN loss was drawn (and bent every smoothed point after it); a line of many megabytes was read whole.
+    Each is one more line that is not ours, counted in the one warning."""
+    from tests.helpers import run_cli
+
+    _write_run(tmp_path, moe=False)
+    crafted = ['{"step": ' + "7" * 5000 + ', "loss": 2.0}', '{"step": 8, "loss": NaN}', '{"step": 9, "loss": 1e999}',
+               '{"step": 10, "loss": 2.0, "tokens_per_s": 0}', '{"step": 11, "loss": 2.0, "tokens_per_s": "fast"}',
+               '{"step": 12, "loss": 2.0, "pad": "' + "x" * (17 * 2**20) + '"}',  # past files.LINE_LIMIT
+               '{"step": 13, "val_loss": -Infinity}']
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write("\n" + "\n".join(crafted) + "\n")
+    train, val, skipped = parse_metrics(tmp_path / "metrics.jsonl")
+    assert (len(train), len(val), skipped) == (300, 6, len(crafted) + 1)  # + the line cut short by _write_run
+    assert all(math.isfinite(r["loss"]) for r in train)
+    rc, out, err = run_cli(["plot", str(tmp_path)], capsys)
+    assert rc == 0, err
+    assert err.strip().splitlines() == [f"warning: {len(crafted) + 1} line(s) of {tmp_path / 'metrics.jsonl'} are not "
+                                        "step records (cut short or edited) and were skipped"]

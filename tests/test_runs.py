@@ -317,3 +317,45 @@ def test_a_bad_value_on_resume_is_blamed_on_the_command_line_not_the_file(value,
     assert line == (f"nanollama4 train: error: --set {shown} given on the command line: {reason} (the run's "
                     "train_config.json is fine; pass another value)"), line
 
+
+
+def test_code_a_run_folder_names_for_its_optimizer_is_shown_escaped_and_said_to_come_from_it(run_copy, capsys):
+    """Issue 55: the resume message printed a crafted train_config.json's optimizer_imports raw and advised
+    --import of it as if the run were the user's own."""
+    import json
+
+    path = run_copy / "step-0000004" / "train_config.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "optimizer": "theirs", "optimizer_imports": "evil\x1b]0;title\x07"}))
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "train")
+    assert "\x1b" not in line and "\x07" not in line
+    assert (f"optimizer 'theirs' is defined by code that the run folder {run_copy} names (evil\\x1b]0;title\\x07, "
+            "in its train_config.json), which is not imported: pass --import evil\\x1b]0;title\\x07 if you trust "
+            "that code") in line, line
+
+
+def test_a_resume_cuts_metrics_lines_it_cannot_read_instead_of_failing(tmp_path):
+    """Issue 55: a 5,000-digit step in metrics.jsonl made `train --resume` of a downloaded run a ValueError
+    traceback; such a line, like a line cut short, is not a step's record and goes."""
+    from nanollama4.runs import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": ' + "9" * 5000 + '}\n{"step": 2, "val_loss": 2.9}\n'
+                    '{"step": 3, "loss": 2.5}\n{"step": 2, "lo')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 3.0}\n{"step": 2, "val_loss": 2.9}\n'
+    before = path.stat().st_mtime_ns
+    truncate_metrics(path, 2)  # nothing to cut: the file is left as it was
+    assert path.stat().st_mtime_ns == before
+
+
+def test_a_corpus_path_a_run_folder_names_is_shown_with_control_characters_visible(run_copy, capsys):
+    """Issue 55: text a run folder chose reached the terminal raw; its train_state.json's corpus path too."""
+    import json
+
+    path = run_copy / "step-0000004" / "train_state.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "data": "/gone\x1b[2J\nforged"}))
+    rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "train")
+    assert f"{run_copy} was trained on /gone\\x1b[2J\\nforged, which no longer exists" in line, line

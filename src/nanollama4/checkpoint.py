@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingImport
 from .files import read_json, read_safetensors, safetensors_shapes, write_cause
 from .lora import ADAPTERS_FILE, load_adapters, save_adapters, split_state
 from .model import Transformer
@@ -87,6 +87,8 @@ def read_model_config(ckpt: Path) -> ModelConfig:
     """A checkpoint's config.json, as a validated ModelConfig (CheckpointError naming the file otherwise)."""
     try:
         return ModelConfig.from_dict(read_json(ckpt / "config.json"))
+    except MissingImport as e:  # the folder, maybe downloaded, chose the name: say so
+        raise CheckpointError(e.message(f"the checkpoint {ckpt}", "its config.json")) from None
     except (TypeError, ValueError, AttributeError) as e:
         if isinstance(e, CheckpointError):
             raise

@@ -33,9 +33,9 @@ from matplotlib.ticker import FuncFormatter
 
 from .checkpoint import LINKS, STEP_NAME, read_model_config, resolve_checkpoint
 from .configfile import read_config_file
-from .errors import CheckpointError, ConfigError, MissingRunFile
-from .evaluation import read_full_validation
-from .files import atomic_write, own_folder, regular_file, write_failed
+from .errors import CheckpointError, ConfigError, MissingRunFile, Nanollama4Error, shown
+from .evaluation import EVALUATION_FILE, read_full_validation
+from .files import atomic_write, own_folder, read_bytes, write_failed
 from .memory import ParamCounts, format_count, param_counts
 from .plots import (
     ROUTING_PANELS,
@@ -45,7 +45,7 @@ from .plots import (
     load_norm,
     max_entropy_line,
     moving_average,
-    read_metrics,
+    parse_metrics,
     routing_axes,
     routing_of,
     save_png,
@@ -93,9 +93,15 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> RunRecord:
         what = "does not exist" if not path.exists() else "holds no metrics.jsonl"
         raise MissingRunFile(f"{path} {what}; compare takes training run directories (the --out of "
                              "`nanollama4 train`, such as runs/NAME)")
-    train, val = read_metrics(metrics)
+    train, val, skipped = parse_metrics(metrics)
     record = RunRecord(path, name or _abs(path).name, sorted(train, key=lambda r: r["step"]),
                        sorted(val, key=lambda r: r["step"]), None, None, read_full_validation(path), [])
+    if skipped:
+        record.notes.append(f"{skipped} line(s) of metrics.jsonl are not step records (cut short or edited) and "
+                            "were skipped")
+    if record.full_val is None and os.path.lexists(path / EVALUATION_FILE):
+        record.notes.append(f"{EVALUATION_FILE} is not one `nanollama4 eval` wrote (unreadable, or a loss or "
+                            "checkpoint name no run has): its full validation loss is not shown")
     record.settings = _settings(path, record.notes)
     try:
         cfg = read_model_config(resolve_checkpoint(path, prefer="last"))
@@ -118,8 +124,8 @@ def _settings(run: Path, notes: list[str]) -> dict[str, Any] | None:
         notes.append("no config.toml (written with the first checkpoint): its settings are not compared")
         return None
     try:
-        file = read_config_file(regular_file(path))  # a FIFO planted there would block the read forever
-    except (ConfigError, CheckpointError) as e:
+        file = read_config_file(path)  # bounded: a FIFO or /dev/zero planted there is refused, not read
+    except ConfigError as e:
         notes.append(f"config.toml unreadable, its settings are not compared: {e}")
         return None
     out: dict[str, Any] = {}
@@ -210,7 +216,8 @@ def markdown_table(runs: Sequence[RunRecord]) -> str:
     the table cannot say: whether any setting differs, and what could not be read for which run."""
     keys = differing_settings(runs)
     rows = [HEADER + keys] + [_row(r, keys) for r in runs]
-    rows = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+    # text from the runs' files, shown with its control characters visible (no escape sequence reaches the terminal)
+    rows = [[shown(c.replace("\n", " ")).replace("|", "\\|") for c in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     numeric = set(range(1, len(HEADER)))
 
@@ -229,7 +236,7 @@ def markdown_table(runs: Sequence[RunRecord]) -> str:
     elif keys:
         notes.append(f"The last {len(keys)} column(s) are the settings that differ between the runs "
                      "(config.toml; '-': the run's file lacks the key, '?': the run has no readable config.toml).")
-    notes += [f"{r.name}: {note}" for r in runs for note in r.notes]
+    notes += [shown(f"{r.name}: {note}") for r in runs for note in r.notes]
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
@@ -427,9 +434,11 @@ MARK = "<!-- written by nanollama4 compare -->"  # compare.md's last line: the f
 def _ours(folder: Path) -> bool:
     """Whether `folder` holds a compare.md that compare wrote (a regular file ending with MARK)."""
     md = folder / "compare.md"
-    if md.is_symlink() or not md.is_file() or md.stat().st_size > 2**20:
+    try:
+        text = b"" if md.is_symlink() else read_bytes(md, 2**20, "a compare.md of ours")
+    except Nanollama4Error:
         return False
-    return md.read_text(encoding="utf-8", errors="replace").rstrip().endswith(MARK)
+    return text.decode("utf-8", errors="replace").rstrip().endswith(MARK)
 
 
 def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike) -> tuple[str, list[Path]]:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
-from .errors import ConfigError
+from .errors import ConfigError, MissingImport
 from .fields import (
     NON_NEGATIVE,
     POSITIVE,
@@ -173,9 +173,7 @@ class ModelConfig(_JsonConfig):
         from .router import ROUTERS, router_class
 
         if self.router not in ROUTERS and self.imports:
-            needed = " ".join(f"--import {m}" for m in self.imports.split(","))
-            raise ConfigError(f"router {self.router!r} is defined by code this model was built with ({self.imports}), "
-                              f"which is not imported: pass {needed}")
+            raise MissingImport("router", self.router, self.imports)
         router = router_class(self.router)  # a ConfigError naming the kinds there are
         module = code_of(router)
         if module is not None and module not in self.imports.split(","):  # what a run records it needs
@@ -274,9 +272,7 @@ class TrainConfig(_JsonConfig):
         from .optim import OPTIMIZERS, optimizer_kind
 
         if self.optimizer not in OPTIMIZERS and self.optimizer_imports:
-            needed = " ".join(f"--import {m}" for m in self.optimizer_imports.split(","))
-            raise ConfigError(f"optimizer {self.optimizer!r} is defined by code this run was trained with "
-                              f"({self.optimizer_imports}), which is not imported: pass {needed}")
+            raise MissingImport("optimizer", self.optimizer, self.optimizer_imports)
         kind = optimizer_kind(self.optimizer)  # a ConfigError naming the kinds there are
         self.optimizer_imports = code_of(kind) or ""  # what a run records it needs
         if self.lora_rank and self.init_from is None:

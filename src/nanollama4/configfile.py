@@ -36,6 +36,7 @@ from typing import Any, Literal
 from .config import ModelConfig, TrainConfig, preset
 from .errors import ConfigError
 from .fields import field_help, hints, options_of
+from .files import read_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,6 +44,7 @@ else:  # pragma: no cover (Python 3.10)
     import tomli as tomllib
 
 TABLES = {"model": ModelConfig, "train": TrainConfig}
+CONFIG_LIMIT = 2**20  # bytes: a config or sweep file of every field, with dozens of arms, is a few kB
 VOCAB_NOTE = "vocab_size is the tokenizer's (char: the corpus's characters; bpe: set bpe_vocab_size)"
 
 
@@ -107,16 +109,20 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
     """The file at `path`, every key checked against the declarations; one ConfigError line otherwise. The
     top-level keys in `extra` (a sweep file's) are kept unchecked in `ConfigFile.extra`, for the caller."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (`nanollama4 config > {path.name}` writes one)") from None
-    except (OSError, UnicodeDecodeError) as e:
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file (`nanollama4 config > {path.name}` writes one)")
+    try:  # bounded: a FIFO would block forever, /dev/zero never ends (a file we are handed, maybe downloaded)
+        text = read_bytes(path, CONFIG_LIMIT, "a config file", ConfigError).decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.__class__.__name__}: {e})") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nests its arrays or tables too deeply to be a config file") from None
+    except ValueError as e:  # a whole number past Python's 4,300 digits
+        raise ConfigError(f"{path}: holds a value no config takes ({str(e).split(':')[0]})") from None
     out = ConfigFile(path)
     for key, value in raw.items():
         if key == "data":

@@ -13,7 +13,6 @@ share one contract (the ids of a corpus are the ids of its whole text), which is
 from __future__ import annotations
 
 import codecs
-import glob
 import hashlib
 import importlib.util
 import json
@@ -28,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from .errors import DataError
-from .files import atomic_write
+from .files import atomic_write, kind_of
 from .runtime import available_memory
 from .tokenizer import Tokenizer
 
@@ -67,7 +66,7 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
         return files
     text = str(Path(path).expanduser())
     if any(c in text for c in "*?[") and not Path(text).exists():
-        files = sorted(Path(f) for f in glob.glob(text, recursive=True) if Path(f).is_file())
+        files = sorted(f for f in _matches(text) if f.is_file())
         if not files:
             raise DataError(f"no file matches {text}; pass a file, a folder, or a pattern that matches files")
         return files
@@ -77,12 +76,29 @@ def find_corpus_files(path: str | Path | None) -> list[Path]:
                         "'corpus/*.txt'")
     if path.is_file():
         return [path]
+    if not path.is_dir():  # /dev/zero, a FIFO: reading one never ends
+        raise DataError(f"data path {path} is {kind_of(path.stat().st_mode)}, not a text file or a folder; pass "
+                        "a text file, a folder, or a glob such as 'corpus/*.txt'")
     files = sorted(f for f in path.rglob("*") if f.is_file() and not any(
         part.startswith(".") or part == "__pycache__" for part in f.relative_to(path).parts))
     if not files:
         raise DataError(f"folder {path} has no files to read (hidden ones are skipped); put the corpus there or "
                         "pass one file")
     return files
+
+
+def _matches(pattern: str) -> Iterator[Path]:
+    """What glob.glob(pattern, recursive=True) gives, but "**" never enters a linked folder, as a folder given
+    whole is walked (glob.glob does: a link to "." made it walk forever); hidden names only if asked for."""
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+    root, rest = Path(*parts[:first]) if first else Path(), list(parts[first:])
+    if rest[-1] == "**":  # glob.glob's "dir/**" is every path below; pathlib's, the folders only
+        rest.append("*")
+    hidden_wanted = any(part.startswith(".") for part in rest)
+    for match in root.glob("/".join(rest)):  # pathlib's "**" does not enter linked folders
+        if hidden_wanted or not any(p.startswith(".") for p in match.relative_to(root).parts):
+            yield match
 
 
 READ_BYTES = 1 << 20  # bytes read at a time: what streaming the corpus holds in memory, times a small factor

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import load_run, load_train_state, resolve_checkpoint
+from .checkpoint import LINKS, STEP_NAME, load_run, load_train_state, resolve_checkpoint
 from .data import default_cache_dir, find_corpus_files, windows
 from .errors import CheckpointError, TrainingError
 from .files import atomic_write, read_json
@@ -139,8 +139,10 @@ def record_full_validation(run_dir: str | Path, ckpt: Path, loss: float, n_token
 
 def read_full_validation(run_dir: str | Path) -> dict | None:
     """RUN/evaluation.json as `record_full_validation` wrote it, or None: missing, unreadable, edited into
-    another shape or holding a non-finite loss, it is only a missing number in a comparison, not an error
-    (keys beyond the four are allowed, so that a later version may add some)."""
+    another shape, holding a loss that is not finite or is negative (a cross-entropy never is), or naming a
+    checkpoint that is not one of a run's (step-NNNNNNN, last, best: a crafted "../../etc" would be printed
+    as if it were one), it is only a missing number in a comparison, not an error (keys beyond the four are
+    allowed, so that a later version may add some)."""
     try:
         record = read_json(Path(run_dir) / EVALUATION_FILE, limit=2**16)
     except CheckpointError:
@@ -149,6 +151,8 @@ def read_full_validation(run_dir: str | Path) -> dict | None:
     if not set(fields) <= set(record) or any(not isinstance(record[k], t) or isinstance(record[k], bool)
                                          for k, t in fields.items()):
         return None
-    if not record["checkpoint"] or record["tokens"] <= 0 or record["window"] <= 0:
+    if record["tokens"] <= 0 or record["window"] <= 0 or record["full_val_loss"] < 0:
+        return None
+    if not (STEP_NAME.fullmatch(record["checkpoint"]) or record["checkpoint"] in LINKS):
         return None
     return record

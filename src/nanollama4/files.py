@@ -7,9 +7,12 @@ in its place (`open_owned`), nor written in a folder of ours that a planted syml
 cause, not a traceback.
 
 Reading: anything we load may have been crafted. `regular_file` refuses what is not a plain file (a FIFO
-would block forever, /dev/zero never ends); `read_json` is the one JSON reader, bounded in size and
-nesting and checked for the type of its top-level value; `safetensors_shapes` reads a safetensors header
-alone, so that shapes can be checked against a config before a byte of tensor memory is allocated.
+would block forever, /dev/zero never ends); `read_bytes` is the one reader of a small file we are handed (a
+config, a JSON file), bounded in size however the file changes under it; `read_json` is the one JSON reader,
+bounded in size and nesting and checked for the type of its top-level value; `json_lines` is the one reader
+of a JSON-lines file (metrics.jsonl), line by line with each line bounded, so that a 3 GB line is never
+held; `safetensors_shapes` reads a safetensors header alone, so that shapes can be checked against a config
+before a byte of tensor memory is allocated.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,9 +31,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .errors import CheckpointError, WriteError
+from .errors import CheckpointError, Nanollama4Error, WriteError
 
 JSON_LIMIT = 256 * 2**20  # bytes; a BPE tokenizer.json of a 200k vocabulary is ~10 MB
+LINE_LIMIT = 16 * 2**20  # bytes of one JSON line; ours are at most ~6 MB (a 256 x 1024 expert-load table)
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -110,65 +114,164 @@ def own_folder(root: Path, *parts: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def regular_file(path: Path, inside: Path | None = None) -> Path:
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (reading it would wait forever)"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, in words, from its stat mode."""
+    return next((word for test, word in _KINDS if test(mode)), "not a plain file")
+
+
+def regular_file(path: Path, inside: Path | None = None, error: type[Nanollama4Error] = CheckpointError,
+                 rule: str = "a checkpoint holds only plain files") -> Path:
     """`path` if it is a regular file (after links) and, when `inside` is given, lies within that folder
-    once every link is resolved; otherwise a CheckpointError saying which rule it breaks."""
+    once every link is resolved; otherwise an `error` saying which rule it breaks (`rule`: what the caller
+    reads, in words). Judged by stat alone: opening a FIFO blocks, and opening a device may do anything."""
     path = Path(path)
     if inside is not None:
         root = os.path.realpath(inside)
         real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
-            raise CheckpointError(f"{path} lies outside {inside}; a checkpoint may only name files in its own folder")
+            raise error(f"{path} lies outside {inside}; a checkpoint may only name files in its own folder")
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing") from None
+        raise error(f"{path} is missing") from None
     except OSError as e:
-        raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
+        raise error(f"cannot read {path} ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path} is not a regular file; a checkpoint holds only plain files")
+        raise error(f"{path} is not a regular file but {kind_of(st.st_mode)}; {rule}")
     return path
 
 
-class _NonFinite(ValueError):
-    """A NaN or an infinity where a JSON file holds a number."""
+def _open_regular(path: Path, error: type[Nanollama4Error], rule: str) -> IO[bytes]:
+    """`path` opened for reading if it is a regular file: judged by stat first (`regular_file`), then opened
+    without blocking (O_NONBLOCK: a FIFO put there in between does not hang the open) and judged again on
+    the open descriptor, which is what will be read."""
+    regular_file(path, error=error, rule=rule)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise error(f"cannot read {path} ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"{path} is not a regular file but {kind_of(mode)}; {rule}")
+    return os.fdopen(fd, "rb")
+
+
+def read_bytes(path: Path, limit: int, what: str = "a file of ours",
+               error: type[Nanollama4Error] = CheckpointError) -> bytes:
+    """The bytes of the small file at `path` (a config, a JSON file): a regular file of at most `limit` bytes,
+    else one `error` naming it (`what`: the file's kind, in words). The read itself stops at `limit` + 1
+    bytes, so a file that grows after its size was checked is refused too, never read whole."""
+    with _open_regular(path, error, f"{what} is a plain file") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise error(f"{path} is {size:,} bytes, more than the {limit:,} {what} may be")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise error(f"cannot read {path} ({e.strerror})") from None
+    if len(data) > limit:
+        raise error(f"{path} grew past the {limit:,} bytes {what} may be while it was read")
+    return data
+
+
+class _NotOurs(ValueError):
+    """A value no file of ours holds: a NaN or an infinity, or a whole number too long to be one of ours."""
 
 
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # "1e999" parses to inf
-        raise _NonFinite(text)
+        raise _NotOurs(f"non-finite number ({text})")
     return value
 
 
 def _no_constant(name: str) -> float:
-    raise _NonFinite(name)  # NaN, Infinity, -Infinity: Python's json reads them, though JSON has no such values
+    raise _NotOurs(f"non-finite number ({name})")  # NaN, Infinity, -Infinity: Python's json reads them, JSON has none
+
+
+def _whole(text: str) -> int:
+    """A JSON whole number of at most 40 digits: every count of ours fits, it converts to a finite float, and
+    a 5,000-digit one is refused before Python's own limit raises a ValueError of its own."""
+    if len(text.lstrip("-")) > 40:
+        raise _NotOurs(f"whole number of {len(text.lstrip('-')):,} digits")
+    return int(text)
+
+
+def _loads(text: str) -> Any:
+    """json.loads for text we did not write: finite numbers only, whole numbers of at most 40 digits."""
+    return json.loads(text, parse_float=_finite, parse_int=_whole, parse_constant=_no_constant)
 
 
 def read_json(path: Path, kind: type = dict, limit: int = JSON_LIMIT) -> Any:
     """The JSON value in `path`, which must be a `kind` (dict, list; None for any); a missing, oversized,
-    too deeply nested, malformed or mistyped file, or one holding a non-finite number, is one
-    CheckpointError naming it. Non-finite numbers are refused for every file: a NaN best validation loss
-    would make every later comparison false and freeze `best` at a stale step, and no file of ours ever
-    holds one."""
-    path = regular_file(path)
-    size = path.stat().st_size
-    if size > limit:
-        raise CheckpointError(f"{path} is {size:,} bytes, more than the {limit:,} a JSON file of ours may be")
+    too deeply nested, malformed or mistyped file, or one holding a non-finite number (or a whole number of
+    more than 40 digits), is one CheckpointError naming it. Non-finite numbers are refused for every file: a
+    NaN best validation loss would make every later comparison false and freeze `best` at a stale step, and
+    no file of ours ever holds one."""
+    data = read_bytes(path, limit, "a JSON file of ours")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
-    except _NonFinite as e:
-        raise CheckpointError(f"{path} holds a non-finite number ({e}), which no file of ours holds; the file is "
-                              "corrupt or was edited: restore it or use another checkpoint") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        value = _loads(data.decode("utf-8"))
+    except _NotOurs as e:
+        raise CheckpointError(f"{path} holds a {e}, which no file of ours holds; the file is corrupt or was "
+                              "edited: restore it or use another checkpoint") from None
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
         raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupt or truncated") from None
     except RecursionError:
         raise CheckpointError(f"{path} nests its JSON too deeply to be one of our files; it is corrupt") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
     if kind is not None and not isinstance(value, kind):
         raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not the {kind.__name__} expected")
     return value
+
+
+def json_lines(path: Path, limit: int = LINE_LIMIT, chunk: int = 2**20) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of a JSON-lines file we did not write (metrics.jsonl), as (its text, its value).
+
+    The value is None for a line that is not JSON we could have written: cut short, edited, not UTF-8
+    (read as U+FFFD), holding a non-finite number or a whole number of more than 40 digits, nested too
+    deeply, or longer than `limit` bytes; such a line's text is "" when it was too long, which is never
+    held whole (the file is read `chunk` bytes at a time). A file that is not a regular one is a
+    CheckpointError: a FIFO would block forever, /dev/zero has no end of line."""
+    with _open_regular(path, CheckpointError, "a JSON-lines file of ours is a plain file") as f:
+        for raw in _bounded_lines(f, limit, chunk):
+            if raw is None:
+                yield "", None
+                continue
+            text = raw.decode("utf-8", errors="replace")
+            if not text.strip():
+                continue
+            try:
+                yield text, _loads(text)
+            except (ValueError, RecursionError):  # json.JSONDecodeError and _NotOurs are ValueErrors
+                yield text, None
+
+
+def _bounded_lines(f: IO[bytes], limit: int, chunk: int) -> Iterator[bytes | None]:
+    """The lines of `f` without their "\n", None for one longer than `limit` bytes: at most `limit` + `chunk`
+    bytes are held at a time, however long a line is."""
+    held, over = bytearray(), False
+    while block := f.read(chunk):
+        start = 0
+        while (end := block.find(b"\n", start)) != -1:
+            if over or len(held) + end - start > limit:
+                yield None
+            else:
+                yield bytes(held) + block[start:end]
+            held.clear()
+            over, start = False, end + 1
+        if not over:
+            held += block[start:]
+            if len(held) > limit:
+                held.clear()
+                over = True
+    if over:
+        yield None
+    elif held:
+        yield bytes(held)
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

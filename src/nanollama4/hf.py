@@ -19,7 +19,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint import check_shapes, check_vocab, expected_shapes, load_run, read_model_config, resolve_checkpoint
+from .checkpoint import (
+    check_shapes,
+    check_vocab,
+    expected_shapes,
+    load_run,
+    non_finite,
+    read_model_config,
+    resolve_checkpoint,
+)
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
@@ -230,8 +238,13 @@ def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fa
     # shard by shard, each tensor converted as it comes and given to the meta model as its parameter (assign):
     # at most the model in `dtype` and one shard as stored, never a second full-size copy
     for shard in hf_shards(path):
-        state = {wanted[theirs]: t.to(dtype) for name, t in read_safetensors(shard).items()
-                 if (theirs := _weight_name(name)) in wanted}
+        tensors = {name: t for name, t in read_safetensors(shard).items() if _weight_name(name) in wanted}
+        bad = non_finite(tensors)  # as for our own checkpoints: else --init-from would say "lower lr"
+        if bad is not None:
+            raise CheckpointError(f"{shard} holds non-finite values (in {bad}); the weights are damaged: download "
+                                  "or convert them again")
+        state = {wanted[_weight_name(name)]: t.to(dtype) for name, t in tensors.items()}
+        del tensors
         try:
             model.load_state_dict(state, strict=False, assign=True)
         except RuntimeError as e:

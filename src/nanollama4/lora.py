@@ -37,11 +37,13 @@ from torch.nn.utils import parametrize
 
 from .attention import Attention
 from .errors import CheckpointError, ConfigError
+from .files import regular_file
 from .moe import Experts, SwiGLU
 
 ADAPTERS_FILE = "adapters.safetensors"  # in a checkpoint folder of a LoRA run
 _ORIGINAL = re.compile(r"\.parametrizations\.(\w+)\.original$")
 _FACTOR = re.compile(r"\.parametrizations\.(\w+)\.0\.(lora_A|lora_B)$")
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})  # safetensors' names of the dtypes an adapter may have
 
 
 class LowRank(nn.Module):
@@ -165,16 +167,23 @@ def settings(model: nn.Module) -> tuple[int, float]:
 def load_adapters(model: nn.Module, path: Path, merged: bool = True) -> nn.Module:
     """Attach the adapters saved at `path` to `model` (its weights the frozen model they were trained on) and,
     with `merged`, fold them in. Names and shapes are checked against the model before any tensor is read."""
+    path = regular_file(path)  # a FIFO put there would block the read forever
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
             rank, alpha = int(meta["lora_rank"]), float(meta["lora_alpha"])
             found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
             if not (0 < rank <= 1 << 16 and math.isfinite(alpha)):
                 raise ValueError("rank or alpha out of range")
     except (KeyError, ValueError, OSError, RuntimeError, SafetensorError) as e:
         raise CheckpointError(f"{path} is not an adapters file nanollama4 wrote ({type(e).__name__}): restore it "
                               "or use another checkpoint") from None
+    # an int32 adapter would be copied into the float factors without a word; judged from the header, unread
+    whole = next((f"{k} ({d})" for k, d in dtypes.items() if d not in FLOAT_DTYPES), None)
+    if whole is not None:
+        raise CheckpointError(f"{path} holds a tensor that is not floating point, {whole}; adapters are float "
+                              "factors: restore the file or use another checkpoint")
     attach(model, rank, alpha)
     wanted = adapter_shapes(model)
     if found != wanted:

@@ -6,7 +6,6 @@ global backend of a caller (a notebook, a training loop) and works on headless m
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -24,32 +23,27 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from .errors import MissingRunFile
-from .files import atomic_write, own_folder, write_failed
+from .files import atomic_write, json_lines, own_folder, write_failed
 
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
 
-def _parse_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
+def parse_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict], int]:
     """Split metrics lines into (train, val, n_skipped). A run killed mid-write leaves a truncated last line,
-    and a line may have been edited by hand: a line is kept only if its fields have the types the plots
+    and a line may have been edited by hand or crafted: a line is kept only if it is JSON we could have
+    written (`files.json_lines`: bounded in length, finite numbers) and its fields have the types the plots
     read (`_record`), and an expert-load table only within MAX_LAYERS x MAX_EXPERTS."""
     train: list[dict] = []
     val: list[dict] = []
     bad = 0
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                rec = _record(json.loads(line))
-            except (json.JSONDecodeError, RecursionError):
-                rec = None
-            if rec is None:
-                bad += 1
-            elif "loss" in rec:
-                train.append(rec)
-            elif "val_loss" in rec:
-                val.append(rec)
+    for _, value in json_lines(Path(path)):
+        rec = _record(value)
+        if rec is None:
+            bad += 1
+        elif "loss" in rec:
+            train.append(rec)
+        elif "val_loss" in rec:
+            val.append(rec)
     return train, val, bad
 
 
@@ -57,6 +51,7 @@ MAX_LAYERS, MAX_EXPERTS = 256, 1024  # an expert-load table larger than this is 
 
 
 def _number(v: object) -> bool:
+    """A JSON number (json_lines has refused non-finite ones and whole numbers too long to be a float)."""
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
@@ -96,6 +91,8 @@ def _record(rec: object) -> dict | None:
         return None
     if "loss" in rec and not _number(rec["loss"]) or "val_loss" in rec and not _number(rec["val_loss"]):
         return None
+    if "tokens_per_s" in rec and not (_number(rec["tokens_per_s"]) and rec["tokens_per_s"] > 0):
+        return None  # a sweep's read-back divides by it (compare reads "time" and "tokens" only where they fit)
     if rec.get("expert_load") is not None and not _load_table(rec["expert_load"]):
         return None
     if "routing" in rec and not _routing_ok(rec["routing"]):
@@ -104,8 +101,9 @@ def _record(rec: object) -> dict | None:
 
 
 def read_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
-    """Return (train lines, val lines); unparsable lines are skipped so a live or crashed run can still be plotted."""
-    train, val, _ = _parse_metrics(path)
+    """Return (train lines, val lines); unparsable lines are skipped so a live or crashed run can still be plotted
+    (`parse_metrics` also counts them, for a warning)."""
+    train, val, _ = parse_metrics(path)
     return train, val
 
 
@@ -137,7 +135,7 @@ def moving_average(y: np.ndarray, window: int) -> np.ndarray:
 
 def plot_losses(run_dir: str | os.PathLike) -> Path:
     """Train loss (raw + smoothed) and val loss vs step, the first thing to look at when judging a run."""
-    train, val, bad = _parse_metrics(_metrics_path(run_dir))
+    train, val, bad = parse_metrics(_metrics_path(run_dir))
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     train = sorted(train, key=lambda r: r["step"])
@@ -211,7 +209,7 @@ def draw_load_heatmap(ax: Axes, steps: np.ndarray, load_SE: np.ndarray, norm: Tw
 
 def plot_expert_load(run_dir: str | os.PathLike) -> Path | None:
     """Heatmap per MoE layer of expert load relative to uniform: shows collapse or imbalance over training."""
-    train, _, _ = _parse_metrics(_metrics_path(run_dir))
+    train, _, _ = parse_metrics(_metrics_path(run_dir))
     found = expert_load_of(train)
     if found is None:
         return None
@@ -311,7 +309,7 @@ def plot_routing(run_dir: str | os.PathLike) -> Path | None:
     """The router's health between validations, one line per MoE layer: how many slots overflowed (rerouted,
     dropped), how sure the router is (entropy), how far the balancing bias has moved and the balance and z
     losses. None when the val lines carry no routing (a dense run, or one from before the telemetry)."""
-    _, val, _ = _parse_metrics(_metrics_path(run_dir))
+    _, val, _ = parse_metrics(_metrics_path(run_dir))
     routing = routing_of(val)
     panels = [p for p in ROUTING_PANELS if routing is not None and routing.has(*p[2])]
     if not panels:
@@ -344,7 +342,7 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     `files.own_folder`): the losses, and for MoE runs the expert load and, when the val lines carry it, the
     routing telemetry. Lines of metrics.jsonl that are not records of ours are skipped, with one warning on
     stderr."""
-    _, _, bad = _parse_metrics(_metrics_path(run_dir))
+    _, _, bad = parse_metrics(_metrics_path(run_dir))
     own_folder(Path(run_dir), "plots")  # refused before any figure is drawn
     if bad:
         print(f"warning: {bad} line(s) of {Path(run_dir) / 'metrics.jsonl'} are not step records (cut short or "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import shutil
 import socket
@@ -33,8 +32,8 @@ import torch
 from .checkpoint import LOCK_NAME, clear_leftovers, linked_steps, resolve_checkpoint, step_folders
 from .config import ModelConfig, TrainConfig
 from .data import TokenDataset
-from .errors import CheckpointError, ConfigError, DataError, TrainingError, WriteError
-from .files import atomic_write, read_json
+from .errors import CheckpointError, ConfigError, DataError, MissingImport, TrainingError, WriteError, shown
+from .files import atomic_write, json_lines, read_json
 from .tokenizer import Tokenizer, UnknownCharacters
 
 if TYPE_CHECKING:  # only for annotations: distributed is the training loop's, not the run directory's
@@ -170,25 +169,22 @@ def _already_a_run(run_dir: Path) -> TrainingError:
 
 def truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop metric lines past the checkpoint's step: those steps are about to be redone (and
-    lines that are not a step's record, such as a line cut short by a crash, go too)."""
+    lines that are not a step's record, such as a line cut short by a crash, go too). Read as any JSON-lines
+    file we are handed (`files.json_lines`): a run folder may have been downloaded, and a 3 GB line or a
+    5,000-digit step is then one more line that is not ours, not a MemoryError or a traceback."""
     if path.is_symlink():  # rewriting it would silently replace the link (or read what it points at)
         raise WriteError(f"{path} is a symlink; nanollama4 writes only files it made: remove the link")
     if not path.exists():
         return
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept = [line for line in lines if (s := _step_of(line)) is not None and s <= step]
-    if kept != lines:  # a resume that stops before its first step leaves the file as it was
+    kept, dropped = [], 0
+    for text, record in json_lines(path):
+        at = record.get("step") if isinstance(record, dict) else None
+        if isinstance(at, int) and not isinstance(at, bool) and at <= step:
+            kept.append(text.rstrip("\r"))
+        else:
+            dropped += 1
+    if dropped:  # a resume that stops before its first step leaves the file as it was
         atomic_write(path, lambda tmp: Path(tmp).write_text("".join(k + "\n" for k in kept)))
-
-
-def _step_of(line: str) -> int | None:
-    """The step of one metrics.jsonl record, or None for a line that is not one."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 # ---------------------------------------------------------------------------------------------- opening a run
@@ -196,8 +192,10 @@ def saved_train_config(run_dir: str | Path, saved: dict[str, Any]) -> TrainConfi
     """The TrainConfig of a run's train_config.json (already read), or a CheckpointError saying it is invalid."""
     try:
         return TrainConfig.from_dict(saved)
+    except MissingImport as e:  # the folder, maybe downloaded, chose the name: say so
+        raise CheckpointError(e.message(f"the run folder {run_dir}", "its train_config.json")) from None
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({e})") from None
+        raise CheckpointError(f"{run_dir}: train_config.json is invalid ({shown(str(e))})") from None
 
 
 def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> str | None:
@@ -207,8 +205,8 @@ def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> s
         return data
     data = state.get("data")
     if data is not None and not Path(data).exists():
-        raise DataError(f"{run_dir} was trained on {data}, which no longer exists; pass --data PATH with the "
-                        "same text")
+        raise DataError(f"{run_dir} was trained on {shown(data)}, which no longer exists; pass --data PATH with "
+                        "the same text")
     return data
 
 

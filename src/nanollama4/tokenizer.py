@@ -16,8 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from .errors import CheckpointError, GenerationError, TokenizerError
-from .files import JSON_LIMIT, regular_file
+from .errors import GenerationError, TokenizerError
+from .files import JSON_LIMIT, read_bytes
 
 
 class UnknownCharacters(TokenizerError):
@@ -305,15 +305,9 @@ def _read_text(path: Path) -> str:
     if not path.exists():
         raise TokenizerError(f"tokenizer file {path} does not exist; pass the path of a saved tokenizer "
                              "(tokenizer.json) or train one first")
+    data = read_bytes(path, JSON_LIMIT, "a tokenizer.json of ours", TokenizerError)  # a FIFO, /dev/zero: refused
     try:
-        regular_file(path)
-    except CheckpointError as e:
-        raise TokenizerError(str(e)) from None
-    if path.stat().st_size > JSON_LIMIT:
-        raise TokenizerError(f"tokenizer file {path} is {path.stat().st_size:,} bytes, more than the "
-                             f"{JSON_LIMIT:,} a tokenizer.json of ours may be")
-    try:
-        return path.read_text(encoding="utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TokenizerError(f"tokenizer file {path} is not UTF-8 text (byte offset {e.start}); pass a "
                              "tokenizer.json saved by nanollama4 or the tokenizers library") from None
