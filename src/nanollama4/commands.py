@@ -276,7 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .checkpoint import load_run
-    from .hf import check_export_target, export_hf
+    from .hf import check_export_target, export_hf, padding_note
 
     out = Path(args.out)
     check_export_target(out)  # before the model is read
@@ -287,6 +287,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
           "generation_config.json, tokenizer.json")
+    if padding_note(model.cfg):
+        print(padding_note(model.cfg))
 
 
 DROP_BIAS_TOKENS = 2**18  # validation tokens `export --drop-bias` measures the change on (at most)
