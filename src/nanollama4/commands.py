@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -167,7 +168,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     for path in plot_run(result.run_dir):
         print(f"plot: {path}")
-    print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
+    run = shlex.quote(str(result.run_dir)) + "".join(f" --import {shlex.quote(m)}" for m in args.imports or ())
+    prompt = f" --prompt {shlex.quote(result.prompt)}" if result.prompt else ""  # the run's own text's
+    print(f"next: nanollama4 generate {run}{prompt}   |   nanollama4 eval {run}")
     return 0
 
 
