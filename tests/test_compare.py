@@ -175,6 +175,18 @@ def test_two_runs_table_differing_settings_and_plots(runs, tmp_path) -> None:
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
+def test_runs_of_unequal_active_size_are_said_to_be(runs, tmp_path) -> None:
+    """The table showed each run's active parameters, but nothing said that two runs compared differ in compute
+    per token (top-2 against top-1 of the same experts): a line below the table names each one's size."""
+    text, _ = compare_runs([runs["moe"], runs["moe-top1"]], tmp_path / "cmp")
+    sizes = [param_counts(read_model_config(runs[n] / "last")).active for n in ("moe", "moe-top1")]
+    assert sizes[0] > sizes[1]
+    assert f"- active parameters per token differ (moe {format_count(sizes[0])}, moe-top1 " \
+           f"{format_count(sizes[1])})" in text
+    text, _ = compare_runs([runs["moe"], runs["moe-lr"]], tmp_path / "cmp2")
+    assert "active parameters per token differ" not in text
+
+
 def test_six_runs(runs, tmp_path) -> None:
     out = tmp_path / "cmp"
     text, paths = compare_runs(list(runs.values()), out)

@@ -18,6 +18,7 @@ INVALID = {
     "vocab_zero": ("vocab_size", dict(vocab_size=0)),
     "ffn_zero": ("ffn_dim", dict(ffn_dim=0)),
     "expert_dim_zero": ("expert_dim", dict(expert_dim=0)),
+    "shared_expert_dim_negative": ("shared_expert_dim", dict(shared_expert_dim=-1)),
     "d_model_float": ("d_model", dict(d_model=64.0)),
     "chunk_zero": ("attention_chunk_size", dict(attention_chunk_size=0)),
     "chunk_negative": ("attention_chunk_size", dict(attention_chunk_size=-8)),

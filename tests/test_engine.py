@@ -154,3 +154,71 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_the_rows_decode(model
     whole.run()
     tokens = [[e.token_id for e in x if isinstance(e, TokenEvent)] for x in (late, alone)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+# ---------------------------------------------------------------------------------------------- split characters
+SPLIT_TEXT = "déjà vu, 東京 ✓ z🙂 naïve"
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    from nanollama4.tokenizer import BPETokenizer
+
+    return BPETokenizer.train("naïve café — déjà vu, 東京 ✓ 🙂 " * 40, vocab_size=300)
+
+
+def byte_ids(tok, text: str) -> list[int]:
+    """`text` as one byte-level token per byte: every character past ASCII split across tokens."""
+    from nanollama4.tokenizer import token_bytes
+
+    single = {token_bytes(tok, i): i for i in range(tok.vocab_size) if len(token_bytes(tok, i)) == 1}
+    return [single[bytes([b])] for b in text.encode("utf-8")]
+
+
+def test_characters_split_across_tokens_come_out_whole_in_generate_and_stream(bpe, monkeypatch):
+    """A character whose bytes are split across byte-level BPE tokens must be held until it is whole: the pieces
+    never hold U+FFFD and join to the text of every id decoded at once. A stop string right after such a
+    character used to be shown in part ("z" came out before "🙂" was whole, then the text was cut before it);
+    a row that ends mid-character ends as decoding its ids does."""
+    from nanollama4.engine import core
+    from nanollama4.generation import generate, stream
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**CFG, "vocab_size": bpe.vocab_size})).eval()
+    script = byte_ids(bpe, SPLIT_TEXT)
+    assert bpe.decode(script) == SPLIT_TEXT and "\ufffd" in bpe.decode(script[:2])  # "d" and half of "é"
+
+    def scripted(n: int | None = None):
+        queue = iter(script)
+        monkeypatch.setattr(core, "next_token", lambda logits, sampling, generator: torch.tensor(
+            [next(queue) for _ in range(logits.shape[0])]))
+        return dict(max_new_tokens=n or len(script), temperature=0)
+
+    pieces = list(stream(model, bpe, "café", **scripted()))
+    assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == SPLIT_TEXT and len(pieces) > 5
+    assert generate(model, bpe, "café", **scripted()) == SPLIT_TEXT
+    for stop in ("z🙂", "🙂"):
+        pieces = list(stream(model, bpe, "café", stop=[stop], **scripted()))
+        assert "".join(pieces) == SPLIT_TEXT[:SPLIT_TEXT.index(stop)] and not any("\ufffd" in p for p in pieces)
+        assert generate(model, bpe, "café", stop=[stop], **scripted()) == SPLIT_TEXT[:SPLIT_TEXT.index(stop)]
+    cut = len(byte_ids(bpe, SPLIT_TEXT[:SPLIT_TEXT.index("🙂")])) + 2  # 2 of its 4 bytes
+    *pieces, tail = stream(model, bpe, "café", **scripted(cut))
+    assert not any("\ufffd" in p for p in pieces) and "".join(pieces) + tail == bpe.decode(script[:cut])
+    assert tail.endswith("\ufffd")
+
+
+def test_text_stream_pieces_join_to_the_decoded_ids_for_any_split(bpe):
+    """Every way the text's characters are spelled (whole tokens, one token per byte, the first k characters
+    whole), with and without stop strings: the pieces join to the ids decoded at once, cut before the first
+    stop, and hold no U+FFFD."""
+    from nanollama4.engine.sampling import TextStream
+
+    for k in range(len(SPLIT_TEXT) + 1):
+        for ids in (bpe.encode(SPLIT_TEXT[:k]) + byte_ids(bpe, SPLIT_TEXT[k:]),
+                    byte_ids(bpe, SPLIT_TEXT[:k]) + bpe.encode(SPLIT_TEXT[k:])):
+            for stop in ((), ("z🙂",), ("京 ✓", "ïve"), ("vu, 東",)):
+                stream_ = TextStream(bpe, Sampling(stop=stop))
+                pieces = [stream_.add(i) for i in ids] + [stream_.flush()]
+                cuts = [SPLIT_TEXT.find(s) for s in stop if s in SPLIT_TEXT]
+                assert "".join(pieces) == SPLIT_TEXT[:min(cuts, default=len(SPLIT_TEXT))], (k, stop, pieces)
+                assert not any("\ufffd" in p for p in pieces)

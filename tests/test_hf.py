@@ -83,6 +83,32 @@ def test_ours_to_transformers(case, tmp_path):
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("shared", [dict(shared_expert_dim=96), dict(shared_expert_dim=24),
+                                    dict(shared_expert=False)], ids=["wider", "narrower", "none"])
+def test_a_shared_expert_of_another_width_or_none_exports_exactly(shared, tmp_path):
+    """The reference has one width (intermediate_size) for the routed and the shared experts, and an always-on
+    shared expert; export used to refuse shared_expert=false. The narrower is padded with zeros (gate and up
+    rows, down columns: the same SwiGLU) and a missing shared expert is written as zeros: transformers
+    gives our logits, and loaded back the model gives them too."""
+    cfg = nanollama4.hf.config_from_hf({**TINY, "interleave_moe_layer_step": 2}).replace(**shared)
+    ours = nanollama4.build_model(cfg).eval()
+    randomize_(ours, seed=98)
+    nanollama4.export_hf(ours, tmp_path)
+    ref, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert ref.config.intermediate_size == max(48, shared.get("shared_expert_dim", 0))
+    note = nanollama4.hf.padding_note(cfg)  # what `nanollama4 export` prints after writing
+    assert note is not None and "zero" in note and f"({ref.config.intermediate_size})" in note
+    assert nanollama4.hf.padding_note(cfg.replace(shared_expert=True, shared_expert_dim=0)) is None
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        got = ours(ids)
+        back = nanollama4.load_hf(tmp_path).eval()(ids)
+    want = reference_logits(ref.eval(), ids)
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max().item() <= 1e-4 and (back - want).abs().max().item() <= 1e-4
+
+
 def test_multimodal_prefix_and_legacy_rope_keys(tmp_path):
     """The multimodal checkpoints nest the text model under `language_model.`; old configs use rope_theta."""
     import json

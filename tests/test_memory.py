@@ -144,3 +144,29 @@ def test_training_memory_adds_up_and_its_largest_batch_fits():
     fits = adamw.largest_batch(free)
     assert training_memory(cfg, fits, 256).total <= free < training_memory(cfg, fits + 1, 256).total
     assert adamw.largest_batch(adamw.state - 1) == 0
+
+
+def test_a_shared_expert_of_its_own_width_keeps_top2_at_half_width_equal_in_active_size(capsys):
+    """With one width for both, top-2 of half-width experts had half a shared expert too: fewer active
+    parameters than the top-1 it was meant to match. shared_expert_dim keeps the shared expert whole; the
+    counts match the built model, `params --compare`'s dense twin has the FFN of that active width, and
+    `active_size_note` names the arms whose active sizes differ."""
+    from nanollama4.cli import main
+    from nanollama4.memory import active_size_note, format_layout, format_params_compare
+    from nanollama4.model import Transformer
+
+    top1 = preset("tiny", experts_per_token=1, expert_dim=64)
+    half = preset("tiny", experts_per_token=2, expert_dim=32)
+    whole = preset("tiny", experts_per_token=2, expert_dim=32, shared_expert_dim=64)
+    assert param_counts(half).active < param_counts(top1).active == param_counts(whole).active
+    assert param_counts(whole).shared_expert == param_counts(top1).shared_expert == 3 * 64 * 64 * 4
+    assert param_counts(whole).total == sum(p.numel() for p in Transformer(whole).parameters())
+    assert "top-2 + shared of width 64" in format_layout(whole) and "+ shared of" not in format_layout(half)
+    assert "dense, FFN 128 (same active size)" in format_params_compare(whole)
+    assert main(["params", "--preset", "tiny", "--set", "expert_dim=32", "--set", "shared_expert_dim=64",
+                 "--compare"]) == 0
+    assert "top-2 + shared of width 64" in capsys.readouterr().out
+    assert active_size_note([("top1", param_counts(top1).active), ("whole", param_counts(whole).active)]) is None
+    note = active_size_note([("top1", param_counts(top1).active), ("half", param_counts(half).active)])
+    assert note is not None and "top1" in note and "half" in note and "differ" in note
+    assert "1,001" in active_size_note([("a", 1000), ("b", 1001)])  # alike once rounded: whole numbers

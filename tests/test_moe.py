@@ -415,6 +415,24 @@ def test_token_with_no_room_gets_only_the_shared_expert(router, shared):
         torch.testing.assert_close(gp[name], gp_ref[name], **TOL, msg=name)
 
 
+def test_the_shared_expert_has_a_width_of_its_own():
+    """shared_expert_dim widens the shared expert alone (expert_dim was both widths, so a top-2 of half-width
+    experts silently got half a shared expert): the layer is its routed part plus a SwiGLU of that width,
+    written out by hand here; 0, the default, is the routed experts' width, as in Llama 4."""
+    assert make_moe(16, 4, 2, 8).shared_expert.gate_proj.weight.shape == (8, 16)  # the default: expert_dim
+    moe = make_moe(16, 4, 2, 8, seed=3, shared_expert_dim=24).eval()
+    assert moe.experts.gate_up.shape == (4, 16, 16) and moe.experts.down.shape == (4, 8, 16)
+    g, u, d = (getattr(moe.shared_expert, n).weight for n in ("gate_proj", "up_proj", "down_proj"))
+    assert g.shape == u.shape == (24, 16) and d.shape == (16, 24)
+    routed = copy.deepcopy(moe)
+    routed.shared_expert = None
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = routed(x) + (F.silu(x @ g.T) * (x @ u.T)) @ d.T
+        torch.testing.assert_close(moe(x), want, **TOL)
+        torch.testing.assert_close(moe(x), moe_reference(moe, x), **TOL)
+
+
 # ------------------------------------------------------------------------------------------- 7. auxiliary losses
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,7 @@ def user_run(tmp_path_factory, corpus):
             "--max-steps", "4", "--set", "eval_interval=2"]
     proc = subprocess.run([sys.executable, "-m", "nanollama4", *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    yield {"code": code, "run": run, "corpus": corpus}
+    yield {"code": code, "run": run, "corpus": corpus, "printed": proc.stdout}
     ROUTERS.pop(KIND, None)
 
 
@@ -58,6 +59,24 @@ def test_the_run_trained_with_the_users_router_and_recorded_it(user_run):
     assert f'imports = "{code.resolve()}"' in (run / "config.toml").read_text()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r.get("loss", r.get("val_loss"))) for r in rows)
+
+
+def test_the_closing_next_line_runs_when_pasted(user_run, capsys):
+    """The run's last line said `--prompt "ROMEO:"` for any corpus (this one has no capitals) and left out the
+    --import the run needs, so pasted it failed. It now names the import, and a prompt from the start of a line
+    of the run's own validation text; both of its commands run as printed."""
+    line = next(x for x in user_run["printed"].splitlines() if x.startswith("next: "))
+    generate, evaluate = (shlex.split(part) for part in line.removeprefix("next: ").split("   |   "))
+    assert generate[:2] == ["nanollama4", "generate"] and evaluate[:2] == ["nanollama4", "eval"]
+    for command in (generate, evaluate):
+        assert command[2] == str(user_run["run"]) and command[3:5] == ["--import", str(user_run["code"])]
+    prompt = generate[generate.index("--prompt") + 1]
+    text = user_run["corpus"].read_text()
+    assert "ROMEO" not in line and 0 < len(prompt) <= 24 and f"\n{prompt}" in text[int(len(text) * 0.9):]
+    rc, out, err = run_cli(generate[1:] + ["--max-new-tokens", "5"], capsys)
+    assert rc == 0 and out.startswith(prompt), err
+    rc, out, err = run_cli(evaluate[1:], capsys)
+    assert rc == 0, err
 
 
 @pytest.mark.parametrize("command", [["generate", "RUN", "--prompt", "the cat", "--max-new-tokens", "5"],

@@ -678,3 +678,42 @@ def test_a_budget_of_years_is_refused_and_of_weeks_warned(corpus, tmp_path, caps
                            "--set", "batch_size=100000000")
     assert err.startswith("warning: --max-time 16.7 days: the learning rate follows the whole budget (its warm-up "
                           "alone lasts 20.0 h)"), err
+
+
+def test_the_summary_names_the_router_and_the_tokenizer_the_weights_came_with():
+    """A fine-tune (--init-from, LoRA or not) of a BPE model said "char vocabulary": the summary read the run's
+    tokenizer setting (char by default) instead of the tokenizer the weights brought. It also left the router
+    kind out, and a shared expert of its own width looked like the routed experts' one."""
+    from types import SimpleNamespace
+
+    from nanollama4.distributed import World
+    from nanollama4.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train("naïve café, déjà vu " * 50, vocab_size=260)
+    cfg = preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned")
+    tc = TrainConfig(init_from="runs/bpe", lora_rank=2, max_steps=3, seq_len=32)
+    run = SimpleNamespace(model=Transformer(cfg), tc=tc, dataset=SimpleNamespace(n_train=900, n_val=100),
+                          data="/corpus.txt", tokenizer=tok, dir=Path("runs/x"), step=0)
+    text = train_mod.run_summary(run, World())
+    assert f"; bpe vocabulary of {tok.vocab_size:,};" in text and "char vocabulary" not in text
+    assert "4 experts top-2 + shared, softmax router (router_noise=learned))" in text
+    run.model = Transformer(preset("tiny", vocab_size=tok.vocab_size, expert_dim=32, shared_expert_dim=64))
+    assert "4 experts top-2 + shared of width 64, sigmoid router)" in train_mod.run_summary(run, World())
+
+
+def test_the_suggested_prompt_is_the_start_of_a_line_of_the_runs_own_text():
+    """The closing `next:` line suggested "ROMEO:" whatever the corpus: now the default corpus's prompt stays, and
+    another corpus gives the start of the first whole line of its validation text (cut at a space), or none."""
+    from types import SimpleNamespace
+
+    from nanollama4.tokenizer import CharTokenizer
+
+    def prompt_of(val_text: str, data: str | None = "/corpus.txt") -> str | None:
+        tok = CharTokenizer.from_text(val_text + "x")
+        dataset = SimpleNamespace(split_tokens=lambda split: np.array(tok.encode(val_text)))
+        return train_mod.suggested_prompt(SimpleNamespace(data=data, tokenizer=tok, dataset=dataset))
+
+    assert prompt_of("anything\nat all\n", data=None) == "ROMEO:"
+    assert prompt_of("d-line\n\n   def forward(self, x_TD, token_A, expert_A):\n") == "def forward(self, x_TD,"
+    assert prompt_of("ne\nshort\n") == "short"
+    assert prompt_of("one long line without any newline in it at all") is None

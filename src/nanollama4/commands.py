@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -167,7 +168,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     for path in plot_run(result.run_dir):
         print(f"plot: {path}")
-    print(f"next: nanollama4 generate {result.run_dir} --prompt \"ROMEO:\"   |   nanollama4 eval {result.run_dir}")
+    run = shlex.quote(str(result.run_dir)) + "".join(f" --import {shlex.quote(m)}" for m in args.imports or ())
+    prompt = f" --prompt {shlex.quote(result.prompt)}" if result.prompt else ""  # the run's own text's
+    print(f"next: nanollama4 generate {run}{prompt}   |   nanollama4 eval {run}")
     return 0
 
 
@@ -276,7 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from .checkpoint import load_run
-    from .hf import check_export_target, export_hf
+    from .hf import check_export_target, export_hf, padding_note
 
     out = Path(args.out)
     check_export_target(out)  # before the model is read
@@ -287,6 +290,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
           "generation_config.json, tokenizer.json")
+    if padding_note(model.cfg):
+        print(padding_note(model.cfg))
 
 
 DROP_BIAS_TOKENS = 2**18  # validation tokens `export --drop-bias` measures the change on (at most)

@@ -36,7 +36,7 @@ from .configfile import read_config_file
 from .errors import CheckpointError, ConfigError, MissingRunFile, Nanollama4Error, shown
 from .evaluation import EVALUATION_FILE, read_full_validation
 from .files import atomic_write, own_folder, read_bytes, write_failed
-from .memory import ParamCounts, format_count, param_counts
+from .memory import ParamCounts, active_size_note, format_count, param_counts
 from .plots import (
     ROUTING_PANELS,
     Routing,
@@ -236,7 +236,8 @@ def markdown_table(runs: Sequence[RunRecord]) -> str:
     elif keys:
         notes.append(f"The last {len(keys)} column(s) are the settings that differ between the runs "
                      "(config.toml; '-': the run's file lacks the key, '?': the run has no readable config.toml).")
-    notes += [shown(f"{r.name}: {note}") for r in runs for note in r.notes]
+    sized = active_size_note([(r.name, r.params.active) for r in runs if r.params])  # unequal compute per token
+    notes += ([shown(sized)] if sized else []) + [shown(f"{r.name}: {note}") for r in runs for note in r.notes]
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 

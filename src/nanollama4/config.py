@@ -68,6 +68,8 @@ Factor = Annotated[float, above(0, "a positive factor or None")]
 Interval = Annotated[int, at_least(0, "0 (no NoPE layers) or a positive integer"), at_most(2**27)]
 ChunkSize = Annotated[int, above(0, "a positive integer or None (no chunking)"), at_most(2**27)]
 ExpertCount = Annotated[int, at_least(0, "0 (dense model) or a positive integer"), at_most(4096)]
+SharedWidth = Annotated[int, at_least(0, "0 (expert_dim, the routed experts' width) or a positive integer"),
+                        at_most(2**20)]
 TopK = Annotated[int, at_most(4096)]  # positive where there are experts (a cross-field rule)
 CapacityFactor = Annotated[float, above(0, "positive or None (dropless)")]
 Decay = Annotated[float, Rule("in [0, 1)", lambda v: 0 <= v < 1)]
@@ -126,8 +128,9 @@ class ModelConfig(_JsonConfig):
     ffn_dim: size(2**20) = 256  # width of the dense SwiGLU on non-MoE layers
     n_experts: ExpertCount = 4  # routed experts per MoE layer; 0 = dense model
     experts_per_token: TopK = 1  # top-k: experts each token is sent to
-    expert_dim: size(2**20) = 128  # width of each routed expert and of the shared expert
+    expert_dim: size(2**20) = 128  # width of each routed expert (and of the shared expert, unless shared_expert_dim)
     shared_expert: bool = True  # one always-on SwiGLU expert next to the routed ones
+    shared_expert_dim: SharedWidth = 0  # width of the shared expert; 0 = expert_dim (as Llama 4: one width for both)
     moe_every: size(1024) = 1  # layer i is MoE when (i+1) % moe_every == 0 (1 = all, 2 = layers 1,3,5...)
     router: RouterKind = "sigmoid"  # sigmoid: Llama 4 (score scales input); softmax: tutorial (weights output)
     router_noise: RouterNoise = "none"  # softmax router, training only: learned per-expert or fixed-std noise
@@ -196,6 +199,12 @@ class ModelConfig(_JsonConfig):
     def is_moe(self, layer: int) -> bool:
         """MoE layers are every moe_every-th, counting from 1 (the reference's interleave rule)."""
         return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def shared_dim(self) -> int:
+        """The shared expert's width: its own (shared_expert_dim) or, by default, the routed experts'. Its own lets
+        a top-2 of half-width experts keep the whole shared expert of a top-1 at equal active parameters."""
+        return self.shared_expert_dim or self.expert_dim
 
     @property
     def n_rep(self) -> int:

@@ -138,9 +138,9 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
     """The reference config.json for our config, every key written (omitted keys get full-size defaults).
     BOS and EOS are the tokenizer's: None (null) for ours, which have neither, so that transformers'
     generate stops on length or a stop the user gives, never at an ordinary token that happens to be id 2."""
-    if cfg.n_experts and (router_class(cfg.router) is not SigmoidRouter or not cfg.shared_expert):
-        raise CheckpointError("only the Llama 4 MoE (router='sigmoid', shared_expert=True) exists in the reference "
-                              f"format; this model has router={cfg.router!r}, shared_expert={cfg.shared_expert}")
+    if cfg.n_experts and router_class(cfg.router) is not SigmoidRouter:
+        raise CheckpointError("only the Llama 4 MoE (router='sigmoid') exists in the reference format; this model "
+                              f"has router={cfg.router!r}")
     if cfg.router_noise == "learned" or cfg.capacity_in_eval:
         raise CheckpointError("learned router noise and eval-time capacity have no reference equivalent; "
                               "set router_noise=none and capacity_in_eval=false to export")
@@ -154,7 +154,7 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "dtype": "float32",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": L,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "intermediate_size": cfg.expert_dim, "intermediate_size_mlp": cfg.ffn_dim,
+        "hidden_act": "silu", "intermediate_size": hf_expert_width(cfg), "intermediate_size_mlp": cfg.ffn_dim,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
         "num_local_experts": max(cfg.n_experts, 1), "num_experts_per_tok": cfg.experts_per_token,
@@ -169,6 +169,57 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
         "initializer_range": cfg.init_std,
         "use_cache": True, "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
     }
+
+
+def hf_expert_width(cfg: ModelConfig) -> int:
+    """The reference's `intermediate_size`: one width for the routed experts and the shared expert, so the wider
+    of ours (`padded_to_hf` fills the narrower with zeros)."""
+    if not cfg.n_experts:
+        return cfg.expert_dim
+    return max(cfg.expert_dim, cfg.shared_dim if cfg.shared_expert else 0)
+
+
+def padding_note(cfg: ModelConfig) -> str | None:
+    """What `padded_to_hf` does to this model's experts, in a line for the user, or None when it does nothing."""
+    if not cfg.n_experts:
+        return None
+    width, shared = hf_expert_width(cfg), cfg.shared_dim if cfg.shared_expert else 0
+    done = [f"the {what} (width {w}) padded with zeros" for what, w in (("routed experts", cfg.expert_dim),
+                                                                         ("shared expert", shared)) if 0 < w < width]
+    done += ["an all-zero shared expert written (the reference's is always on)"] if not shared else []
+    if not done:
+        return None
+    return (f"note: the reference has one expert width ({width}) and a shared expert; {' and '.join(done)}: the "
+            "same function, but loaded back the model holds those zeros as weights")
+
+
+def padded_to_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our MoE tensors (reference names) at the reference's one expert width (`hf_expert_width`), exactly.
+
+    A SwiGLU expert widened with zero gate and up rows and zero down columns computes the same function (each
+    added hidden unit is silu(0) * 0 = 0, and its down column adds 0), so the narrower of the routed and the
+    shared experts is padded with zeros, and a model without a shared expert gets an all-zero one (the
+    reference's is always on). Loaded back, the model has that width, and the same logits."""
+    width = hf_expert_width(cfg)
+    out = dict(tensors)
+    for layer in (i for i in range(cfg.n_layers) if cfg.is_moe(i)):
+        ffn = f"model.layers.{layer}.feed_forward"
+        gate_up, down = out[f"{ffn}.experts.gate_up_proj"], out[f"{ffn}.experts.down_proj"]  # (E, D, 2H), (E, H, D)
+        extra = width - cfg.expert_dim
+        if extra:
+            gate, up = gate_up.chunk(2, dim=-1)
+            zeros = gate.new_zeros(*gate.shape[:-1], extra)
+            out[f"{ffn}.experts.gate_up_proj"] = torch.cat([gate, zeros, up, zeros], dim=-1)
+            out[f"{ffn}.experts.down_proj"] = torch.cat([down, down.new_zeros(down.shape[0], extra, down.shape[2])], 1)
+        shared = f"{ffn}.shared_expert"
+        d_model, dtype = down.shape[-1], down.dtype
+        for name, rows_dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):  # (H, D), (H, D), (D, H)
+            key = f"{shared}.{name}.weight"
+            w = out.get(key, torch.zeros((0, d_model) if rows_dim == 0 else (d_model, 0), dtype=dtype))
+            pad = list(w.shape)
+            pad[rows_dim] = width - w.shape[rows_dim]
+            out[key] = torch.cat([w, w.new_zeros(pad)], dim=rows_dim) if pad[rows_dim] else w
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -294,7 +345,9 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
     A model the format cannot hold is refused before anything is written: a router kind or option it lacks
     (`config_to_hf`), layers whose shapes differ from the config (one config.json describes every layer),
     and balancing biases unless `drop_bias` (the reference router has none: the model is then written
-    without them, which changes its routing; `nanollama4 export --drop-bias` measures by how much).
+    without them, which changes its routing; `nanollama4 export --drop-bias` measures by how much). A shared
+    expert of another width than the routed experts', or none, is written exactly, padded with zeros
+    (`padded_to_hf`).
 
     Everything is written into a temporary folder beside `path` that is renamed into place at the end (over
     `path` when that is an empty folder): a failed export (a full disk, a kill) leaves no half-written folder
@@ -314,6 +367,7 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
             continue
         tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
+    tensors = {name: t.contiguous() for name, t in padded_to_hf(model.cfg, tensors).items()}
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "_from_model_config": True}
     tmp = None

@@ -7,6 +7,7 @@ answerable on a laptop. Every count here is a closed-form function of the config
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -75,7 +76,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         dense_ffn=3 * d * cfg.ffn_dim * n_dense,
         router=cfg.n_experts * d * n_moe,
         experts=cfg.n_experts * 3 * d * cfg.expert_dim * n_moe,
-        shared_expert=3 * d * cfg.expert_dim * n_moe if cfg.shared_expert else 0,
+        shared_expert=3 * d * cfg.shared_dim * n_moe if cfg.shared_expert else 0,
         noise=cfg.n_experts * d * n_moe if cfg.router_noise == "learned" else 0,
         experts_per_token=cfg.experts_per_token,
         n_experts=cfg.n_experts,
@@ -167,7 +168,7 @@ def training_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
         per_token += 16 * d
         if cfg.is_moe(layer):
             k = cfg.experts_per_token
-            per_token += (k + cfg.shared_expert) * 3 * cfg.expert_dim + 2 * k * d + 2 * cfg.n_experts
+            per_token += 3 * (k * cfg.expert_dim + cfg.shared_expert * cfg.shared_dim) + 2 * k * d + 2 * cfg.n_experts
         else:
             per_token += 3 * cfg.ffn_dim
     ids = 2 * 8 * (1 + eval_batches)  # int64 inputs and targets: this step's and the validation batches'
@@ -200,10 +201,32 @@ def format_layout(cfg: ModelConfig) -> str:
     for i in range(cfg.n_layers):
         attn = "RoPE" if cfg.uses_rope(i) else "NoPE"
         chunk = f", chunk {cfg.chunk_size(i)}" if cfg.chunk_size(i) else ""
-        ffn = (f"MoE {cfg.n_experts} experts, top-{cfg.experts_per_token}"
-               f"{' + shared' if cfg.shared_expert else ''}" if cfg.is_moe(i) else f"dense SwiGLU {cfg.ffn_dim}")
+        ffn = (f"MoE {cfg.n_experts} experts, top-{cfg.experts_per_token}{shared_words(cfg)}" if cfg.is_moe(i)
+               else f"dense SwiGLU {cfg.ffn_dim}")
         lines.append(f"  layer {i}: {attn} attention{chunk}; {ffn}")
     return "\n".join(lines)
+
+
+def shared_words(cfg: ModelConfig) -> str:
+    """' + shared' for an MoE with a shared expert, with its width where it is not the routed experts' (a
+    summary that hid it would show two models of different active size as alike); '' without one."""
+    if not cfg.shared_expert:
+        return ""
+    return " + shared" if cfg.shared_dim == cfg.expert_dim else f" + shared of width {cfg.shared_dim}"
+
+
+def active_size_note(active: Sequence[tuple[str, int]]) -> str | None:
+    """One line naming each setting's active parameters per token when they are not all equal, else None.
+
+    Where settings are compared (a sweep's arms, `nanollama4 compare`), a difference of active size is a
+    difference of compute per token: an arm that looks like "the same model, top-2" may also be a smaller
+    one (top-2 of half-width experts with the default shared expert of half width too)."""
+    sizes = {n for _, n in active}
+    if len(sizes) < 2:
+        return None
+    exact = len({format_count(n) for n in sizes}) < len(sizes)  # 158.3K and 158.3K that differ: whole numbers
+    listing = ", ".join(f"{name} {f'{n:,}' if exact else format_count(n)}" for name, n in active)
+    return f"active parameters per token differ ({listing}): these settings differ in compute per token too"
 
 
 def format_params_table(cfg: ModelConfig) -> str:
@@ -235,7 +258,7 @@ def format_kv_table(report: KVCacheReport) -> str:
 
 
 __all__ = ["ParamCounts", "KVCacheReport", "param_counts", "kv_cache", "format_bytes", "format_count",
-           "format_kv_compare", "format_params_compare",
+           "format_kv_compare", "format_params_compare", "shared_words", "active_size_note",
            "format_params_table", "format_kv_table"]
 
 
@@ -268,15 +291,14 @@ def format_params_compare(cfg: ModelConfig) -> str:
     (its FFN as wide as the routed experts a token uses plus the shared expert)."""
     if cfg.n_experts == 0:
         moe = cfg.replace(n_experts=8, experts_per_token=1, expert_dim=cfg.ffn_dim // 2, shared_expert=True,
-                          moe_every=1)
+                          shared_expert_dim=0, moe_every=1)
         rows = [("dense (this config)", cfg), ("MoE, 8 experts of half width, top-1 + shared", moe)]
     else:
-        ffn = cfg.expert_dim * (cfg.experts_per_token + int(cfg.shared_expert))
+        ffn = cfg.expert_dim * cfg.experts_per_token + (cfg.shared_dim if cfg.shared_expert else 0)
         # the twin has one FFN width for every layer: the same active size only if the config's own dense
         # layers (moe_every > 1) are that wide already
         same = cfg.moe_every == 1 or cfg.ffn_dim == ffn
-        rows = [(f"MoE ({cfg.n_experts} experts, top-{cfg.experts_per_token}"
-                 f"{' + shared' if cfg.shared_expert else ''})", cfg),
+        rows = [(f"MoE ({cfg.n_experts} experts, top-{cfg.experts_per_token}{shared_words(cfg)})", cfg),
                 (f"dense, FFN {ffn}{' (same active size)' if same else ' on every layer'}",
                  cfg.replace(n_experts=0, ffn_dim=ffn))]
     width = max(len(name) for name, _ in rows)

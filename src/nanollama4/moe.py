@@ -14,7 +14,8 @@ Only the chosen experts run, so compute grows with k, not N. This file is the pl
 grouped rows are multiplied (our CPU kernel, grouped_mm, padding, a few-row decode path) is
 `ops.experts.FastExperts`, which `ops.install` swaps in for `Experts` from outside.
 
-Shape suffixes: T tokens (batch x sequence, flattened), D model width, H expert hidden width, E experts,
+Shape suffixes: T tokens (batch x sequence, flattened), D model width, H expert hidden width (the shared
+expert has a width of its own, `ModelConfig.shared_dim`), E experts,
 K experts per token (top-k), A assignments (kept (token, expert) pairs, at most T x K). So x_TD is the
 tokens' input, experts_TK each token's chosen experts, counts_E the rows per expert.
 """
@@ -83,7 +84,7 @@ class MoE(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.router = router_class(cfg.router)(cfg)
         self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_dim, cfg.init_std, out_std)
-        self.shared_expert = SwiGLU(cfg.d_model, cfg.expert_dim, cfg.init_std, out_std) if cfg.shared_expert else None
+        self.shared_expert = SwiGLU(cfg.d_model, cfg.shared_dim, cfg.init_std, out_std) if cfg.shared_expert else None
         self.last, self._counts = None, None
         self.aux_loss = torch.zeros(())
 

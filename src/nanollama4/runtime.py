@@ -209,7 +209,8 @@ def choose_precision(tc: TrainConfig, cfg: ModelConfig, device: torch.device,
     is what the run saves, so a resumed run keeps it. `announce` prints the one line that says why."""
     if tc.bf16 != "auto":
         return tc
-    width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim)
+    width = max(cfg.ffn_dim if cfg.n_experts == 0 or cfg.moe_every > 1 else 0, cfg.expert_dim,
+                cfg.shared_dim if cfg.n_experts and cfg.shared_expert else 0)
     rows = min(tc.batch_size * tc.seq_len, 8192)
     choice = speedup(device, rows, cfg.d_model, 2 * width).across(max_over_ranks, ranks)
     if announce:

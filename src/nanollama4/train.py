@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from .distributed import World
 from .errors import TrainingError
 from .evaluation import autocast, evaluate
 from .files import atomic_write, open_owned
-from .memory import format_count, param_counts
+from .memory import format_count, param_counts, shared_words
 from .metrics import (
     MetricsFile,
     StepResult,
@@ -54,6 +54,7 @@ from .metrics import (
 )
 from .ops import kernels
 from .optim import optimizer_kind
+from .router import router_class
 from .runs import check_new_run_dir, check_resume_dir, fit_seq_len, holds_run, owning, truncate_metrics
 from .runsetup import Run, check_step_fits, resume_run, start_run
 from .runtime import bf16_speedup, choose_precision, pick_device
@@ -278,7 +279,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     train_time = time.perf_counter() - t0
     return TrainResult(run_dir=run_dir, step=run.step, val_loss=run.val, best_val_loss=run.best,
                        tokens_per_s=trained_tokens / max(train_time, 1e-9), interrupted=bool(stopped),
-                       saved=holds_run(run_dir))
+                       saved=holds_run(run_dir), prompt=suggested_prompt(run))
 
 
 def run_summary(run: Run, world: World) -> str:
@@ -290,8 +291,7 @@ def run_summary(run: Run, world: World) -> str:
     if tc.init_from:
         shape += f"; weights and tokenizer from {tc.init_from}"
     if cfg.n_experts:
-        shape += (f", {cfg.n_experts} experts top-{cfg.experts_per_token}"
-                  f"{' + shared' if cfg.shared_expert else ''}")
+        shape += f", {cfg.n_experts} experts top-{cfg.experts_per_token}{shared_words(cfg)}, {router_words(cfg)}"
     sequences = tc.batch_size * tc.grad_accum * world.size
     parts = [f"{tc.max_steps:,} steps"] if tc.max_steps else []
     parts += [f"{tc.max_time:g} s (the schedule follows the clock)"] if tc.max_time else []
@@ -299,6 +299,7 @@ def run_summary(run: Run, world: World) -> str:
     when = (f"every {eval_period(tc):g} s ({tc.eval_share:.0%} of the budget)" if eval_period(tc)
             else f"every {tc.eval_interval:,} steps")
     precision = "bf16 autocast (weights and optimizer state float32)" if tc.bf16 is True else "float32"
+    tokenizer = getattr(run.tokenizer, "name", tc.tokenizer)  # with --init-from, the weights' own, not tc's
     optimizer = optimizer_kind(tc.optimizer).describe(tc, cfg.n_experts)
     if tc.lora_rank:
         optimizer += (f" on rank-{tc.lora_rank} LoRA adapters ({format_count(lora.trainable(run.model))} parameters, "
@@ -306,12 +307,21 @@ def run_summary(run: Run, world: World) -> str:
     return "\n".join([
         f"run {run.dir}",
         f"  model: {format_count(counts.total)} parameters, {format_count(counts.active)} active per token ({shape})",
-        f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tc.tokenizer} vocabulary of "
+        f"  data: {run.data or 'the default corpus (Shakespeare)'}; {tokenizer} vocabulary of "
         f"{run.tokenizer.vocab_size:,}; {data.n_train:,} training and {data.n_val:,} validation tokens "
         + (f"(all of {tc.val_data})" if tc.val_data else f"(the last {tc.val_fraction:.0%})"),
         f"  steps: {sequences:,} x {tc.seq_len} = {sequences * tc.seq_len:,} tokens each; budget "
         f"{' or '.join(parts)}{at}; validation {when} and at the end",
         f"  {precision}; {optimizer}"])
+
+
+def router_words(cfg: ModelConfig) -> str:
+    """The router's kind, with those of its own options (`Router.options`) that are not the defaults:
+    "sigmoid router", "softmax router (router_noise=learned)"."""
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    changed = [f"{name}={getattr(cfg, name)}" for name in router_class(cfg.router).options
+               if getattr(cfg, name, None) != defaults.get(name)]
+    return f"{cfg.router} router" + (f" ({', '.join(changed)})" if changed else "")
 
 
 @dataclass
@@ -323,6 +333,25 @@ class TrainResult:
     tokens_per_s: float  # training throughput over the run (all ranks together)
     interrupted: bool  # stopped by SIGINT/SIGTERM rather than by its budget
     saved: bool = True  # whether run_dir holds a checkpoint to resume from
+    prompt: str | None = None  # a prompt to try the model with (`suggested_prompt`)
+
+
+PROMPT_CHARS = 24  # the longest prompt `suggested_prompt` takes from a line
+
+
+def suggested_prompt(run: Run) -> str | None:
+    """A prompt for the run's model that its own text makes likely: "ROMEO:" for the default corpus (Shakespeare),
+    else the start of the first whole line of the validation text (a few words, cut at a space), or None
+    where the first few hundred tokens hold no such line. The tokenizer made it, so it encodes."""
+    if run.data is None:
+        return "ROMEO:"
+    text = run.tokenizer.decode(run.dataset.split_tokens("val")[:256].tolist())
+    for line in text.splitlines()[1:]:  # the first may start mid-line
+        line = line.strip()
+        if line and "\ufffd" not in line:
+            cut = line.rfind(" ", 0, PROMPT_CHARS + 1) if len(line) > PROMPT_CHARS else len(line)
+            return line[:cut if cut > 0 else PROMPT_CHARS]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- logging and checks

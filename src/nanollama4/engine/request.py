@@ -25,7 +25,8 @@ class TokenEvent:
     """One new token of a request."""
 
     token_id: int
-    text: str  # the text that became safe to show with this token (held back near a possible stop string)
+    text: str  # the text that became safe to show with this token (held back near a possible stop string, and
+    # while a character's bytes are not all here: never part of one)
     logprob: float | None = None  # log-probability of the token under the model (temperature 1, unfiltered)
     top: list[tuple[int, float]] | None = None  # the most likely tokens and their log-probabilities
     trace: StepTrace | None = None  # with Request.trace: the step that chose this token

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -146,11 +145,18 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 class TextStream:
     """A row's token ids in, its text out as soon as it is safe to show, and where it stops: the one place
-    that applies stop ids, stop strings and the text held back before them.
+    that applies stop ids, stop strings and the text held back before them, so generate, stream and the
+    server show the same pieces.
 
-    All ids are decoded each time and only the new suffix is given out, so a multi-byte character split
-    across BPE tokens appears once it is complete; the last len(longest stop) - 1 characters are held back
-    while they could still grow into a stop string. A stop id ends the row without adding text.
+    Decoding is incremental (as vLLM's detokenizer): the new tokens' text is what decoding a short window of
+    ids gives with them past what it gives without, so a long row is not decoded whole at every token, and a
+    tokenizer that spells a token otherwise at the start of a text (a SentencePiece space) reads alike in
+    both. While that text ends in U+FFFD the newest bytes are part of a character that later tokens complete
+    (byte-level BPE splits characters across tokens): those ids stay pending and show nothing until the
+    character is whole, and only then can they complete a stop string. Stop strings are searched in whole
+    characters, the last len(longest stop) - 1 of which are held back while they could still grow into one.
+    A stop id ends the row without adding text. `flush`, at the end, gives what is held, bytes still pending
+    included, as decoding every id at once does (an unfinished character is U+FFFD there too).
     """
 
     def __init__(self, tokenizer: Any | None, sampling: Sampling) -> None:
@@ -159,9 +165,12 @@ class TextStream:
         if self.stop and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer to read the text; give stop_ids instead")
         self.ids: list[int] = []
-        self.shown = 0  # characters already given out
+        self.text = ""  # the continuation's text of whole characters so far, cut before a stop string
+        self.shown = 0  # characters of it already given out
         self.stopped = False  # a stop id or string has appeared; nothing more will be given out
         self.stop_id: int | None = None  # the stop id that ended the row
+        self._window = 0  # ids[_window:_read]: decoded again with the new ids, as their context
+        self._read = 0  # ids before this are in `text`; those from it on end inside a character
         self._hold = max((len(s) - 1 for s in self.stop), default=0)
 
     def add(self, token_id: int) -> str:
@@ -174,30 +183,42 @@ class TextStream:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return ""
-        text, self.stopped = cut_at_stop(self.tokenizer.decode(self.ids), self.stop)
-        safe = len(text) if self.stopped else len(text) - self._hold
-        while safe > self.shown and text[safe - 1] == "\ufffd" and not self.stopped:
-            safe -= 1  # a character whose bytes are not all here yet
+        new = self._read_new()
+        if new is None:
+            return ""
+        self._extend(new)
+        safe = len(self.text) if self.stopped else len(self.text) - self._hold
         if safe <= self.shown:
             return ""
-        piece, self.shown = text[self.shown:safe], safe
+        piece, self.shown = self.text[self.shown:safe], safe
         return piece
 
     def flush(self) -> str:
-        """The text still held back, at the end of the row."""
-        text = self.text
-        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        """The text still held back (and the bytes still pending, as the tokenizer decodes them), at the end."""
+        if not self.stopped and self.tokenizer is not None:
+            self._extend(self._read_new(final=True))
+        piece, self.shown = self.text[self.shown:], max(self.shown, len(self.text))
         return piece
 
-    @property
-    def text(self) -> str:
-        """The whole continuation so far, cut before a stop string."""
-        if self.tokenizer is None:
+    def _read_new(self, final: bool = False) -> str | None:
+        """The text the pending ids add, now read; None, leaving them pending, while it ends inside a character
+        (U+FFFD last; `final`: read them all the same)."""
+        if self._read == len(self.ids):
             return ""
-        return cut_at_stop(self.tokenizer.decode(self.ids), self.stop)[0]
+        context = self.tokenizer.decode(self.ids[self._window:self._read])
+        text = self.tokenizer.decode(self.ids[self._window:])
+        if text.endswith("\ufffd") and not final:
+            return None
+        if not text.startswith(context):  # a decoder that spells earlier text otherwise given more: decode all
+            text, context = self.tokenizer.decode(self.ids), self.tokenizer.decode(self.ids[:self._read])
+        self._window, self._read = self._read, len(self.ids)
+        return text[len(context):]
 
-
-def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    """Text up to the first stop string, and whether one was found."""
-    cuts = [text.find(s) for s in stop if s and s in text]
-    return (text[:min(cuts)], True) if cuts else (text, False)
+    def _extend(self, new: str) -> None:
+        """Add whole characters to `text` and cut it before the first stop string, which may begin up to
+        len(longest stop) - 1 characters before them."""
+        searched = max(0, len(self.text) - self._hold)
+        self.text += new
+        cuts = [i for i in (self.text.find(s, searched) for s in self.stop) if i >= 0]
+        if cuts:
+            self.text, self.stopped = self.text[:min(cuts)], True
