@@ -222,3 +222,16 @@ def test_text_stream_pieces_join_to_the_decoded_ids_for_any_split(bpe):
                 cuts = [SPLIT_TEXT.find(s) for s in stop if s in SPLIT_TEXT]
                 assert "".join(pieces) == SPLIT_TEXT[:min(cuts, default=len(SPLIT_TEXT))], (k, stop, pieces)
                 assert not any("\ufffd" in p for p in pieces)
+
+
+def test_bytes_that_no_character_completes_are_shown_not_held_to_the_end(bpe):
+    """A model may write bytes that are not UTF-8 (a run of continuation bytes): once more ids are pending
+    than any character has bytes, they are shown (as U+FFFD) rather than held until the row ends."""
+    from nanollama4.engine.sampling import MAX_PENDING, TextStream
+    from nanollama4.tokenizer import token_bytes
+
+    lone = next(i for i in range(bpe.vocab_size) if token_bytes(bpe, i) == b"\x80")
+    stream_ = TextStream(bpe, Sampling())
+    pieces = [stream_.add(lone) for _ in range(3 * MAX_PENDING)]
+    assert all(p == "" for p in pieces[:MAX_PENDING - 1]) and "\ufffd" in "".join(pieces[:MAX_PENDING])
+    assert "".join(pieces) + stream_.flush() == bpe.decode([lone] * 3 * MAX_PENDING)

@@ -143,6 +143,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return torch.multinomial(distribution(logits, sampling), 1, generator=generator).squeeze(-1)
 
 
+MAX_PENDING = 4  # ids held for an unfinished character: UTF-8's longest is 4 bytes, each token brings one or more
+
+
 class TextStream:
     """A row's token ids in, its text out as soon as it is safe to show, and where it stops: the one place
     that applies stop ids, stop strings and the text held back before them, so generate, stream and the
@@ -202,12 +205,13 @@ class TextStream:
 
     def _read_new(self, final: bool = False) -> str | None:
         """The text the pending ids add, now read; None, leaving them pending, while it ends inside a character
-        (U+FFFD last; `final`: read them all the same)."""
+        (U+FFFD last; `final`, or MAX_PENDING ids that still end so, which no character completes: read them
+        all the same, so a model writing invalid bytes is shown as such, not held to the end)."""
         if self._read == len(self.ids):
             return ""
         context = self.tokenizer.decode(self.ids[self._window:self._read])
         text = self.tokenizer.decode(self.ids[self._window:])
-        if text.endswith("\ufffd") and not final:
+        if text.endswith("\ufffd") and not final and len(self.ids) - self._read < MAX_PENDING:
             return None
         if not text.startswith(context):  # a decoder that spells earlier text otherwise given more: decode all
             text, context = self.tokenizer.decode(self.ids), self.tokenizer.decode(self.ids[:self._read])
