@@ -272,6 +272,15 @@ def test_full_validation_column(runs, tmp_path) -> None:
     assert [r[8] for r in table_rows(text)[1:]] == ["1.2346 (step 4)", "-"]
 
 
+def test_a_sampled_validation_says_how_many_tokens_it_covers(runs, tmp_path) -> None:
+    """A sweep's score_tokens scores the first N validation tokens: compare shows it with its count, so that it
+    is not read as the whole split (`eval` on the run replaces it with all of them)."""
+    record_full_validation(runs["dense"], runs["dense"] / "last", 1.5, 4096, 16, max_tokens=4096)
+    assert read_full_validation(runs["dense"])["max_tokens"] == 4096
+    text, _ = compare_runs([runs["dense"]], tmp_path / "cmp")
+    assert table_rows(text)[1][8] == "1.5000 (step 4, first 4,096 tokens)"
+
+
 @pytest.mark.parametrize("content", [
     "{not json",
     json.dumps({"checkpoint": "step-0000004", "full_val_loss": "1.2", "tokens": 5, "window": 16}),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,10 @@ import pytest
 
 from nanollama4.errors import ConfigError
 from nanollama4.experiments import EXPERIMENTS, common, sweep_file
-from nanollama4.experiments.sweep import read_sweep
-from tests.helpers import assert_cli_error, run_cli, stop_the_third_training
+from nanollama4.experiments.arms import run_folder
+from nanollama4.experiments.sweep import TINY_SCORE_TOKENS, read_sweep
+from nanollama4.memory import format_count
+from tests.helpers import assert_cli_error, run_cli, snapshot, stop_the_third_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -63,6 +66,19 @@ def test_a_two_arm_two_seed_sweep_prints_its_paired_line_and_resumes(sweep_dir, 
     assert [p.name for p in calls] == ["n_experts=2-seed0", "n_experts=4-seed0", "n_experts=2-seed1"]
     kept = {p: (p / "metrics.jsonl").read_bytes() for p in calls[:2]}
     monkeypatch.setattr(common, "train", real_train)
+    # a link, or another arm's run, where an arm's run will go is never taken as its run: one line, untouched
+    planted = out / "runs" / "n_experts=4-seed1"
+    planted.symlink_to(calls[0], target_is_directory=True)
+    before = snapshot(calls[0])
+    rc, _, err = run_cli(["sweep", str(sweep_dir / "exp.toml"), "--out", str(out), "--quiet"], capsys)
+    assert f"{planted} is a symlink" in assert_cli_error(rc, err, "sweep") and "--out" in err
+    assert snapshot(calls[0]) == before and planted.is_symlink()
+    planted.unlink()
+    shutil.copytree(calls[0], planted, symlinks=True)
+    rc, _, err = run_cli(["sweep", str(sweep_dir / "exp.toml"), "--out", str(out), "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "sweep")
+    assert f"{planted} holds a run with n_experts = 2 where arm 'n_experts=4' has 4" in line, line
+    shutil.rmtree(planted)
     rc, printed, err = run_cli(["sweep", str(sweep_dir / "exp.toml"), "--out", str(out), "--quiet"], capsys)
     assert rc == 0, err
     assert all((p / "metrics.jsonl").read_bytes() == kept[p] for p in kept)  # finished arms: read back
@@ -88,9 +104,12 @@ def test_a_two_arm_two_seed_sweep_prints_its_paired_line_and_resumes(sweep_dir, 
 
 def test_a_sweep_under_a_time_budget_and_named_arms(sweep_dir, capsys):
     """[[arm]] tables with fields of both [model] and [train], a max_time budget: each arm trains for the
-    time given (validation by the clock), and each pair is read against the first arm by default."""
+    time given (validation by the clock), and each pair is read against the first arm by default. The table
+    shows the steps each arm got (what a time budget lets the machine decide). No seq_len: the model's
+    context, as `train` reads it (this crashed after the first arm once)."""
     text = SWEEP.replace("max_steps = 4", 'max_time = "2s"').replace(
-        'grid = { n_experts = [2, 4] }\n', "").replace('pairs = [["n_experts=4", "n_experts=2"]]\n', "")
+        'grid = { n_experts = [2, 4] }\n', "").replace('pairs = [["n_experts=4", "n_experts=2"]]\n', "").replace(
+        "seq_len = 32\n", "")
     text += textwrap.dedent('''
         [[arm]]
         name = "dense"
@@ -112,6 +131,24 @@ def test_a_sweep_under_a_time_budget_and_named_arms(sweep_dir, capsys):
         assert state["elapsed"] >= 2.0 and arm["seed"] == 3
     config = (out / "runs" / "moe__lr_3e-3-seed3" / "config.toml").read_text()
     assert "lr = 0.003" in config and "n_experts = 4" in config
+    assert re.search(r"^seq_len = 64 ", config, re.M)  # the tiny preset's max_seq_len
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in (out / "table.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| arm")}
+    for arm in doc["arms"]:  # steps per seed and tokens beside the loss
+        assert rows[arm["name"]][3] == f"{arm['steps']:,}" and rows[arm["name"]][4] == format_count(arm["steps"] * 256)
+
+
+def test_an_arms_folder_is_never_hidden_nor_an_option():
+    """The one rule from an arm's name to its folder: a leading '.' would hide the folder, a leading '-' would
+    read as an option where the folder is passed to a command."""
+    assert [run_folder(n, 3) for n in (".hidden", "-x", "._x y_", "moe, lr 3e-3")] == [
+        "hidden-seed3", "x-seed3", "x_y-seed3", "moe__lr_3e-3-seed3"]
+
+
+def arms(*names: str) -> tuple[str, str]:
+    """A change to SWEEP (for `str.replace`) that adds [[arm]] tables of these names to its file."""
+    last = 'pairs = [["n_experts=4", "n_experts=2"]]\n'
+    return last, last + "".join(f'[[arm]]\nname = "{name}"\n' for name in names)
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -125,6 +162,18 @@ def test_a_sweep_under_a_time_budget_and_named_arms(sweep_dir, capsys):
     (('preset = "tiny"', 'preset = "tiny"\nexperts_per_token = 3'), r"arm 'n_experts=2': experts_per_token \(3\)"),
     (('["n_experts=4", "n_experts=2"]', '["n_experts=8", "n_experts=2"]'), r"names the arm 'n_experts=8'"),
     (("[sweep]", "[sweeps]"), r"unknown key 'sweeps'; a sweep config file holds"),
+    # one rule from an arm to its folder: two arms that would share one (case aside) are refused, naming both
+    (arms("lr 0.01", "lr_0.01"), r"arms 'lr 0\.01' and 'lr_0\.01' would share the run folder runs/lr_0\.01-seedS"),
+    (arms("a/b", "a_b"), r"arms 'a/b' and 'a_b' would share the run folder runs/a_b-seedS"),
+    (arms("x ", "x"), r"arms 'x ' and 'x' would share"),
+    (arms("A", "a"), r"arms 'A' and 'a' would share the run folder runs/a-seedS"),
+    (arms("x\\u202e"), r"arm 'x\\u202e' has the unprintable character U\+202E in its name"),
+    (arms("..."), r"arm '\.\.\.' gives no folder name"),
+    (arms("n" * 300), r"arm 'n{60}\.\.\.' gives a run folder name of 306 bytes .*at most 255"),
+    (("n_experts = [2, 4]", f"n_experts = [{', '.join(['2'] * 1000)}], lr = [{', '.join(['1e-3'] * 1000)}], "
+                            f"min_lr = [{', '.join(['1e-4'] * 1000)}]"),  # counted, not built
+     r"the sweep makes 1,000,000,000 arms x 2 seeds = 2,000,000,000 runs; a sweep takes at most 1,000"),
+    (("seq_len = 32", "seq_len = 100"), r"arm 'n_experts=2': seq_len \(100\) exceeds the model's max_seq_len"),
 ])
 def test_a_bad_sweep_file_is_one_line_before_anything_trains(sweep_dir, capsys, change, expected):
     (sweep_dir / "bad.toml").write_text(SWEEP.replace(*change))
@@ -156,3 +205,61 @@ def test_a_tiny_experiment_takes_under_a_minute(tmp_path, corpus):
     seconds = time.perf_counter() - started
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert seconds < 60, f"--tiny took {seconds:.0f} s"
+
+
+def test_tiny_takes_the_files_path_and_the_command_line_wins_over_the_file(sweep_dir, capsys):
+    """--tiny on a file without seq_len goes through the same resolution as the full sweep (it passed once
+    where the full sweep crashed); --data and --set replace the file's, as for `train --config`; each arm's
+    sampled score is kept in its evaluation.json, and compare shows it as a sample."""
+    from nanollama4.compare import markdown_table, read_run
+
+    text = SWEEP.replace("seq_len = 32\n", "").replace('data = "corpus.txt"', 'data = "moved.txt"')
+    (sweep_dir / "noseq.toml").write_text(text)
+    argv = ["sweep", str(sweep_dir / "noseq.toml"), "--tiny", "--quiet", "--seeds", "0"]
+    rc, _, err = run_cli([*argv, "--set", "n_experts=8", "--out", str(sweep_dir / "no")], capsys)
+    assert "--set n_experts: arm 'n_experts=2' of" in assert_cli_error(rc, err, "sweep")
+    out = sweep_dir / "tiny"
+    rc, _, err = run_cli([*argv, "--data", str(sweep_dir / "corpus.txt"), "--set", "min_lr=1e-5", "--out", str(out)],
+                         capsys)
+    assert rc == 0, err
+    runs = sorted((out / "runs").iterdir())
+    config = (runs[0] / "config.toml").read_text()
+    assert re.search(r"^seq_len = 16 ", config, re.M) and re.search(r"^max_seq_len = 16 ", config, re.M)
+    assert "min_lr = 1e-05" in config and f'data = "{sweep_dir / "corpus.txt"}"' in config
+    record = json.loads((runs[0] / "evaluation.json").read_text())
+    assert record["max_tokens"] == TINY_SCORE_TOKENS and record["checkpoint"] == "step-0000003"
+    table = markdown_table([read_run(r) for r in runs])
+    assert f"({'step 3'}, first {record['tokens']:,} tokens)" in table, table
+    assert not (sweep_dir / "no").exists()
+
+
+def test_a_time_budget_that_gave_arms_unequal_tokens_says_so(tmp_path, monkeypatch):
+    """From a results.json alone: arms that trained 172 and 67 steps under a time budget get a verdict line
+    that names the steps, the gap in tokens and the reading at equal tokens; and sweep.png's title, however
+    long, runs into no panel's."""
+    from nanollama4.experiments import sweep_report
+
+    def arm(name: str, seed: int, steps: int, loss: float, start: float = 3.0) -> common.ArmResult:
+        curve = [{"step": s, "tokens": s * 64, "time": s / 4, "val_loss": start - s / 100} for s in (0, steps)]
+        return common.ArmResult(name, seed, "-", 1000, 1000, steps, steps / 4, 256.0, loss, curve)
+
+    results = [arm("fast", s, 172, 1.5) for s in (0, 1, 2)] + [arm("alike", s, 170, 1.55) for s in (0, 1, 2)]
+    results += [arm("slow", s, 67, 1.6 + s / 100, start=2.9) for s in (0, 1, 2)]
+    title = "a long title that names every arm of the sweep and then some more, as people write them " * 2
+    sweep = {"title": title, "arms": [{"name": n} for n in ("fast", "slow", "alike")], "seeds": [0, 1, 2],
+             "pairs": [["slow", "fast"], ["alike", "fast"]], "max_steps": None, "max_time": 40.0}
+    common.save(tmp_path, "sweep", common.Setting(), results, {"sweep": sweep})
+    figures = []
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: figures.append(fig) or common.save_png(fig, path))
+    sweep_report.report(tmp_path)
+    slow, alike = sweep_report.paired_lines(tmp_path)
+    assert "**worse**; trained 67 vs 172 steps (mean over seeds), tokens differ by up to 61%: the comparison " \
+           "measures this machine's speed and load" in slow and "sweep by steps (max_steps)" in slow
+    assert slow.endswith("at the tokens both reached, the fixed validation batches read -0.1000 (mean over seeds)")
+    assert "trained" not in alike  # 170 against 172 steps: within 10%
+    assert "| fast | 1.0K | 1.0K | 172, 172, 172 | 11.0K |" in (tmp_path / "table.md").read_text()
+    fig, = figures
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in [fig._suptitle] + [ax.title for ax in fig.axes]]
+    assert all(not a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert all(0 <= box.x0 and box.x1 <= fig.bbox.x1 for box in boxes)  # none cut at the figure's edge

@@ -279,6 +279,10 @@ def _run_commands(sub: Any) -> None:
     p.add_argument("file", type=_path, metavar="FILE.toml", help="a sweep file: [model], [train], [sweep], [[arm]]")
     p.add_argument("--out", type=_path, help="folder of the sweep (default: runs/sweeps/NAME-TIMESTAMP); the same "
                                              "folder again continues an interrupted sweep")
+    p.add_argument("--data", type=_path, help="the corpus instead of the file's data (a text file, a folder or a "
+                                              "quoted glob)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a [model] or [train] field instead of the "
+                   "file's, for every arm (repeatable; a field an arm sets is changed in the file)")
     add_arm_options(p, "instead of the file's")
     p.set_defaults(func=commands.cmd_sweep)
 

@@ -360,9 +360,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .data import find_corpus_files
-    from .experiments.sweep import data_path, paired_lines, read_sweep, run_sweep
+    from .experiments.sweep import data_path, read_sweep, run_sweep, with_command_line
+    from .experiments.sweep_report import paired_lines
 
-    sweep = read_sweep(args.file)
+    sweep = with_command_line(read_sweep(args.file), args.data, args.set or [])  # as train --config: the line wins
     find_corpus_files(data_path(sweep))  # a missing corpus fails before anything is created
     out = Path(args.out or f"runs/sweeps/{sweep.path.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     started = time.perf_counter()

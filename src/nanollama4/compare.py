@@ -187,6 +187,8 @@ def _row(run: RunRecord, keys: list[str]) -> list[str]:
     if full is not None:
         where = full["checkpoint"]
         where = f"step {int(where[5:]):,}" if STEP_NAME.fullmatch(where) else where
+        if "max_tokens" in full:  # a sweep's score_tokens: a sample of the split, not all of it
+            where += f", first {full['tokens']:,} tokens"
         full_cell = f"{full['full_val_loss']:.4f} ({where})"
     cells = [
         run.name,

@@ -125,13 +125,16 @@ def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path |
 EVALUATION_FILE = "evaluation.json"  # in a run directory: its last full validation (`record_full_validation`)
 
 
-def record_full_validation(run_dir: str | Path, ckpt: Path, loss: float, n_tokens: int, window: int) -> Path:
+def record_full_validation(run_dir: str | Path, ckpt: Path, loss: float, n_tokens: int, window: int,
+                           max_tokens: int | None = None) -> Path:
     """Keep a full validation's result in RUN/evaluation.json (written atomically, replacing the previous
-    one), so that `compare` can show it beside the runs' sampled validation losses without recomputing it."""
+    one), so that `compare` can show it beside the runs' sampled validation losses without recomputing it.
+    `max_tokens`: it scored only the first that many validation tokens (a sweep's score_tokens), kept in the
+    record so that no reader takes it for the whole split."""
     ckpt = Path(ckpt)
     name = ckpt.resolve().name if ckpt.is_symlink() else ckpt.name  # RUN/last: the step folder it stands for
     record = {"checkpoint": name, "full_val_loss": float(loss), "tokens": int(n_tokens),
-              "window": int(window)}
+              "window": int(window), **({} if max_tokens is None else {"max_tokens": int(max_tokens)})}
     path = Path(run_dir) / EVALUATION_FILE
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8"))
     return path

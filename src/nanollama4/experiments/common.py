@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -27,8 +28,9 @@ from ..evaluation import full_validation_loss_of_run, read_full_validation, reco
 from ..files import atomic_write, read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
-from ..runs import is_run_dir, resume_config
+from ..runs import fit_seq_len, is_run_dir, resume_config
 from ..train import train
+from .arms import arm_run_dir
 
 
 @dataclass(frozen=True)
@@ -87,18 +89,18 @@ class ArmResult:
     val_curve: list[dict[str, float]] = field(default_factory=list)  # {"step", "tokens", "time", "val_loss"}
     expert_load: list[list[list[float]]] = field(default_factory=list)  # per logged step: layers x experts
 
+    @property
+    def tokens(self) -> int:
+        """Training tokens seen: what a time budget lets differ between arms (and the machine's load with it)."""
+        return round(self.tokens_per_s * self.seconds)
+
 
 TINY_SCORE_TOKENS = 4096  # validation tokens a --tiny arm is scored on (the full split takes minutes)
 
 
-def slug(name: str) -> str:
-    """A folder name for an arm: its name with anything but letters, digits, '.', '=' and '-' as '_'."""
-    return "".join(c if c.isalnum() or c in ".=-" else "_" for c in name).strip("_")
-
-
 def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
               train_changes: dict[str, Any] | None = None) -> ArmResult:
-    """Train one arm to setting.steps in OUT/runs/SLUG-seedS (with `train_changes` to its TrainConfig, e.g.
+    """Train one arm to setting.steps in OUT/runs/FOLDER-seedS (with `train_changes` to its TrainConfig, e.g.
     another tokenizer) and read back what it logged (`train_run`)."""
     if setting.tiny:
         cfg = tiny_model(cfg)
@@ -111,10 +113,13 @@ def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: in
 def train_run(name: str, cfg: ModelConfig, tc: TrainConfig, out: Path, progress: bool = True,
               data: str | None = None, max_tokens: int | None = None) -> ArmResult:
     """Train arm `name` with TrainConfig `tc` (its seed and budget, of steps or time, included) in
-    OUT/runs/SLUG-seedS and read back what it logged, scored on `max_tokens` validation tokens (None: all).
-    A run directory already there is continued: read back when its budget is spent, resumed exactly when
-    it was interrupted. Sweeps and experiments train every arm through this."""
-    run_dir = out / "runs" / f"{slug(name)}-seed{tc.seed}"
+    OUT/runs/FOLDER-seedS (`arms.run_folder`) and read back what it logged, scored on `max_tokens` validation
+    tokens (None: all). A run directory already there is continued: read back when its budget is spent,
+    resumed exactly when it was interrupted. Sweeps and experiments train every arm through this.
+    seq_len None is the model's context, as `train` reads it: resolved first, since the arm's tokens per step
+    are counted here too."""
+    tc = fit_seq_len(tc, cfg)
+    run_dir = arm_run_dir(out, name, tc.seed)
     state = run_progress(run_dir)
     done = state is not None and bool((tc.max_steps and state["step"] >= tc.max_steps)
                                       or (tc.max_time and state["elapsed"] >= tc.max_time))
@@ -185,15 +190,14 @@ def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val
 def scored_loss(run_dir: Path, max_tokens: int | None) -> float:
     """The run's full validation loss at its last checkpoint: the one RUN/evaluation.json recorded for that
     checkpoint, else measured and recorded there (so that a rerun or `compare` need not measure it again).
-    With `max_tokens` (a smoke test's sample) measured on that many tokens, and not recorded."""
+    With `max_tokens` (score_tokens, a smoke test's sample) measured on that many tokens, and recorded as
+    such: `compare` shows how many tokens it covers, and only the same sample is read back for it."""
     ckpt = resolve_checkpoint(run_dir, prefer="last")
-    if max_tokens is not None:
-        return full_validation_loss_of_run(run_dir, prefer="last", max_tokens=max_tokens)[0]
     kept = read_full_validation(run_dir)
-    if kept is not None and kept["checkpoint"] == ckpt.name:
+    if kept is not None and kept["checkpoint"] == ckpt.name and kept.get("max_tokens") == max_tokens:
         return float(kept["full_val_loss"])
-    loss, n_tokens, window = full_validation_loss_of_run(run_dir, prefer="last")
-    record_full_validation(run_dir, ckpt, loss, n_tokens, window)
+    loss, n_tokens, window = full_validation_loss_of_run(run_dir, prefer="last", max_tokens=max_tokens)
+    record_full_validation(run_dir, ckpt, loss, n_tokens, window, max_tokens=max_tokens)
     return loss
 
 
@@ -394,15 +398,18 @@ def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
         xs_tok = [p["tokens"] for p in r.val_curve]
         xs_time = [p["time"] for p in r.val_curve]
         ys = [p["val_loss"] for p in r.val_curve]
-        line, = by_tokens.plot(xs_tok, ys, style, color=colours.get(r.name), label=r.name if style == "-" else None)
+        line, = by_tokens.plot(xs_tok, ys, style, marker=".", color=colours.get(r.name),
+                               label=r.name if style == "-" else None)
         colours.setdefault(r.name, line.get_color())
-        by_time.plot(xs_time, ys, style, color=colours[r.name])
-    finals = [r.val_curve[-1]["val_loss"] for r in results if r.val_curve]
+        by_time.plot(xs_time, ys, style, marker=".", color=colours[r.name])
+    later = [p["val_loss"] for r in results for p in r.val_curve[len(r.val_curve) // 4:]]
     quarter = [r.val_curve[len(r.val_curve) // 4]["val_loss"] for r in results if r.val_curve]
-    if finals:  # the later part of training, where the arms differ, fills the height
+    if later:  # the later part of training, where the arms differ, fills the height
         for ax in (by_tokens, by_time):
-            ax.set_ylim(min(finals) - 0.03, max(max(quarter), min(finals) + 0.1))
-    by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title=title)
-    by_time.set(xlabel="seconds in training steps", ylabel="validation loss (nats/char)", title=title + ", by time")
+            ax.set_ylim(min(later) - 0.03, max(max(quarter), min(later) + 0.1))
+    # the title once over both panels: repeated on each, a long one ran into its neighbour
+    fig.suptitle(textwrap.fill(title, 110))
+    by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title="by tokens seen")
+    by_time.set(xlabel="seconds in training steps", ylabel="validation loss (nats/char)", title="by time")
     by_tokens.legend(fontsize=8)
     return save_figure(fig, path)

@@ -22,11 +22,13 @@ with a `[sweep]` table and the arms:
     n_experts = 0
 
 `nanollama4 sweep FILE` trains the arms seed by seed, each seed's arms one after the other (so a slow
-stretch of the machine falls on every arm alike), into OUT/runs/ARM-seedS. Run again into the same
-folder, it continues: a finished arm is read back, an interrupted one resumes exactly. Each arm is
-scored by its full validation loss (every validation token); the report is a table per arm and, per
-named pair, the per-seed differences, their mean with a 95% t-interval and the reading (better / worse /
-tie / undecided: `experiments.common.PairedTest`).
+stretch of the machine falls on every arm alike), into OUT/runs/ARM-seedS (`arms`: one rule from a name to
+its folder). Run again into the same folder, it continues: a finished arm is read back, an interrupted one
+resumes exactly. Everything about the arms and their folders is checked before anything trains (`Sweep.check`,
+`check_runs`): a mistake found after hours of training costs those hours. Each arm is scored by its full
+validation loss (every validation token); the report (`sweep_report`) is a table per arm and, per named
+pair, the per-seed differences, their mean with a 95% t-interval and the reading (better / worse / tie /
+undecided: `experiments.common.PairedTest`).
 
 The experiments of docs/experiments.md are sweep files in this package (experiments/NAME.toml) run by the
 same machinery; the file's `experiment` names the module that measures more and writes their tables.
@@ -38,22 +40,26 @@ import dataclasses
 import itertools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig, TrainConfig, parse_duration, preset
-from ..configfile import TABLES, ConfigFile, _toml_value, check_value, read_config_file
-from ..errors import ConfigError, Nanollama4Error
+from ..config import ModelConfig, TrainConfig, parse_duration, preset, split_overrides
+from ..configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, read_config_file
+from ..errors import ConfigError, Nanollama4Error, TrainingError
 from ..fields import hints
 from ..files import atomic_write, read_json
-from ..memory import format_count
+from ..runs import fit_seq_len
+from . import arms as folders
 from . import common
+from .sweep_report import report
 
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
 EXPERIMENT_MODULES = sorted(p.stem for p in Path(__file__).parent.glob("*.toml"))  # each has its NAME.py
 SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "pairs", "baseline", "gate", "always", "experiment",
               "score_tokens"}
+MAX_RUNS = 1_000  # arms x seeds: counted before a grid is expanded, so a typo of 10^9 combinations is one line
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,41 @@ class Sweep:
         return self.pairs[0][1] if self.pairs else self.arms[0].name
 
     def configs(self, arm: Arm, tiny: bool = False) -> tuple[ModelConfig, TrainConfig]:
-        """The arm's ModelConfig and TrainConfig (without seed and budget); `tiny`: the smoke-test scale."""
+        """The arm's ModelConfig and TrainConfig (without seed and budget), seq_len resolved as `train` resolves
+        it (none: the model's max_seq_len), so that what counts the arm's tokens never meets a None.
+
+        `tiny`: the smoke-test scale. A file that leaves seq_len to the model keeps it so, the tiny model's
+        context being TINY_TRAIN's window: --tiny then takes the path the full sweep takes."""
+        train = {**self.base.train, **arm.train}
+        window = train.get("seq_len")
+        if tiny:
+            train.update({k: v for k, v in TINY_TRAIN.items() if k != "seq_len" or window is not None})
         try:
             model = preset(self.base.preset or DEFAULT_PRESET, **{**self.base.model, **arm.model})
-            tc = TrainConfig(**{**self.base.train, **arm.train, **(TINY_TRAIN if tiny else {})})
-        except ConfigError as e:
-            raise ConfigError(f"{self.path}: arm {arm.name!r}: {e}") from None
-        return (common.tiny_model(model) if tiny else model), tc
+            if tiny:
+                model = common.tiny_model(model)
+                model = model if window is not None else model.replace(max_seq_len=TINY_TRAIN["seq_len"])
+            tc = fit_seq_len(TrainConfig(**train), model)
+        except (ConfigError, TrainingError) as e:
+            raise ConfigError(f"{self.path}: arm {folders.shown(arm.name)}: {e}") from None
+        return model, tc
+
+    def run_configs(self, arm: Arm, seed: int, tiny: bool = False) -> tuple[ModelConfig, TrainConfig]:
+        """The configs `arm` trains with on `seed`: its own, with the seed and the sweep's budget."""
+        model, tc = self.configs(arm, tiny)
+        tc = tc.replace(seed=seed, max_steps=self.max_steps, max_time=self.max_time)
+        if self.max_steps:
+            tc = tc.replace(warmup_steps=min(tc.warmup_steps, self.max_steps))
+        return model, tc
+
+    def check(self, tiny: bool = False) -> None:
+        """What the arms and their folders must be with these seeds, before anything trains: at most MAX_RUNS
+        runs, names that map to folders of their own (`arms.check_names`), every arm's configs valid (at the
+        smoke-test scale with `tiny`)."""
+        check_size(self.path, len(self.arms), len(self.seeds))
+        folders.check_names(str(self.path), [a.name for a in self.arms], self.seeds)
+        for arm in self.arms:
+            self.configs(arm, tiny)
 
     def to_dict(self) -> dict[str, Any]:
         """What a rerun into the same folder must match to continue it (JSON)."""
@@ -121,12 +155,12 @@ def read_sweep(path: str | Path) -> Sweep:
     unknown = sorted(set(table) - SWEEP_KEYS)
     if unknown:
         raise ConfigError(f"{path}: [sweep] has no key {unknown[0]!r}; it takes {', '.join(sorted(SWEEP_KEYS))}")
-    arms = _arms(path, base.extra.get("arm", []), table.get("grid", {}))
-    names = [a.name for a in arms]
     seeds = table.get("seeds", [0, 1, 2])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                       for s in seeds) and len(set(seeds)) == len(seeds)):
         raise ConfigError(f"{path}: [sweep] seeds = {_toml_value(seeds)} takes a list of distinct whole numbers")
+    arms = _arms(path, base.extra.get("arm", []), table.get("grid", {}), len(seeds))
+    names = [a.name for a in arms]
     max_steps, max_time = table.get("max_steps"), table.get("max_time")
     if (max_steps is None) == (max_time is None):
         raise ConfigError(f"{path}: [sweep] takes one budget per arm: max_steps = N or max_time = \"5m\"")
@@ -165,17 +199,26 @@ def read_sweep(path: str | Path) -> Sweep:
                   max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
                   always=tuple(table.get("always", ())), experiment=experiment,
                   score_tokens=score_tokens)
-    for arm in arms:
-        sweep.configs(arm)  # a bad value in any arm fails now, not after the first arms have trained
+    sweep.check()  # a bad arm or folder fails now, not after the first arms have trained
     return sweep
 
 
-def _arms(path: Path, listed: Any, grid: Any) -> list[Arm]:
-    """The [[arm]] tables, then the grid's combinations (named "key=value key=value")."""
+def check_size(path: Path, n_arms: int, n_seeds: int) -> None:
+    """Refuse a sweep of more than MAX_RUNS runs, naming their number."""
+    if n_arms * n_seeds > MAX_RUNS:
+        raise ConfigError(f"{path}: the sweep makes {n_arms:,} arms x {n_seeds} seed{'s' * (n_seeds > 1)} = "
+                          f"{n_arms * n_seeds:,} runs; a sweep takes at most {MAX_RUNS:,}: shorten the grid's lists "
+                          "or split the sweep")
+
+
+def _arms(path: Path, listed: Any, grid: Any, n_seeds: int) -> list[Arm]:
+    """The [[arm]] tables, then the grid's combinations (named "key=value key=value"), counted before they are
+    made (`check_size`)."""
     if not isinstance(listed, list) or not all(isinstance(a, dict) for a in listed):
         raise ConfigError(f"{path}: arms are tables: [[arm]] with a name and the fields it changes")
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
         raise ConfigError(f"{path}: [sweep] grid takes lists of values, e.g. grid = {{ n_experts = [4, 8] }}")
+    check_size(path, len(listed) + (math.prod(len(v) for v in grid.values()) if grid else 0), n_seeds)
     arms = []
     for i, table in enumerate(listed):
         table = dict(table)
@@ -192,7 +235,7 @@ def _arms(path: Path, listed: Any, grid: Any) -> list[Arm]:
     names = [a.name for a in arms]
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:
-        raise ConfigError(f"{path}: two arms are named {twice!r}; give each arm its own name")
+        raise ConfigError(f"{path}: two arms are named {folders.shown(twice)}; give each arm its own name")
     return arms
 
 
@@ -200,7 +243,7 @@ def _plain(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-NOT_PER_ARM = {"seed": "the seeds are [sweep] seeds", "vocab_size": "it is the tokenizer's",
+NOT_PER_ARM = {"seed": "the seeds are [sweep] seeds (or --seeds)", "vocab_size": VOCAB_NOTE,
                "max_steps": "the budget is [sweep]'s", "max_time": "the budget is [sweep]'s"}
 
 
@@ -211,9 +254,9 @@ def _arm(path: Path, name: str, values: dict[str, Any]) -> Arm:
         table = next((t for t, cls in TABLES.items() if key in {f.name for f in dataclasses.fields(cls)}), None)
         if table is None or key in NOT_PER_ARM:
             why = NOT_PER_ARM.get(key, "no such field in [model] or [train]")
-            raise ConfigError(f"{path}: arm {name!r} sets {key!r}: {why}")
+            raise ConfigError(f"{path}: arm {folders.shown(name)} sets {key!r}: {why}")
         hint = hints(TABLES[table])[key]
-        checked = check_value(f"{path}: arm {name!r}", key, value, hint)
+        checked = check_value(f"{path}: arm {folders.shown(name)}", key, value, hint)
         (model if table == "model" else train)[key] = checked
     return Arm(name, model, train)
 
@@ -230,8 +273,13 @@ def run_sweep(sweep: Sweep, out: str | Path, progress: bool = True, tiny: bool =
         sweep = dataclasses.replace(sweep, max_steps=TINY_STEPS, max_time=None, score_tokens=TINY_SCORE_TOKENS)
     elif max_steps:
         sweep = dataclasses.replace(sweep, max_steps=max_steps, max_time=None)
+    sweep.check(tiny)  # other seeds: other folder names and another count of runs
     out = Path(out)
     start_folder(out, {"sweep": sweep.to_dict(), "tiny": tiny})
+    check_runs(sweep, out, tiny)
+    if progress:
+        print(f"{sweep.title}: {len(sweep.arms)} arms x {len(sweep.seeds)} seeds = "
+              f"{len(sweep.arms) * len(sweep.seeds)} runs, in {out / 'runs'}", flush=True)
     if sweep.experiment is not None:
         from importlib import import_module
 
@@ -259,13 +307,39 @@ def train_arms(sweep: Sweep, out: Path, progress: bool = True, tiny: bool = Fals
                     gated_out.add(arm.name)
             if arm.name in gated_out:
                 continue
-            model, tc = sweep.configs(arm, tiny)
-            tc = tc.replace(seed=seed, max_steps=sweep.max_steps, max_time=sweep.max_time)
-            if sweep.max_steps:
-                tc = tc.replace(warmup_steps=min(tc.warmup_steps, sweep.max_steps))
+            model, tc = sweep.run_configs(arm, seed, tiny)
             results.append(common.train_run(arm.name, model, tc, out, progress, data_path(sweep),
                                             sweep.score_tokens))
     return results
+
+
+def check_runs(sweep: Sweep, out: Path, tiny: bool = False) -> None:
+    """Every arm's run folder, before anything trains: empty, or the arm's own run (`arms.check_run`)."""
+    for seed in sweep.seeds:
+        for arm in sweep.arms:
+            model, tc = sweep.run_configs(arm, seed, tiny)
+            folders.check_run(out, arm.name, model, tc, arm.train)
+
+
+def with_command_line(sweep: Sweep, data: str | None = None, sets: Sequence[str] = ()) -> Sweep:
+    """The sweep with --data and --set KEY=VALUE over the file's data, [model] and [train], as `train
+    --config` takes them (command line > file > preset > defaults), every arm checked again. Refused: a field
+    an arm sets (the command line changes what every arm starts from; over an arm's own value it would make
+    the arms that differ in it alike), the seed, the budget and vocab_size (as in an arm)."""
+    model_over, train_over = split_overrides(list(sets))
+    for key in [*model_over, *train_over]:
+        if key in NOT_PER_ARM:
+            raise ConfigError(f"--set {key}: {NOT_PER_ARM[key]}")
+        setter = next((a for a in sweep.arms if key in a.model or key in a.train), None)
+        if setter is not None:
+            raise ConfigError(f"--set {key}: arm {folders.shown(setter.name)} of {sweep.path} sets {key} itself, and "
+                              "a --set changes what every arm starts from; change the arms in the file")
+    base = dataclasses.replace(sweep.base, model={**sweep.base.model, **model_over},
+                               train={**sweep.base.train, **train_over},
+                               data=sweep.base.data if data is None else str(Path(data).expanduser().absolute()))
+    sweep = dataclasses.replace(sweep, base=base)
+    sweep.check()
+    return sweep
 
 
 def data_path(sweep: Sweep) -> str | None:
@@ -275,48 +349,10 @@ def data_path(sweep: Sweep) -> str | None:
 
 def setting_of(sweep: Sweep, tiny: bool = False) -> Any:
     """The sweep as an experiment's `Setting` (what results.json records and the reports read)."""
-    tc = TrainConfig(**{**sweep.base.train, **(TINY_TRAIN if tiny else {})})
-    return common.Setting(steps=sweep.max_steps, batch_size=tc.batch_size, seq_len=tc.seq_len or 0,
+    _, tc = sweep.configs(Arm("base"), tiny)
+    return common.Setting(steps=sweep.max_steps, batch_size=tc.batch_size, seq_len=tc.seq_len,
                    eval_interval=tc.eval_interval, eval_batches=tc.eval_batches, data=data_path(sweep),
                    seeds=sweep.seeds, tiny=tiny)
-
-
-# ---------------------------------------------------------------------------------------------- the report
-def report(out: Path) -> list[Path]:
-    """table.md (a row per arm, a paired line per named pair) and sweep.png (the validation curves), from
-    results.json alone."""
-    doc, results = common.load_results(out)
-    pairs = [tuple(p) for p in doc["sweep"]["pairs"]]
-    names = [a["name"] for a in doc["sweep"]["arms"]]
-    rows = []
-    for name in names:
-        mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
-        if not mine:
-            continue
-        rows.append([name, format_count(mine[0].params_total), format_count(mine[0].params_active),
-                     round(common.mean(r.steps for r in mine)), round(common.mean(r.tokens_per_s for r in mine)),
-                     common.per_seed(results, name), common.mean(r.full_val_loss for r in mine)])
-    table = common.markdown_table(["arm", "params", "active", "steps (mean)", "tokens/s (mean)",
-                                   "full val loss per seed", "mean"], rows)
-    lines = []
-    for a, b in pairs:
-        test = common.paired_test(common.paired(results, a, b))
-        lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**")
-    budget = (f"{doc['sweep']['max_steps']:,} steps" if doc["sweep"]["max_steps"]
-              else f"{doc['sweep']['max_time']:g} s")
-    text = (f"# {doc['sweep']['title']}\n\n{table}\n\n" + "\n".join(lines) +
-            f"\n\nEach arm trained for {budget} per seed (seeds {', '.join(map(str, doc['sweep']['seeds']))}), "
-            "scored by its full validation loss (nats/token). Pairs are read seed by seed (same seed: same "
-            "initialisation and batches): the mean difference and its 95% t-interval; better/worse when the "
-            f"interval excludes 0, a tie when it lies within +-{common.EFFECT} nats, undecided otherwise (fewer "
-            "than 3 seeds: undecided).")
-    return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", doc["sweep"]["title"])]
-
-
-def paired_lines(out: Path) -> list[str]:
-    """The report's paired lines, as printed after a sweep."""
-    text = (out / "table.md").read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line.startswith("- ") and " minus " in line]
 
 
 def start_folder(out: Path, started: dict) -> None:

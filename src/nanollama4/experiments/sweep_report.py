@@ -1,0 +1,87 @@
+"""A sweep's report, from OUT/results.json alone (so that it can be redrawn): table.md, a row per arm and a
+verdict line per named pair, and sweep.png, the validation curves.
+
+A loss means little without what it cost: each row shows the arm's steps per seed and its tokens beside its
+loss. Under a time budget the steps an arm gets depend on the machine's load while it trains as much as on
+the arm (the arms of one seed, timed in turn, trained 172, 129, 149 and 67 steps in a 40 s sweep), so a pair
+whose arms saw amounts of text more than TOKENS_APART apart says so in its verdict line, with the reading at
+the tokens both reached: without it, such a verdict reads like a per-token comparison and is not one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ..memory import format_count
+from . import common
+
+TOKENS_APART = 0.10  # a pair whose arms' training tokens differ by more on a seed says so in its verdict line
+
+
+def report(out: Path) -> list[Path]:
+    """table.md (a row per arm, a paired line per named pair) and sweep.png (the validation curves), from
+    results.json alone."""
+    doc, results = common.load_results(out)
+    sweep = doc["sweep"]
+    rows = []
+    for name in common.arm_names(doc):
+        mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
+        if not mine:
+            continue
+        rows.append([name, format_count(mine[0].params_total), format_count(mine[0].params_active),
+                     ", ".join(f"{r.steps:,}" for r in mine), format_count(round(common.mean(r.tokens for r in mine))),
+                     round(common.mean(r.tokens_per_s for r in mine)), common.per_seed(results, name),
+                     common.mean(r.full_val_loss for r in mine)])
+    table = common.markdown_table(["arm", "params", "active", "steps per seed", "tokens (mean)", "tokens/s (mean)",
+                                   "full val loss per seed", "mean"], rows)
+    lines = []
+    for a, b in (tuple(p) for p in sweep["pairs"]):
+        test = common.paired_test(common.paired(results, a, b))
+        lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
+                     + unequal_tokens(results, a, b, by_time=not sweep["max_steps"]))
+    budget = f"{sweep['max_steps']:,} steps" if sweep["max_steps"] else f"{sweep['max_time']:g} s"
+    when = (" Under a time budget an arm's steps depend on the machine's load while it trained as much as on the "
+            "arm: sweep by steps (max_steps) to compare arms token for token." if not sweep["max_steps"] else "")
+    text = (f"# {sweep['title']}\n\n{table}\n\n" + "\n".join(lines) +
+            f"\n\nEach arm trained for {budget} per seed (seeds {', '.join(map(str, sweep['seeds']))}), "
+            "scored by its full validation loss (nats/token)." + when + " Pairs are read seed by seed (same seed: "
+            "same initialisation and batches): the mean difference and its 95% t-interval; better/worse when the "
+            f"interval excludes 0, a tie when it lies within +-{common.EFFECT} nats, undecided otherwise (fewer "
+            "than 3 seeds: undecided).")
+    return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", sweep["title"])]
+
+
+def unequal_tokens(results: list[Any], a: str, b: str, by_time: bool) -> str:
+    """What pair (a, b)'s verdict line adds when on some seed their training tokens differ by more than
+    TOKENS_APART: the steps each trained, by how much the tokens differ, why that matters, and the difference
+    of their fixed-batch validation loss at the tokens both reached (mean over seeds); "" otherwise."""
+    mine = {r.seed: r for r in results if r.name == a}
+    theirs = {r.seed: r for r in results if r.name == b}
+    seeds = [s for s in sorted(mine) if s in theirs]
+    apart = max((abs(mine[s].tokens - theirs[s].tokens) / max(mine[s].tokens, theirs[s].tokens, 1)
+                 for s in seeds), default=0.0)
+    if apart <= TOKENS_APART:
+        return ""
+    steps = [round(common.mean(side[s].steps for s in seeds)) for side in (mine, theirs)]
+    why = ("the comparison measures this machine's speed and load as much as the arms; sweep by steps "
+           "(max_steps) for a per-token comparison" if by_time else "the arms take different tokens per step, so "
+           "the comparison is per step, not per token")
+    at_equal = []
+    for s in seeds:
+        curves = [side[s].val_curve for side in (mine, theirs)]
+        if all(curves):
+            x = min(c[-1]["tokens"] for c in curves)
+            at_equal.append(common.loss_at(curves[0], "tokens", x) - common.loss_at(curves[1], "tokens", x))
+    equal = common.mean(d for d in at_equal if not math.isnan(d))
+    seeds_word = " (mean over seeds)" if len(seeds) > 1 else ""
+    return (f"; trained {steps[0]:,} vs {steps[1]:,} steps{seeds_word}, tokens differ by up to {apart:.0%}: {why}"
+            + ("" if math.isnan(equal) else f"; at the tokens both reached, the fixed validation batches read "
+                                            f"{equal:+.4f}{seeds_word}"))
+
+
+def paired_lines(out: Path) -> list[str]:
+    """The report's paired lines, as printed after a sweep."""
+    text = (out / "table.md").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.startswith("- ") and " minus " in line]
