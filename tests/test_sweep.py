@@ -4,6 +4,7 @@ retraining what finished; and every mistake in the file refused in one line befo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -263,3 +264,9 @@ def test_a_time_budget_that_gave_arms_unequal_tokens_says_so(tmp_path, monkeypat
     boxes = [t.get_window_extent(renderer) for t in [fig._suptitle] + [ax.title for ax in fig.axes]]
     assert all(not a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     assert all(0 <= box.x0 and box.x1 <= fig.bbox.x1 for box in boxes)  # none cut at the figure's edge
+    # arms of unequal active size (top-2 of half-width experts, say) are named as such
+    results = [dataclasses.replace(r, params_active=800) if r.name == "alike" else r for r in results]
+    common.save(tmp_path, "sweep", common.Setting(), results, {"sweep": sweep})
+    sweep_report.report(tmp_path)
+    assert sweep_report.paired_lines(tmp_path)[-1] == ("- Active parameters per token differ (fast 1.0K, slow 1.0K, "
+                                                       "alike 800): these settings differ in compute per token too.")

@@ -178,7 +178,7 @@ def read_arm(name: str, seed: int, run_dir: Path, tokens_per_step: int, full_val
         clock[row["step"]] = seconds
     curve = [{"step": v["step"], "tokens": v["step"] * tokens_per_step, "time": clock.get(v["step"], 0.0),
               "val_loss": v["val_loss"]} for v in val_rows]
-    load = [row["expert_load"] for row in train_rows if "expert_load" in row]
+    load = [row["expert_load"] for row in train_rows if isinstance(row.get("expert_load"), list)]
     steps = train_rows[-1]["step"] if train_rows else 0
     counts = param_counts(read_model_config(resolve_checkpoint(run_dir)))  # with the tokenizer's vocabulary
     return ArmResult(name=name, seed=seed, run_dir=str(run_dir), params_total=counts.total,

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..memory import format_count
+from ..memory import active_size_note, format_count
 from . import common
 
 TOKENS_APART = 0.10  # a pair whose arms' training tokens differ by more on a seed says so in its verdict line
@@ -41,6 +41,11 @@ def report(out: Path) -> list[Path]:
         test = common.paired_test(common.paired(results, a, b))
         lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
                      + unequal_tokens(results, a, b, by_time=not sweep["max_steps"]))
+    active = [(name, next(r.params_active for r in results if r.name == name)) for name in common.arm_names(doc)
+              if any(r.name == name for r in results)]
+    sized = active_size_note(active)  # "equal active parameters" that are not
+    if sized:
+        lines.append(f"- {sized[0].upper()}{sized[1:]}.")
     budget = f"{sweep['max_steps']:,} steps" if sweep["max_steps"] else f"{sweep['max_time']:g} s"
     when = (" Under a time budget an arm's steps depend on the machine's load while it trained as much as on the "
             "arm: sweep by steps (max_steps) to compare arms token for token." if not sweep["max_steps"] else "")
@@ -82,6 +87,8 @@ def unequal_tokens(results: list[Any], a: str, b: str, by_time: bool) -> str:
 
 
 def paired_lines(out: Path) -> list[str]:
-    """The report's paired lines, as printed after a sweep."""
+    """The report's paired lines (and the line saying when arms differ in active size), as printed after a
+    sweep."""
     text = (out / "table.md").read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line.startswith("- ") and " minus " in line]
+    return [line for line in text.splitlines()
+            if line.startswith("- ") and (" minus " in line or line.startswith("- Active parameters"))]
