@@ -194,6 +194,10 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("sweep", "--seeds"): [["SWEEP", "--seeds", "a"], ["SWEEP", "--seeds", "1,1"]],
     ("sweep", "--tiny"): [["SWEEP", "--tiny=1"]],
     ("sweep", "--quiet"): [["SWEEP", "--quiet=1"]],
+    ("sweep", "--data"): [["SWEEP", "--out", "OUT", "--data", "MISSING"], ["SWEEP", "--out", "OUT", "--data", "EMPTY"]],
+    ("sweep", "--set"): [["SWEEP", "--out", "OUT", "--set", "lr=-1"], ["SWEEP", "--out", "OUT", "--set", "n_experts=4"],
+                         ["SWEEP", "--out", "OUT", "--set", "nonsense=1"],
+                         ["SWEEP", "--out", "OUT", "--set", "seed=3"]],
 }
 # --import on every command, after what the command needs to get that far
 _BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"],
