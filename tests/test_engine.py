@@ -235,3 +235,14 @@ def test_bytes_that_no_character_completes_are_shown_not_held_to_the_end(bpe):
     pieces = [stream_.add(lone) for _ in range(3 * MAX_PENDING)]
     assert all(p == "" for p in pieces[:MAX_PENDING - 1]) and "\ufffd" in "".join(pieces[:MAX_PENDING])
     assert "".join(pieces) + stream_.flush() == bpe.decode([lone] * 3 * MAX_PENDING)
+
+
+def test_a_stop_id_after_a_split_character_keeps_the_text_before_it(bpe):
+    """A row that ends on a stop id while a character's bytes are pending: flush gives them as decoding every
+    id at once does (the whole characters they hold, U+FFFD for the unfinished one), losing nothing."""
+    from nanollama4.engine.sampling import TextStream
+
+    ids = bpe.encode("ab") + byte_ids(bpe, "é")[:1]
+    stream_ = TextStream(bpe, Sampling(stop_ids=(0,)))
+    pieces = [stream_.add(i) for i in ids] + [stream_.add(0)]
+    assert "".join(pieces) + stream_.flush() == bpe.decode(ids) and stream_.stop_id == 0

@@ -59,7 +59,17 @@ def test_on_a_quiet_machine_the_probes_thin_out_and_nothing_moves():
 
 def test_one_core_has_nothing_to_watch():
     watch = ThreadWatch(1)
-    assert drive(watch, {1: 0.5}, 50) == [] and watch.describe() == "threads: 1 (one core)"
+    assert drive(watch, {1: 0.5}, 50) == [] and watch.describe() == "threads: 1"
+
+
+def test_a_resumed_run_probes_as_a_new_one_does():
+    watch = ThreadWatch(2)
+    probes = []
+    for step in range(10_000, 10_200):
+        watch.before(step)
+        probes.append(watch.probing is not None)
+        watch.after(0.9 if probes[-1] else 0.5)
+    assert sum(probes) == 3 and probes.index(True) == FIRST_PROBE
 
 
 def test_a_run_names_its_threads_and_leaves_the_process_as_it_found_it(tmp_path, capsys):

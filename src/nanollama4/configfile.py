@@ -109,7 +109,11 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
     """The file at `path`, every key checked against the declarations; one ConfigError line otherwise. The
     top-level keys in `extra` (a sweep file's) are kept unchecked in `ConfigFile.extra`, for the caller."""
     path = Path(path)
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as e:  # a folder on the way that may not be read
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    if not exists:
         raise ConfigError(f"{path}: no such config file (`nanollama4 config > {path.name}` writes one)")
     try:  # bounded: a FIFO would block forever, /dev/zero never ends (a file we are handed, maybe downloaded)
         text = read_bytes(path, CONFIG_LIMIT, "a config file", ConfigError).decode("utf-8")

@@ -44,8 +44,9 @@ class ThreadWatch:
     current: int = field(init=False)
     probing: int | None = None
     every: int = PROBE_EVERY
-    next_probe: int = FIRST_PROBE
+    next_probe: int | None = None  # the step of the next probe: FIRST_PROBE steps after the first one seen
     upward: bool = False  # which neighbour the next probe tries, where both exist
+    step: int = 0  # the step `before` was last told of
     recent: deque = field(default_factory=lambda: deque(maxlen=5))
 
     def __post_init__(self) -> None:
@@ -55,12 +56,15 @@ class ThreadWatch:
 
     def describe(self) -> str:
         if self.most == 1:
-            return "threads: 1 (one core)"
+            return "threads: 1"
         return (f"threads: {self.most} (all cores), watched: a step slowed by other work on the machine moves to "
                 f"fewer (steps at {'/'.join(map(str, self.counts))} threads timed now and then; set threads to fix "
                 "the count)")
 
     def before(self, step: int) -> None:
+        if self.next_probe is None:  # a resumed run starts counting where it resumes
+            self.next_probe = step + FIRST_PROBE
+        self.step = step
         if self.probing is None and step >= self.next_probe and len(self.recent) >= 3 and self.most > 1:
             self.probing = self._neighbour()
             torch.set_num_threads(self.probing)
@@ -79,10 +83,10 @@ class ThreadWatch:
             self.current, self.every = probe, PROBE_EVERY
             self.recent.clear()
             torch.set_num_threads(probe)
-            self.next_probe += self.every
+            self.next_probe = self.step + self.every
             return line
         self.every = min(2 * self.every, PROBE_EVERY_MOST)
-        self.next_probe += self.every
+        self.next_probe = self.step + self.every
         return None
 
     def _neighbour(self) -> int:

@@ -348,7 +348,7 @@ def suggested_prompt(run: Run) -> str | None:
     text = run.tokenizer.decode(run.dataset.split_tokens("val")[:256].tolist())
     for line in text.splitlines()[1:]:  # the first may start mid-line
         line = line.strip()
-        if line and "\ufffd" not in line:
+        if line and line.isprintable() and "\ufffd" not in line:  # no escape sequence, no cut character
             cut = line.rfind(" ", 0, PROMPT_CHARS + 1) if len(line) > PROMPT_CHARS else len(line)
             return line[:cut if cut > 0 else PROMPT_CHARS]
     return None

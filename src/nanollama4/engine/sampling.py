@@ -181,7 +181,10 @@ class TextStream:
         if self.stopped:
             return ""
         if token_id in self.stop_ids:
-            self.stopped, self.stop_id = True, token_id
+            if self.tokenizer is not None:  # ids still pending end the text as they decode (flush gives it)
+                self._extend(self._read_new(final=True))
+            if not self.stopped:  # else a stop string in those ids came first
+                self.stopped, self.stop_id = True, token_id
             return ""
         self.ids.append(token_id)
         if self.tokenizer is None:

@@ -70,7 +70,8 @@ class Setting:
 def tiny_model(cfg: ModelConfig) -> ModelConfig:
     """The same layout at smoke-test size (the arm's routing and attention options kept)."""
     return cfg.replace(d_model=32, n_layers=min(cfg.n_layers, 4), head_dim=8,
-                       ffn_dim=96, expert_dim=cfg.expert_dim * 48 // 192 or 16)
+                       ffn_dim=96, expert_dim=cfg.expert_dim * 48 // 192 or 16,
+                       shared_expert_dim=cfg.shared_expert_dim and (cfg.shared_expert_dim * 48 // 192 or 16))
 
 
 @dataclass

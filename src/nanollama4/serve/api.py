@@ -120,7 +120,7 @@ def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, o
     async def parsed(body: Any, schema: type[Body]) -> Params:
         if templates is None or schema is not BODIES["chat"]:
             return parse_request(body, schema, engine, model_name, chat)
-        if rendering[0] >= engine.max_queue:
+        if rendering[0] > engine.max_queue:  # one renders, up to max_queue wait their turn
             raise ApiError(429, f"{rendering[0]} chat requests wait for the chat template already; retry in a moment",
                            kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         rendering[0] += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, Nanollama4Error
-from ..files import read_json
+from ..files import read_bytes, read_json
 
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names
 END_OF_TURN = "\n\n"  # the play template ends each message with a blank line; chat replies stop at one
@@ -33,7 +33,8 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template
 RENDER_SECONDS = 2.0  # a conversation's render; past it the template's process is killed
 START_SECONDS = 20.0  # starting that process and compiling the template
 RENDER_CHARS = 1 << 22  # characters a render may write, and items any string or list it builds may hold
-RENDER_MEMORY = 256 << 20  # bytes of address space of the template's process (the interpreter takes ~25 MB)
+RENDER_MEMORY = 256 << 20  # bytes of address space the template's process may take beyond what it had at start
+TEMPLATE_CHARS = 1 << 20  # characters of a template's source (real ones: a few thousand)
 
 
 class ChatTemplateError(Nanollama4Error, ValueError):
@@ -92,12 +93,17 @@ class TemplateFormat:
     def __init__(self, source: str, where: Path, bos_token: str | None, eos_token: str | None,
                  stop_ids: tuple[int, ...]) -> None:
         self.where, self.bos_token, self.eos_token, self.stop_ids = where, bos_token, eos_token, stop_ids
-        self.process = TemplateProcess(source, where)
+        if len(source) > TEMPLATE_CHARS:
+            raise CheckpointError(f"{where}: the chat template is {len(source):,} characters, more than the "
+                                  f"{TEMPLATE_CHARS:,} a template may be; fix or remove it")
+        self.process = None
         try:
+            self.process = TemplateProcess(source, where)
             self.process.render({"messages": [{"role": "user", "content": "Hello."}], "bos_token": bos_token,
                                  "eos_token": eos_token}, doing="on a one-message conversation")
         except TemplateLimit as e:
-            self.close()
+            if self.process is not None:
+                self.process.close()
             raise CheckpointError(f"{where}: the chat template {e.why} and was stopped, rendering it when it was "
                                   "loaded (docs/serve.md says what a template may cost); fix or remove it") from None
         except ChatTemplateError:  # the template may refuse a conversation it finds too short: its right
@@ -129,11 +135,18 @@ class TemplateProcess:
         self._start()  # a template that is not valid Jinja is refused when it is loaded
 
     def _start(self) -> None:
+        import jinja2
+        import markupsafe
+
+        # -I: nothing from the working folder or the environment is imported; Jinja's own folders are given
+        # (a user site-packages, say, which -I leaves out)
         script = Path(__file__).with_name("template_worker.py")
+        paths = sorted({str(Path(m.__file__).parent.parent) for m in (jinja2, markupsafe)})
         self.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self.pending = b""
-        setup = {"source": self.source, "parent": os.getpid(), "limits": {"chars": self.chars, "memory": self.memory}}
+        setup = {"source": self.source, "parent": os.getpid(), "paths": paths,
+                 "limits": {"chars": self.chars, "memory": self.memory}}
         reply = self._ask(setup, START_SECONDS, "to load")
         if "error" in reply:
             self._kill()
@@ -154,26 +167,36 @@ class TemplateProcess:
         raise TemplateLimit(self.where.name, error)
 
     def _ask(self, message: dict[str, Any], seconds: float, doing: str) -> dict[str, Any]:
-        """Send one line and wait at most `seconds` for the answer; past that the process is killed."""
+        """Send one line and wait at most `seconds` for the answer; past that, or on any failure on the way
+        (so that no answer is left behind for the next request to read), the process is killed."""
+        try:
+            return self._exchange(message, seconds, doing)
+        except BaseException:
+            self._kill()
+            raise
+
+    def _exchange(self, message: dict[str, Any], seconds: float, doing: str) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         deadline = time.monotonic() + seconds
         try:
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")
             self.proc.stdin.flush()
         except OSError:
-            self._kill()
             raise TemplateLimit(self.where.name, "ended its process") from None
         fd, limit = self.proc.stdout.fileno(), 12 * self.chars + 4096  # JSON's escapes: up to 12 bytes a character
-        while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            ready = select.select([fd], [], [], max(left, 0))[0] if left > 0 else []
-            chunk = os.read(fd, 1 << 16) if ready else b""
-            if not chunk or len(self.pending) > limit:
-                self._kill()
-                raise TemplateLimit(self.where.name, f"took over {seconds:g} s {doing}" if not ready
-                                    else "answered more than its limit" if chunk else "ran out of memory or failed")
-            self.pending += chunk
-        line, _, self.pending = self.pending.partition(b"\n")
+        chunks, size = [self.pending], len(self.pending)
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(fd, selectors.EVENT_READ)
+            while b"\n" not in chunks[-1]:
+                left = deadline - time.monotonic()
+                ready = left > 0 and bool(waiting.select(left))
+                chunk = os.read(fd, 1 << 16) if ready else b""
+                if not chunk or size > limit:
+                    raise TemplateLimit(self.where.name, f"took over {seconds:g} s {doing}" if not ready
+                                        else "answered more than its limit" if chunk else "ran out of memory or failed")
+                chunks.append(chunk)
+                size += len(chunk)
+        line, _, self.pending = b"".join(chunks).partition(b"\n")
         reply = json.loads(line)
         return reply if isinstance(reply, dict) else {"error": "an answer not of the protocol", "kind": "failed"}
 
@@ -223,7 +246,11 @@ def chat_format_of(path: str | Path, tokenizer: Any) -> ChatFormat:
         return PlayFormat()
     source, where = None, None
     if (path / "chat_template.jinja").is_file():
-        source, where = (path / "chat_template.jinja").read_text(encoding="utf-8"), path / "chat_template.jinja"
+        where = path / "chat_template.jinja"
+        try:
+            source = read_bytes(where, 4 * TEMPLATE_CHARS, "a chat template").decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{where}: the chat template is not UTF-8 text; fix or remove it") from None
     config = read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
     if source is None and config.get("chat_template") is not None:
         source, where = config["chat_template"], path / "tokenizer_config.json"

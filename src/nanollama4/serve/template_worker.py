@@ -93,12 +93,17 @@ def _end_with(parent: int) -> None:
         pass
 
 
-def _limit_memory(limit: int) -> None:
+def _limit_memory(extra: int) -> None:
+    """At most `extra` bytes of address space beyond what the process holds now (which counts what the
+    system maps into every process: a locale archive alone is 200 MB on some systems)."""
     try:
+        import os
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ImportError, ValueError, OSError):  # no such limit on this system: the parent's timeout still holds
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (now + extra, now + extra))
+    except (ImportError, ValueError, OSError):  # no such limit or /proc here: the parent's timeout still holds
         pass
 
 
@@ -136,12 +141,16 @@ def main() -> None:
     setup = json.loads(sys.stdin.readline())
     limits = setup["limits"]
     _end_with(int(setup["parent"]))
-    _limit_memory(int(limits["memory"]))
+    sys.path[:0] = setup["paths"]  # where the parent found Jinja (-I leaves out user and environment paths)
     max_chars = int(limits["chars"])
-    env = _environment(max_chars)
     holder: dict[str, Any] = {}
 
     def compile_it() -> dict[str, Any]:
+        try:
+            env = _environment(max_chars)
+        except ImportError as e:
+            return {"error": f"Jinja cannot be imported here ({e})", "kind": "failed"}
+        _limit_memory(int(limits["memory"]))
         holder["template"] = env.from_string(setup["source"])
         return {"ok": True}
 
