@@ -176,7 +176,7 @@ def _training_commands(sub: Any) -> None:
 
 
 def _model_commands(sub: Any) -> None:
-    """What reads a trained model: generate, explain, serve, export, eval."""
+    """What reads a trained model: generate, explain, experts, serve, export, eval."""
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", type=_path,
                    help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
@@ -219,6 +219,17 @@ def _model_commands(sub: Any) -> None:
                    help="encode prompt characters the tokenizer does not know as CHAR (e.g. '?')")
     add_dtype(p)
     p.set_defaults(func=commands.cmd_explain)
+
+    p = sub.add_parser("experts", help="what each expert learned over a whole text: load, top tokens by lift with "
+                       "contexts, token classes, specialisation in bits against a shuffle null, paths")
+    p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
+    p.add_argument("--data", type=_path, metavar="TEXT", help="the text to route (a file, a folder or a quoted glob; "
+                   "default: a run's validation text, which a folder with no run lacks)")
+    p.add_argument("--tokens", type=_positive_int, metavar="N", help="route only the first N tokens")
+    p.add_argument("--batch", type=_batch, default=16, help="windows of max_seq_len per forward pass (default 16)")
+    p.add_argument("--json", type=_path, metavar="FILE", help="also write everything, counts included, as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=commands.cmd_experts)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
                        "each streamed token's route")

@@ -261,6 +261,22 @@ def cmd_explain(args: argparse.Namespace) -> None:
         print(f"page: {args.html}")
 
 
+def cmd_experts(args: argparse.Namespace) -> None:
+    from .explain.experts import experts
+    from .explain.expertsview import check_json_target, show_experts, write_json
+    from .explain.routes import model_and_text
+
+    if args.json:
+        check_json_target(Path(args.json))
+    model, tokenizer, ids, source = model_and_text(args.path, args.data, args.tokens)
+    report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet)
+    print(f"text: {source}")
+    show_experts(report)
+    if args.json:
+        write_json(report, Path(args.json))
+        print(f"json: {args.json}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import torch
 

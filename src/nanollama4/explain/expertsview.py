@@ -1,0 +1,113 @@
+"""The views of an `ExpertsReport`: one terminal screen per MoE layer, and the JSON a notebook reads.
+
+The JSON is the report's dataclasses as plain values (`report_dict`), written whole or not at all, and
+never through a link or over a file nanollama4 experts did not write (`check_json_target`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from ..files import atomic_write
+from .experts import ExpertsReport, LayerStat
+from .specialise import Specialisation
+from .terminal import terminal_console
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+FORMAT = "nanollama4-experts/1"  # the JSON's "format": what marks a file as one this command wrote
+
+
+def report_dict(report: ExpertsReport) -> dict[str, Any]:
+    """The report as plain JSON values (what --json writes, and what json.loads of the file gives back)."""
+    return {"format": FORMAT, **dataclasses.asdict(report)}
+
+
+def check_json_target(out: Path) -> None:
+    """Refuse, before any work, a --json path that is a link, a folder, in a folder that is not there or not
+    writable, or a file this command did not write (we replace only our own)."""
+    if os.path.islink(out):
+        raise ConfigError(f"--json {out} is a symbolic link; give the path of a new file (a link is never written "
+                          "through)")
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"--json {out}: give a file path in an existing, writable folder")
+    if out.exists() and not _is_ours(out):
+        raise ConfigError(f"--json {out} exists and is not a file nanollama4 experts wrote; pick a new file name")
+
+
+def _is_ours(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return head.startswith(b'{"format": "' + FORMAT.encode())
+
+
+def write_json(report: ExpertsReport, out: Path) -> None:
+    """The report at `out`, replacing it atomically (a link there is replaced, never written through)."""
+    text = json.dumps(report_dict(report), ensure_ascii=False)
+    atomic_write(Path(out), lambda p: Path(p).write_text(text, encoding="utf-8"))
+
+
+def _mi(s: Specialisation) -> str:
+    interval = (f", 95% interval {s.excess_low:.3f} to {s.excess_high:.3f} over {s.chunks} chunks"
+                if s.excess_low is not None else "")
+    return (f"{s.bits:.3f} bits (shuffled: {s.null_bits:.3f} ± {s.null_sd:.3f}); above chance per chunk "
+            f"{s.excess_mean:.3f}{interval}")
+
+
+def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
+    """Print the report: a header, one screen per MoE layer, then the paths."""
+    console = console or terminal_console()
+    console.print(f"{report.tokens:,} tokens in {report.windows:,} windows of {report.window} (non-overlapping: "
+                  f"a window's first tokens see little context); {report.tokenizer} token classes", markup=False)
+    for layer in report.layers:
+        _show_layer(report, layer, console)
+    if report.paths is not None:
+        _show_paths(report, console)
+
+
+def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console) -> None:
+    from rich.table import Table
+
+    console.print()
+    head = f"layer {layer.layer}: {len(layer.experts)} experts"
+    if layer.dropped:
+        head += f", {layer.dropped:,} of {layer.slots:,} slots dropped (capacity)"
+    if layer.shared_share is not None:
+        head += f"; shared expert's share of the output {layer.shared_share:.2f}"
+    console.print(head, markup=False, style="bold")
+    console.print(f"  I(expert; token) {_mi(layer.token_mi)}", markup=False)
+    console.print(f"  I(expert; class) {_mi(layer.class_mi)}", markup=False)
+    uniform = 1 / max(len(layer.experts), 1)
+    table = Table(show_edge=False, pad_edge=False)
+    for name in ("expert", "load", "bits", "top tokens by lift (one context)", "classes (x the stream's share)"):
+        table.add_column(name, overflow="fold")
+    for e in layer.experts:
+        tops = "  ".join(f"'{t.token}' x{t.lift:.1f}" for t in e.top_lift[:4]) or "(no token reaches " \
+            f"{report.min_lift_count})"
+        if e.top_lift and e.top_lift[0].contexts:
+            tops += f"\n{e.top_lift[0].contexts[0]}"
+        over = sorted(((e.classes[c] / layer.classes[c], c) for c in layer.classes if layer.classes[c] > 0
+                       and e.classes[c] > 0), reverse=True)[:3]
+        table.add_row(str(e.expert), f"{e.load:.2f} ({e.load / uniform:.1f}x)", f"{e.kl_bits:.2f}", tops,
+                      "  ".join(f"{c} {r:.1f}" for r, c in over))
+    console.print(table)
+
+
+def _show_paths(report: ExpertsReport, console: Console) -> None:
+    paths = report.paths
+    console.print()
+    console.print(f"paths: the first expert in each MoE layer; {paths.distinct:,} distinct", markup=False, style="bold")
+    console.print(f"  I(path; token) {_mi(paths.token_mi)}; best single layer (block {paths.best_layer}) "
+                  f"{paths.best_layer_bits:.3f} bits", markup=False)
+    for p in paths.top:
+        tokens = "  ".join(f"'{t.token}' {t.count}" for t in p.top_tokens[:6])
+        console.print(f"  {'-'.join(map(str, p.experts))}  {p.share:.3f}  {tokens}", markup=False)
