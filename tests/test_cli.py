@@ -186,6 +186,13 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("export", "--drop-bias"): [["RUN", "OUT", "--drop-bias=1"]],
     ("generate", "--dtype"): [["RUN", "--dtype", "float16"]],
     ("explain", "--dtype"): [["RUN", "--prompt", "the", "--dtype", "int8"]],
+    ("experts", "path"): [["MISSING"], ["EMPTY"], ["FILE", "--data", "CORPUS"]],
+    ("experts", "--data"): [["RUN", "--data", "MISSING"], ["RUN", "--data", "EMPTY"], ["RUN", "--data", ""]],
+    ("experts", "--tokens"): [["RUN", "--tokens", "0"], ["RUN", "--tokens", "many"]],
+    ("experts", "--batch"): [["RUN", "--batch", "0"], ["RUN", "--batch", "2000"]],
+    ("experts", "--json"): [["RUN", "--json", "MISSING/out.json"], ["RUN", "--json", "EMPTY"],
+                            ["RUN", "--json", "FILE"]],
+    ("experts", "--quiet"): [["RUN", "--quiet=1"]],
     ("serve", "--dtype"): [["RUN", "--dtype", "half"]],
     ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
     ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],
@@ -200,7 +207,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
                          ["SWEEP", "--out", "OUT", "--set", "seed=3"]],
 }
 # --import on every command, after what the command needs to get that far
-_BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"],
+_BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"], "experts": ["RUN"],
                   "export": ["RUN", "OUT"], "eval": ["RUN"], "plot": ["RUN"], "experiment": ["gqa"],
                   "compare": ["RUN"], "sweep": ["SWEEP"]}
 for _command in {command for command, _ in CASES}:
