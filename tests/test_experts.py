@@ -1,0 +1,225 @@
+"""`nanollama4 experts`: the counts against the router's own choices (with capacity drops), lift and mutual
+information against hand computations, the shuffle null's loads, windows over a long text, --json, and
+bad input in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nanollama4.config import preset
+from nanollama4.errors import ConfigError
+from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes
+from nanollama4.explain.expertsview import report_dict
+from nanollama4.explain.routes import route_stream
+from nanollama4.explain.specialise import (
+    joint_counts,
+    kl_per_row,
+    lift,
+    mutual_information,
+    mutual_information_of,
+    shuffled,
+    specialisation,
+)
+from nanollama4.model import Transformer
+from nanollama4.observe import observe
+from nanollama4.tokenizer import CharTokenizer
+
+from .helpers import assert_cli_error, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXT = "The cat sat on the mat.\nA dog ran to 42 houses!\n" * 8 + "The end."  # 392 characters: capitals, digits
+
+
+@pytest.fixture(scope="module")
+def crowded() -> tuple[Transformer, CharTokenizer]:
+    """A tiny char model whose experts are too few for their tokens in eval: capacity 0.5 with drop, so that
+    slots are dropped, and random weights so that routing is uneven."""
+    torch.manual_seed(0)
+    tok = CharTokenizer.from_text(TEXT)
+    cfg = preset("tiny", vocab_size=tok.vocab_size, capacity_factor=0.5, capacity_in_eval=True,
+                 capacity_overflow="drop", max_seq_len=32)
+    return Transformer(cfg).eval(), tok
+
+
+def test_counts_equal_the_routers_own_choices_with_drops(crowded):
+    model, tok = crowded
+    ids = np.array(tok.encode(TEXT))
+    report = experts(model, tok, ids, batch=3, min_lift_count=1)
+    # independently: the same windows, three per forward, each MoE's Routing read directly
+    W, E, V = 32, model.cfg.n_experts, model.cfg.vocab_size
+    want = {m: np.zeros((E, V), dtype=np.int64) for m in model.moe_layers()}
+    dropped = dict.fromkeys(model.moe_layers(), 0)
+    starts = list(range(0, len(ids) - W + 1, W))
+    groups = [starts[i:i + 3] for i in range(0, len(starts), 3)] + [[len(starts) * W]]  # and the last 8 tokens
+    with torch.no_grad(), observe(model) as seen:
+        for g in groups:
+            span = min(W, len(ids) - g[0])
+            x = torch.tensor(np.stack([ids[s:s + span] for s in g]))
+            model(x)
+            for m in model.moe_layers():
+                r = seen["routing"][m]
+                flat = x.reshape(-1)
+                for t, (row, ok) in enumerate(zip(r.experts_TK.tolist(), r.valid_TK.tolist(), strict=True)):
+                    for e, v in zip(row, ok, strict=True):
+                        if v:
+                            want[m][e, flat[t]] += 1
+                        else:
+                            dropped[m] += 1
+    for layer, m in zip(report.layers, model.moe_layers(), strict=True):
+        got = np.zeros((E, V), dtype=np.int64)
+        for e, v, n in layer.assignments:
+            got[e, v] = n
+        assert (got == want[m]).all()
+        assert layer.dropped == dropped[m] > 0  # capacity really dropped slots
+        assert [x.assignments for x in layer.experts] == want[m].sum(1).tolist()
+        assert sum(n for _, n in layer.dropped_by_token) == dropped[m]
+
+
+def test_a_long_text_is_read_whole_in_windows(crowded):
+    model, tok = crowded
+    ids = np.array(tok.encode(TEXT))  # 392 tokens: 12 windows of 32 and one of 8
+    routes = route_stream(model, ids, batch=5, quiet=True)
+    assert routes.windows == 13 and routes.experts_LNK.shape[1] == len(ids)
+    report = analyse(routes, tok, model.cfg.vocab_size)
+    K = model.cfg.experts_per_token
+    for layer in report.layers:
+        assert layer.tokens == len(ids)
+        assert sum(n for *_, n in layer.assignments) + layer.dropped == len(ids) * K
+    # the last, short window was routed too: its tokens have slots filled
+    assert (routes.experts_LNK[:, -8:] >= 0).any()
+
+
+def test_lift_and_mutual_information_by_hand():
+    # 2 experts, 3 tokens: expert 0 takes token 0 four times and token 1 twice; expert 1 takes token 2 twice
+    expert = np.array([0, 0, 0, 0, 0, 0, 1, 1])
+    token = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+    joint = joint_counts(expert, token, 2, 3)
+    assert joint.tolist() == [[4, 2, 0], [0, 0, 2]]
+    # P(token 0 | expert 0) = 4/6, P(token 0) = 4/8: lift 4/3; token 2 at expert 1: 1 / (2/8) = 4
+    assert lift(joint)[0, 0] == pytest.approx(4 / 3)
+    assert lift(joint)[1, 2] == pytest.approx(4.0)
+    # I = H(expert) here (the token decides the expert): H(6/8, 2/8)
+    h = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))
+    assert mutual_information(joint) == pytest.approx(h)
+    # each expert's KL, weighted by its share, adds up to the MI
+    assert (kl_per_row(joint) * joint.sum(1) / joint.sum()).sum() == pytest.approx(h)
+    assert kl_per_row(joint)[1] == pytest.approx(math.log2(4))  # P(2|1) = 1 against P(2) = 1/4
+    # the sparse count (for large tables) gives the same number
+    from nanollama4.explain import specialise
+
+    old, specialise.DENSE_CELLS = specialise.DENSE_CELLS, 0
+    try:
+        assert mutual_information_of(expert, token, 2, 3) == pytest.approx(h)
+    finally:
+        specialise.DENSE_CELLS = old
+    # independent labels carry nothing
+    assert mutual_information(np.array([[2, 2], [2, 2]])) == 0.0
+
+
+def test_the_shuffle_null_keeps_every_experts_load():
+    rng = np.random.default_rng(1)
+    labels = rng.integers(0, 5, size=1000)
+    for _ in range(3):
+        again = shuffled(labels, rng)
+        assert (np.bincount(again, minlength=5) == np.bincount(labels, minlength=5)).all()
+        assert (again != labels).any()
+    # a routing that follows the token sits far above its null; one independent of it does not
+    token = rng.integers(0, 20, size=4000)
+    s = specialisation(token % 5, token, 5, 20, [0, 1000, 2000, 3000, 4000])
+    assert s.bits == pytest.approx(math.log2(5), abs=0.01) and s.null_bits < 0.05
+    assert s.excess_low is not None and s.excess_low > 2
+    s = specialisation(rng.integers(0, 5, size=4000), token, 5, 20, [0, 2000, 4000])
+    assert abs(s.excess_mean) < 0.05
+
+
+def test_token_classes_are_declared_once_and_extendable(monkeypatch):
+    tok = CharTokenizer.from_text("aZ3 \n.é")
+    names, class_V = token_classes(tok, tok.vocab_size)
+    got = {tok.decode([v]): names[c] for v, c in enumerate(class_V)}
+    assert got == {"a": "lowercase", "Z": "uppercase", "3": "digit", " ": "space", "\n": "newline",
+                   ".": "punctuation", "é": "lowercase"}
+    monkeypatch.setitem(TOKEN_CLASSES, "char", {"vowel": lambda s: s in "aeioué", **TOKEN_CLASSES["char"]})
+    names, class_V = token_classes(tok, tok.vocab_size)
+    assert names[class_V[tok.encode("é")[0]]] == "vowel" and names[-1] == "other"
+
+
+def test_contexts_mark_the_token_where_it_went(crowded):
+    model, tok = crowded
+    report = experts(model, tok, np.array(tok.encode(TEXT)), min_lift_count=1)
+    stats = [t for layer in report.layers for e in layer.experts for t in e.top_count]
+    assert stats
+    for t in stats:
+        assert 1 <= len(t.contexts) <= 3
+        for c in t.contexts:
+            assert c.count("⟦") == 1 and f"⟦{t.token}⟧" in c
+
+
+def test_a_dense_model_has_no_experts_to_read():
+    tok = CharTokenizer.from_text(TEXT)
+    model = Transformer(preset("tiny", vocab_size=tok.vocab_size, n_experts=0))
+    with pytest.raises(ConfigError, match="no MoE layer"):
+        experts(model, tok, np.array(tok.encode(TEXT)))
+
+
+def test_cli_on_a_run_and_json_round_trips(tiny_run, corpus, tmp_path, capsys):
+    out = tmp_path / "experts.json"
+    rc, stdout, err = run_cli(["experts", str(tiny_run), "--data", str(corpus), "--tokens", "500", "--batch", "2",
+                               "--json", str(out), "--quiet"], capsys)
+    assert rc == 0, err
+    assert "layer 0:" in stdout and "I(expert; token)" in stdout and "paths:" in stdout
+    data = json.loads(out.read_text(encoding="utf-8"))
+    assert data["tokens"] == 500 and data["layers"][0]["tokens"] == 500
+    # the same text routed in Python gives exactly what the file holds
+    from nanollama4.hf import load_any
+
+    model, tok = load_any(tiny_run)
+    ids = np.array(tok.encode(corpus.read_text()))[:500]
+    assert data == json.loads(json.dumps(report_dict(experts(model, tok, ids, batch=2))))
+    assert data["format"] == "nanollama4-experts/1" and set(dataclasses.asdict(
+        experts(model, tok, ids[:64], batch=2))) <= set(data)
+    # run again onto its own file: replaced; the run's validation text by default
+    rc, stdout, err = run_cli(["experts", str(tiny_run), "--json", str(out), "--quiet"], capsys)
+    assert rc == 0, err
+    assert "the validation text of" in stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "tokens0", "unknown", "no-run-data", "dense", "link", "foreign"])
+def test_bad_input_is_one_line(case, tiny_run, corpus, tmp_path, capsys):
+    argv = ["experts", str(tiny_run), "--quiet"]
+    if case == "missing":
+        argv[1] = str(tmp_path / "nothing")
+    elif case == "tokens0":
+        argv += ["--tokens", "0"]
+    elif case == "unknown":
+        (tmp_path / "t.txt").write_text("THE CAT")  # capitals: not in the tiny run's alphabet
+        argv += ["--data", str(tmp_path / "t.txt")]
+    elif case == "no-run-data":
+        argv[1] = str(tiny_run / "last")  # a checkpoint folder: no validation text of its own
+    elif case == "dense":
+        from nanollama4.hf import export_hf
+
+        tok = CharTokenizer.from_text(corpus.read_text())
+        export_hf(Transformer(preset("tiny", vocab_size=tok.vocab_size, n_experts=0)), tmp_path / "dense",
+                  tok.save_hf)
+        argv = ["experts", str(tmp_path / "dense"), "--data", str(corpus), "--quiet"]
+    elif case == "link":
+        (tmp_path / "elsewhere.json").write_text("{}")
+        (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+        argv += ["--json", str(tmp_path / "link.json")]
+    elif case == "foreign":
+        (tmp_path / "notes.json").write_text('{"mine": 1}')
+        argv += ["--json", str(tmp_path / "notes.json")]
+    rc, out, err = run_cli(argv, capsys)
+    line = assert_cli_error(rc, err, "experts")
+    assert out == ""
+    expected = {"missing": "nothing", "tokens0": "at least 1", "unknown": "not in the vocabulary",
+                "no-run-data": "--data", "dense": "no MoE layer", "link": "symbolic link", "foreign": "new file name"}
+    assert expected[case] in line
+    if case in ("link", "foreign"):
+        assert (tmp_path / ("elsewhere.json" if case == "link" else "notes.json")).read_text() in ("{}", '{"mine": 1}')
