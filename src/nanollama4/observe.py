@@ -20,16 +20,17 @@ from .router import Routing
 
 
 @contextmanager
-def observe(model: Transformer) -> Iterator[dict]:
+def observe(model: Transformer, attention: bool = True) -> Iterator[dict]:
     """Record, for the passes run inside, what every layer decided: `seen["attention"][attn]` the
     probabilities (B, heads, Tq, Tk) each Attention attended with and `seen["keys"][attn]` the positions
     of its keys (B, Tk) or (Tk,), `seen["routing"][moe]` the `Routing` each MoE's route returned (tokens
     flattened, row-major). The model computes exactly as without it; the server traces its batched steps
-    with this, `trace` one prompt."""
+    with this, `trace` one prompt. attention=False records the routing only: recomputing the probabilities
+    costs more than the pass itself, which a whole corpus read for its routing (`experts`) does not need."""
     seen: dict = {"attention": {}, "keys": {}, "qkv": {}, "routing": {}}
     originals = {}
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and attention:
             originals[module] = module.attend
             module.attend = _recording(module, module.attend, seen)
         if isinstance(module, MoE):

@@ -59,7 +59,7 @@ def write_json(report: ExpertsReport, out: Path) -> None:
 def _mi(s: Specialisation) -> str:
     interval = (f", 95% interval {s.excess_low:.3f} to {s.excess_high:.3f} over {s.chunks} chunks"
                 if s.excess_low is not None else "")
-    return (f"{s.bits:.3f} bits (shuffled: {s.null_bits:.3f} ± {s.null_sd:.3f}); above chance per chunk "
+    return (f"{s.bits:.3f} bits (shuffled: {s.null_bits:.4f} ± {s.null_sd:.4f}); above chance per chunk "
             f"{s.excess_mean:.3f}{interval}")
 
 

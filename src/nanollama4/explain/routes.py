@@ -67,7 +67,7 @@ def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bo
     groups = [full[i:i + batch] for i in range(0, len(full), batch)] + [[s] for s in starts if s + W > N]
     model.eval()
     try:
-        with torch.no_grad(), observe(model) as seen, _outputs(layers) as outs, \
+        with torch.no_grad(), observe(model, attention=False) as seen, _outputs(layers) as outs, \
                 tqdm(total=N, unit="tok", unit_scale=True, desc="routing", disable=quiet or None) as bar:
             for group in groups:
                 span = min(W, N - group[0])
