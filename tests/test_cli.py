@@ -193,6 +193,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("experts", "--json"): [["RUN", "--json", "MISSING/out.json"], ["RUN", "--json", "EMPTY"],
                             ["RUN", "--json", "FILE"]],
     ("experts", "--quiet"): [["RUN", "--quiet=1"]],
+    ("experts", "--untrained-null"): [["RUN", "--untrained-null=yes"]],
     ("serve", "--dtype"): [["RUN", "--dtype", "half"]],
     ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
     ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],

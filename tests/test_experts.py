@@ -14,7 +14,7 @@ import torch
 
 from nanollama4.config import preset
 from nanollama4.errors import ConfigError
-from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes
+from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes, untrained_twin
 from nanollama4.explain.expertsview import report_dict
 from nanollama4.explain.routes import route_stream
 from nanollama4.explain.specialise import (
@@ -223,3 +223,19 @@ def test_bad_input_is_one_line(case, tiny_run, corpus, tmp_path, capsys):
     assert expected[case] in line
     if case in ("link", "foreign"):
         assert (tmp_path / ("elsewhere.json" if case == "link" else "notes.json")).read_text() in ("{}", '{"mine": 1}')
+
+
+def test_the_untrained_null_is_the_same_config_freshly_drawn(crowded):
+    model, tok = crowded
+    ids = np.array(tok.encode(TEXT))
+    state = torch.random.get_rng_state()
+    twin = untrained_twin(model, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random stream is untouched
+    assert twin.cfg == model.cfg
+    assert not torch.equal(twin.blocks[0].ffn.router.weight, model.blocks[0].ffn.router.weight)
+    assert torch.equal(untrained_twin(model, seed=3).blocks[0].ffn.router.weight, twin.blocks[0].ffn.router.weight)
+    report = experts(model, tok, ids, seed=3, untrained=True)
+    alone = experts(twin, tok, ids, seed=3)
+    assert report.untrained_seed == 3
+    assert [u.token_mi for u in report.untrained] == [lay.token_mi for lay in alone.layers]
+    assert report.untrained_paths == alone.paths.token_mi

@@ -228,6 +228,9 @@ def _model_commands(sub: Any) -> None:
     p.add_argument("--tokens", type=_positive_int, metavar="N", help="route only the first N tokens")
     p.add_argument("--batch", type=_batch, default=16, help="windows of max_seq_len per forward pass (default 16)")
     p.add_argument("--json", type=_path, metavar="FILE", help="also write everything, counts included, as JSON")
+    p.add_argument("--untrained-null", action="store_true",
+                   help="also route the text through the same config freshly initialised (seed 0) and show its "
+                        "specialisation beside the trained one's (twice the time)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=commands.cmd_experts)
 

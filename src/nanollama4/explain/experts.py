@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from ..errors import ConfigError, shown
 from ..model import Transformer
@@ -136,6 +137,15 @@ class Paths:
 
 
 @dataclass
+class UntrainedLayer:
+    """The untrained null of one layer: the same config with fresh weights, routing the same text."""
+
+    layer: int
+    token_mi: Specialisation
+    class_mi: Specialisation
+
+
+@dataclass
 class ExpertsReport:
     tokens: int
     windows: int
@@ -147,18 +157,43 @@ class ExpertsReport:
     permutations: int
     layers: list[LayerStat]
     paths: Paths | None  # None for a model with fewer than two MoE layers
+    untrained: list[UntrainedLayer] | None = None  # the untrained null per layer, when asked for
+    untrained_paths: Specialisation | None = None  # I(path; token) of the untrained model
+    untrained_seed: int | None = None  # the seed its weights were drawn from
 
 
 def experts(model: Transformer, tokenizer: Tokenizer, ids: np.ndarray, batch: int = 16, quiet: bool = True,
-            min_lift_count: int = MIN_LIFT_COUNT, seed: int = 0) -> ExpertsReport:
-    """Route all of `ids` through `model` (routes.route_stream) and read what each expert took."""
+            min_lift_count: int = MIN_LIFT_COUNT, seed: int = 0, untrained: bool = False) -> ExpertsReport:
+    """Route all of `ids` through `model` (routes.route_stream) and read what each expert took. `untrained`
+    also routes them through `untrained_twin(model, seed)` and keeps its specialisation: how much of the
+    trained number a model gets with no training at all (a freshly initialised router already sorts tokens
+    by their embeddings, so the shuffle null alone would call that "learned")."""
     if not any(True for _ in model.moe_layers()):
         raise ConfigError("this model has no MoE layer (every feed-forward is dense): there are no experts to "
                           "read; pass a model with n_experts > 1")
     if len(ids) == 0:
         raise ConfigError("the text has no tokens; give some text to route")
     routes = route_stream(model, ids, batch=batch, quiet=quiet)
-    return analyse(routes, tokenizer, model.cfg.vocab_size, batch, min_lift_count, seed)
+    report = analyse(routes, tokenizer, model.cfg.vocab_size, batch, min_lift_count, seed)
+    if untrained:
+        twin = analyse(route_stream(untrained_twin(model, seed), ids, batch=batch, quiet=quiet), tokenizer,
+                       model.cfg.vocab_size, batch, min_lift_count, seed)
+        report.untrained = [UntrainedLayer(lay.layer, lay.token_mi, lay.class_mi) for lay in twin.layers]
+        report.untrained_paths = twin.paths.token_mi if twin.paths is not None else None
+        report.untrained_seed = seed
+    return report
+
+
+def untrained_twin(model: Transformer, seed: int = 0) -> Transformer:
+    """The same config freshly initialised from `seed` (the global RNG left as it was), in the model's dtype,
+    on its device, with the fast modules installed as the loaders install them."""
+    from ..ops import build_model
+
+    param = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        twin = build_model(model.cfg)
+    return twin.to(device=param.device, dtype=param.dtype)
 
 
 def analyse(routes: Routes, tokenizer: Tokenizer, vocab_size: int, batch: int = 16,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..files import atomic_write
-from .experts import ExpertsReport, LayerStat
+from .experts import ExpertsReport, LayerStat, UntrainedLayer
 from .specialise import Specialisation
 from .terminal import terminal_console
 
@@ -68,13 +68,14 @@ def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
     console = console or terminal_console()
     console.print(f"{report.tokens:,} tokens in {report.windows:,} windows of {report.window} (non-overlapping: "
                   f"a window's first tokens see little context); {report.tokenizer} token classes", markup=False)
+    untrained = {u.layer: u for u in report.untrained or []}
     for layer in report.layers:
-        _show_layer(report, layer, console)
+        _show_layer(report, layer, console, untrained.get(layer.layer))
     if report.paths is not None:
         _show_paths(report, console)
 
 
-def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console) -> None:
+def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untrained: UntrainedLayer | None) -> None:
     from rich.table import Table
 
     console.print()
@@ -84,8 +85,11 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console) -> No
     if layer.shared_share is not None:
         head += f"; shared expert's share of the output {layer.shared_share:.2f}"
     console.print(head, markup=False, style="bold")
-    console.print(f"  I(expert; token) {_mi(layer.token_mi)}", markup=False)
-    console.print(f"  I(expert; class) {_mi(layer.class_mi)}", markup=False)
+    for name, mi, null in (("token", layer.token_mi, untrained and untrained.token_mi),
+                           ("class", layer.class_mi, untrained and untrained.class_mi)):
+        console.print(f"  I(expert; {name}) {_mi(mi)}", markup=False)
+        if null:
+            console.print(f"    untrained (seed {report.untrained_seed}): {_mi(null)}", markup=False)
     uniform = 1 / max(len(layer.experts), 1)
     table = Table(show_edge=False, pad_edge=False)
     for name in ("expert", "load", "bits", "top tokens by lift (one context)", "classes (x the stream's share)"):
@@ -108,6 +112,8 @@ def _show_paths(report: ExpertsReport, console: Console) -> None:
     console.print(f"paths: the first expert in each MoE layer; {paths.distinct:,} distinct", markup=False, style="bold")
     console.print(f"  I(path; token) {_mi(paths.token_mi)}; best single layer (block {paths.best_layer}) "
                   f"{paths.best_layer_bits:.3f} bits", markup=False)
+    if report.untrained_paths is not None:
+        console.print(f"    untrained (seed {report.untrained_seed}): {_mi(report.untrained_paths)}", markup=False)
     for p in paths.top:
         tokens = "  ".join(f"'{t.token}' {t.count}" for t in p.top_tokens[:6])
         console.print(f"  {'-'.join(map(str, p.experts))}  {p.share:.3f}  {tokens}", markup=False)
