@@ -218,7 +218,7 @@ def test_bad_input_is_one_line(case, tiny_run, corpus, tmp_path, capsys):
     rc, out, err = run_cli(argv, capsys)
     line = assert_cli_error(rc, err, "experts")
     assert out == ""
-    expected = {"missing": "nothing", "tokens0": "at least 1", "unknown": "not in the vocabulary",
+    expected = {"missing": "does not exist", "tokens0": "at least 1", "unknown": "not in the vocabulary",
                 "no-run-data": "--data", "dense": "no MoE layer", "link": "symbolic link", "foreign": "new file name"}
     assert expected[case] in line
     if case in ("link", "foreign"):

@@ -127,6 +127,8 @@ def model_and_text(path: str | Path, data: str | Path | None = None, max_tokens:
     from ..runs import is_run_dir
 
     if data is None:
+        if not Path(path).exists():
+            load_any(path)  # its own line for a path that is not there
         if not Path(path).is_dir() or not is_run_dir(Path(path)):
             raise DataError(f"{path} is not a run folder, so it has no validation text of its own; pass --data TEXT "
                             "(a text file, a folder or a quoted glob) to route")
