@@ -7,6 +7,12 @@
                     in a notebook a Trace shows itself as that page (`notebook_html`)
 
 The views only read a `Trace`; tracing.py imports neither of them.
+
+Over a whole text rather than one prompt (`nanollama4 experts`), imported from their modules:
+  explain.routes       `route_stream(model, ids)` -> `Routes`: every token's slots per MoE layer, in windows
+  explain.experts      `experts(model, tokenizer, ids)` -> `ExpertsReport`: loads, lift, classes, MI, paths
+  explain.specialise   the arithmetic: lift, mutual information, the shuffle null, intervals
+  explain.expertsview  `show_experts(report)`, `write_json(report, path)`
 """
 
 from .page import PAGE_SCORES_LIMIT, html, notebook_html
