@@ -16,7 +16,7 @@ from nanollama4.config import preset
 from nanollama4.errors import ConfigError
 from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes, untrained_twin
 from nanollama4.explain.expertsview import report_dict
-from nanollama4.explain.routes import route_stream
+from nanollama4.explain.routes import Routes, route_stream
 from nanollama4.explain.specialise import (
     joint_counts,
     kl_per_row,
@@ -239,3 +239,40 @@ def test_the_untrained_null_is_the_same_config_freshly_drawn(crowded):
     assert report.untrained_seed == 3
     assert [u.token_mi for u in report.untrained] == [lay.token_mi for lay in alone.layers]
     assert report.untrained_paths == alone.paths.token_mi
+
+
+def test_bpe_token_classes():
+    from nanollama4.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.train(TEXT * 4, vocab_size=300)
+    names, class_V = token_classes(tok, tok.vocab_size)
+    got = {w: [names[class_V[i]] for i in tok.encode(w)] for w in (" the", " cat", "\n", "42", ".")}
+    assert got == {" the": ["word-start"], " cat": ["word-start"], "\n": ["whitespace"], "42": ["digits"],
+                   ".": ["punctuation"]}
+    assert names[class_V[tok.encode("the")[0]]] == "word-inner"
+
+
+def test_the_report_of_a_constructed_routing_by_hand():
+    tok = CharTokenizer.from_text("ab.")  # ids: '.' 0, 'a' 1, 'b' 2
+    ids = np.array([1, 1, 1, 1, 2, 2, 0, 0])  # a a a a b b . .
+    # layer 0: a -> expert 0, b -> expert 0, . -> expert 1; layer 1: every token to expert 1 but one dropped '.'
+    l0 = np.array([0, 0, 0, 0, 0, 0, 1, 1])
+    l1 = np.array([1, 1, 1, 1, 1, 1, 1, -1])
+    routes = Routes(ids, np.stack([l0, l1])[:, :, None].astype(np.int16), None, [0, 1], 4, 2, 2)
+    report = analyse(routes, tok, tok.vocab_size, min_lift_count=1)
+    first, second = report.layers
+    h = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))  # the token decides the expert: I = H(expert)
+    assert first.token_mi.bits == pytest.approx(h)
+    assert [e.load for e in first.experts] == [0.75, 0.25]
+    lifts = {t.token: t.lift for t in first.experts[1].top_lift}
+    assert lifts == {".": pytest.approx(4.0)}  # P(. | 1) = 1 over P(.) = 2/8
+    assert {t.token: t.lift for t in first.experts[0].top_lift} == {"a": pytest.approx(4 / 3),
+                                                                    "b": pytest.approx(4 / 3)}
+    assert first.classes == {"lowercase": 0.75, "uppercase": 0.0, "digit": 0.0, "space": 0.0, "newline": 0.0,
+                             "punctuation": 0.25, "other": 0.0}
+    assert first.experts[1].classes["punctuation"] == 1.0
+    assert second.dropped == 1 and second.dropped_by_token == [[0, 1]]
+    assert second.token_mi.bits == pytest.approx(0, abs=1e-12)  # one expert takes all: no information
+    # paths: the dropped token has none; 0-1 for a and b, 1-1 for the kept '.'
+    assert [(p.experts, p.count) for p in report.paths.top] == [([0, 1], 6), ([1, 1], 1)]
+    assert report.paths.best_layer == 0 and report.paths.best_layer_bits == pytest.approx(h)

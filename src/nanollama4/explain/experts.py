@@ -236,7 +236,7 @@ def _layer(routes: Routes, li: int, tokenizer: Tokenizer, V: int, names: list[st
         by_lift = eligible[np.argsort(-lift_EV[e, eligible], kind="stable")][:TOP]
 
         def stat(v: int, e: int = e) -> TokenStat:
-            return TokenStat(int(v), reader.text(int(v)), int(assign_EV[e, v]), round(float(lift_EV[e, v]), 4),
+            return TokenStat(int(v), reader.text(int(v)), int(assign_EV[e, v]), float(lift_EV[e, v]),
                              reader.at(routes, li, e, int(v)))
 
         mine = first == e
@@ -274,7 +274,7 @@ def _paths(routes: Routes, tokenizer: Tokenizer, V: int, bounds: list[int], laye
         best = [v for v in np.argsort(-toks, kind="stable")[:TOP] if toks[v] > 0]
         top.append(PathStat([int(e) for e in unique_PL[p]], int(count_P[p]), float(count_P[p] / len(routes.ids)),
                             [TokenStat(int(v), reader.text(int(v)), int(toks[v]),
-                                       round(float(toks[v] / count_P[p] / p_V[v]), 4)) for v in best]))
+                                       float(toks[v] / count_P[p] / p_V[v])) for v in best]))
     best_layer = max(layers, key=lambda lay: lay.token_mi.bits)
     return Paths(top, len(unique_PL), specialisation(label, routes.ids, len(unique_PL), V, bounds, PERMUTATIONS, seed),
                  best_layer.layer, best_layer.token_mi.bits)

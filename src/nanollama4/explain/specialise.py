@@ -36,7 +36,7 @@ def mutual_information(joint: np.ndarray) -> float:
     p_ab = joint / n
     p_a, p_b = p_ab.sum(1, keepdims=True), p_ab.sum(0, keepdims=True)
     nz = p_ab > 0
-    return float((p_ab[nz] * np.log2(p_ab[nz] / (p_a @ p_b)[nz])).sum())
+    return max(0.0, float((p_ab[nz] * np.log2(p_ab[nz] / (p_a @ p_b)[nz])).sum()))  # >= 0, less the rounding
 
 
 def kl_per_row(joint: np.ndarray) -> np.ndarray:
@@ -76,7 +76,7 @@ def mutual_information_of(a: np.ndarray, b: np.ndarray, n_a: int, n_b: int) -> f
     pairs, counts = np.unique(a * n_b + b, return_counts=True)
     p_a, p_b = np.bincount(a, minlength=n_a) / n, np.bincount(b, minlength=n_b) / n
     p = counts / n
-    return float((p * np.log2(p / (p_a[pairs // n_b] * p_b[pairs % n_b]))).sum())
+    return max(0.0, float((p * np.log2(p / (p_a[pairs // n_b] * p_b[pairs % n_b]))).sum()))
 
 
 def shuffled(labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
