@@ -271,6 +271,8 @@ def test_the_report_of_a_constructed_routing_by_hand():
     assert first.classes == {"lowercase": 0.75, "uppercase": 0.0, "digit": 0.0, "space": 0.0, "newline": 0.0,
                              "punctuation": 0.25, "other": 0.0}
     assert first.experts[1].classes["punctuation"] == 1.0
+    assert first.experts[1].kl_bits == pytest.approx(2.0)  # P(. | 1) = 1 against P(.) = 1/4
+    assert all(e.kl_null_bits < e.kl_bits for e in first.experts)  # shuffled, the pairing is mostly lost
     assert second.dropped == 1 and second.dropped_by_token == [[0, 1]]
     assert second.token_mi.bits == pytest.approx(0, abs=1e-12)  # one expert takes all: no information
     # paths: the dropped token has none; 0-1 for a and b, 1-1 for the kept '.'

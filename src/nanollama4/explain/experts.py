@@ -28,7 +28,7 @@ from ..errors import ConfigError, shown
 from ..model import Transformer
 from ..tokenizer import CharTokenizer, Tokenizer, token_bytes, token_label
 from .routes import Routes, route_stream
-from .specialise import Specialisation, joint_counts, kl_per_row, lift, specialisation
+from .specialise import Specialisation, joint_counts, kl_per_row, lift, shuffled, specialisation
 
 TOP = 8  # tokens listed per expert, by count and by lift
 CONTEXTS = 3  # contexts kept per listed token
@@ -98,6 +98,7 @@ class ExpertStat:
     first_choice: int  # tokens whose first kept slot it is
     load: float  # its share of the layer's kept slots (uniform: 1 / n_experts)
     kl_bits: float  # D(P(token | first choice = it) || P(token)) in bits: its part of the layer's MI
+    kl_null_bits: float  # the same with the first choices shuffled over the tokens (its load kept), mean
     shared_share: float | None  # mean shared share over the tokens it is first choice of
     classes: dict[str, float]  # its assignments' shares by token class
     top_count: list[TokenStat]
@@ -225,6 +226,9 @@ def _layer(routes: Routes, li: int, tokenizer: Tokenizer, V: int, names: list[st
     n_kept = int(assign_EV.sum())
     lift_EV = lift(assign_EV)
     kl_E = kl_per_row(first_EV)
+    rng, has = np.random.default_rng(seed), first >= 0
+    kl_null_E = np.mean([kl_per_row(joint_counts(shuffled(first[has], rng), ids[has], E, V))
+                         for _ in range(PERMUTATIONS)], axis=0)
     class_EC = assign_EV @ np.eye(len(names), dtype=np.int64)[class_V]  # (E, classes)
     stream_C = np.bincount(class_V[ids], minlength=len(names))
     shared = routes.shared_LN[li] if routes.shared_LN is not None else None
@@ -242,6 +246,7 @@ def _layer(routes: Routes, li: int, tokenizer: Tokenizer, V: int, names: list[st
         mine = first == e
         experts_out.append(ExpertStat(
             e, int(row.sum()), int(first_EV[e].sum()), float(row.sum() / max(n_kept, 1)), float(kl_E[e]),
+            float(kl_null_E[e]),
             float(shared[mine].mean()) if shared is not None and mine.any() else None,
             {n: float(class_EC[e, c] / max(row.sum(), 1)) for c, n in enumerate(names)},
             [stat(v) for v in by_count], [stat(v) for v in by_lift]))

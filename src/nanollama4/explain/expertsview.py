@@ -92,7 +92,8 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
             console.print(f"    untrained (seed {report.untrained_seed}): {_mi(null)}", markup=False)
     uniform = 1 / max(len(layer.experts), 1)
     table = Table(show_edge=False, pad_edge=False)
-    for name in ("expert", "load", "bits", "top tokens by lift (one context)", "classes (x the stream's share)"):
+    for name in ("expert", "load", "bits (shuffled)", "top tokens by lift (one context)",
+                 "classes (x the stream's share)"):
         table.add_column(name, overflow="fold")
     for e in layer.experts:
         tops = "  ".join(f"'{t.token}' x{t.lift:.1f}" for t in e.top_lift[:4]) or "(no token reaches " \
@@ -101,8 +102,8 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
             tops += f"\n{e.top_lift[0].contexts[0]}"
         over = sorted(((e.classes[c] / layer.classes[c], c) for c in layer.classes if layer.classes[c] > 0
                        and e.classes[c] > 0), reverse=True)[:3]
-        table.add_row(str(e.expert), f"{e.load:.2f} ({e.load / uniform:.1f}x)", f"{e.kl_bits:.2f}", tops,
-                      "  ".join(f"{c} {r:.1f}" for r, c in over))
+        table.add_row(str(e.expert), f"{e.load:.2f} ({e.load / uniform:.1f}x)",
+                      f"{e.kl_bits:.2f} ({e.kl_null_bits:.2f})", tops, "  ".join(f"{c} {r:.1f}" for r, c in over))
     console.print(table)
 
 
