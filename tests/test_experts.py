@@ -278,3 +278,11 @@ def test_the_report_of_a_constructed_routing_by_hand():
     # paths: the dropped token has none; 0-1 for a and b, 1-1 for the kept '.'
     assert [(p.experts, p.count) for p in report.paths.top] == [([0, 1], 6), ([1, 1], 1)]
     assert report.paths.best_layer == 0 and report.paths.best_layer_bits == pytest.approx(h)
+
+
+def test_json_refuses_a_pipe_without_opening_it(tiny_run, tmp_path, capsys):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.json")  # opening it to read would wait for a writer forever
+    rc, out, err = run_cli(["experts", str(tiny_run), "--quiet", "--json", str(tmp_path / "pipe.json")], capsys)
+    assert "not a file nanollama4 experts wrote" in assert_cli_error(rc, err, "experts")

@@ -37,7 +37,7 @@ def check_json_target(out: Path) -> None:
                           "through)")
     if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise ConfigError(f"--json {out}: give a file path in an existing, writable folder")
-    if out.exists() and not _is_ours(out):
+    if out.exists() and (not out.is_file() or not _is_ours(out)):  # a pipe or a device is not opened to look
         raise ConfigError(f"--json {out} exists and is not a file nanollama4 experts wrote; pick a new file name")
 
 
