@@ -180,7 +180,9 @@ def test_cli_on_a_run_and_json_round_trips(tiny_run, corpus, tmp_path, capsys):
 
     model, tok = load_any(tiny_run)
     ids = np.array(tok.encode(corpus.read_text()))[:500]
-    assert data == json.loads(json.dumps(report_dict(experts(model, tok, ids, batch=2))))
+    again = experts(model, tok, ids, batch=2)
+    again.source = f"{tiny_run}; {corpus}"
+    assert data == json.loads(json.dumps(report_dict(again)))
     assert data["format"] == "nanollama4-experts/1" and set(dataclasses.asdict(
         experts(model, tok, ids[:64], batch=2))) <= set(data)
     # run again onto its own file: replaced; the run's validation text by default

@@ -270,6 +270,7 @@ def cmd_experts(args: argparse.Namespace) -> None:
         check_json_target(Path(args.json))
     model, tokenizer, ids, source = model_and_text(args.path, args.data, args.tokens)
     report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet, untrained=args.untrained_null)
+    report.source = f"{args.path}; {source}"
     print(f"text: {source}")
     show_experts(report)
     if args.json:

@@ -161,6 +161,7 @@ class ExpertsReport:
     untrained: list[UntrainedLayer] | None = None  # the untrained null per layer, when asked for
     untrained_paths: Specialisation | None = None  # I(path; token) of the untrained model
     untrained_seed: int | None = None  # the seed its weights were drawn from
+    source: str = ""  # what was read: the model's path and the text's (the command fills it in)
 
 
 def experts(model: Transformer, tokenizer: Tokenizer, ids: np.ndarray, batch: int = 16, quiet: bool = True,
