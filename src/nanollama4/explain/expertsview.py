@@ -56,6 +56,11 @@ def write_json(report: ExpertsReport, out: Path) -> None:
     atomic_write(Path(out), lambda p: Path(p).write_text(text, encoding="utf-8"))
 
 
+def _quoted(token: str) -> str:
+    """A token in quotes that are not in it (its escapes are already written: `errors.shown`)."""
+    return f'"{token}"' if "'" in token else f"'{token}'"
+
+
 def _mi(s: Specialisation) -> str:
     interval = (f", 95% interval {s.excess_low:.3f} to {s.excess_high:.3f} over {s.chunks} chunks"
                 if s.excess_low is not None else "")
@@ -96,7 +101,7 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
                  "classes (x the stream's share)"):
         table.add_column(name, overflow="fold")
     for e in layer.experts:
-        tops = "  ".join(f"'{t.token}' x{t.lift:.1f}" for t in e.top_lift[:4]) or "(no token reaches " \
+        tops = "  ".join(f"{_quoted(t.token)} x{t.lift:.1f}" for t in e.top_lift[:4]) or "(no token reaches " \
             f"{report.min_lift_count})"
         if e.top_lift and e.top_lift[0].contexts:
             tops += f"\n{e.top_lift[0].contexts[0]}"
@@ -116,5 +121,5 @@ def _show_paths(report: ExpertsReport, console: Console) -> None:
     if report.untrained_paths is not None:
         console.print(f"    untrained (seed {report.untrained_seed}): {_mi(report.untrained_paths)}", markup=False)
     for p in paths.top:
-        tokens = "  ".join(f"'{t.token}' {t.count}" for t in p.top_tokens[:6])
+        tokens = "  ".join(f"{_quoted(t.token)} {t.count}" for t in p.top_tokens[:6])
         console.print(f"  {'-'.join(map(str, p.experts))}  {p.share:.3f}  {tokens}", markup=False)
