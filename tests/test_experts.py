@@ -288,3 +288,23 @@ def test_json_refuses_a_pipe_without_opening_it(tiny_run, tmp_path, capsys):
     os.mkfifo(tmp_path / "pipe.json")  # opening it to read would wait for a writer forever
     rc, out, err = run_cli(["experts", str(tiny_run), "--quiet", "--json", str(tmp_path / "pipe.json")], capsys)
     assert "not a file nanollama4 experts wrote" in assert_cli_error(rc, err, "experts")
+
+
+def test_the_shared_share_is_the_norm_ratio_documented(crowded):
+    from nanollama4.moe import moe_reference
+
+    model, tok = crowded
+    ids = np.array(tok.encode(TEXT))[:32]  # one window
+    moe = model.moe_layers()[1]
+    inputs = []
+    handle = moe.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach()))
+    try:
+        routes = route_stream(model, ids, quiet=True)
+    finally:
+        handle.remove()
+    (x,) = inputs
+    with torch.no_grad():
+        shared = moe.shared_expert(x).reshape(32, -1).norm(dim=-1)
+        routed = (moe_reference(moe, x) - moe.shared_expert(x)).reshape(32, -1).norm(dim=-1)
+    torch.testing.assert_close(torch.from_numpy(routes.shared_LN[1]), shared / (shared + routed), rtol=1e-4,
+                               atol=1e-6)
