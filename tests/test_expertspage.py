@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanollama4.config import preset
+from nanollama4.explain import palette
 from nanollama4.explain.experts import experts
 from nanollama4.explain.expertspage import UNDRAWN, experts_html, page_data
 from nanollama4.explain.expertsview import report_dict
@@ -52,6 +53,7 @@ def test_the_page_holds_every_number_of_the_report(report):
         for key in UNDRAWN:
             del layer[key]
     assert data == want and data == page_data(report)  # every layer's and expert's numbers, paths, nulls
+    assert json.dumps({"experts": palette.expert_colors(4), "dropped": palette.DROPPED}) in page  # explain's colours
     assert len(data["layers"]) == 4 and all(len(layer["experts"]) == 4 for layer in data["layers"])
 
 
@@ -87,6 +89,11 @@ def test_the_page_draws_in_a_browser_and_hostile_text_stays_text(report, tmp_pat
     assert len(cells) == len(want)  # a heatmap cell per layer, class present and expert, each with its ratio
     assert all(c == wc and int(e) == we and float(r) == pytest.approx(wr, abs=1e-3)
                for (c, e, r), (wc, we, wr) in zip(cells, want, strict=True))
+    inks = re.findall(r'data-class="[^"]+"[^>]*style="background: rgb\((\d+), (\d+), (\d+)\); color: '
+                      r'rgb\((\d+), (\d+), (\d+)\);"', dom)
+    assert len(inks) == len(want)
+    hexed = ["#" + "".join(f"{int(v):02x}" for v in rgb) for rgb in inks]
+    assert all(palette.contrast(h[:7], "#" + h[7:]) >= 4.5 for h in hexed)  # every number reads on its colour
 
 
 def test_html_is_written_and_replaces_only_its_own_page(tiny_run, tmp_path, capsys):
