@@ -192,6 +192,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("experts", "--batch"): [["RUN", "--batch", "0"], ["RUN", "--batch", "2000"]],
     ("experts", "--json"): [["RUN", "--json", "MISSING/out.json"], ["RUN", "--json", "EMPTY"],
                             ["RUN", "--json", "FILE"]],
+    ("experts", "--html"): [["RUN", "--html", "MISSING/page.html"], ["RUN", "--html", "EMPTY"],
+                            ["RUN", "--html", "FILE"]],
     ("experts", "--quiet"): [["RUN", "--quiet=1"]],
     ("experts", "--untrained-null"): [["RUN", "--untrained-null=yes"]],
     ("serve", "--dtype"): [["RUN", "--dtype", "half"]],

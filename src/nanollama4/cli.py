@@ -228,6 +228,8 @@ def _model_commands(sub: Any) -> None:
     p.add_argument("--tokens", type=_positive_int, metavar="N", help="route only the first N tokens")
     p.add_argument("--batch", type=_batch, default=16, help="windows of max_seq_len per forward pass (default 16)")
     p.add_argument("--json", type=_path, metavar="FILE", help="also write everything, counts included, as JSON")
+    p.add_argument("--html", type=_path, metavar="FILE", help="also write one self-contained offline page: per layer "
+                   "the numbers, a token-class x expert heatmap, each expert's top tokens with contexts; the paths")
     p.add_argument("--untrained-null", action="store_true",
                    help="also route the text through the same config freshly initialised (seed 0) and show its "
                         "specialisation beside the trained one's (twice the time)")

@@ -263,11 +263,14 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
 def cmd_experts(args: argparse.Namespace) -> None:
     from .explain.experts import experts
+    from .explain.expertspage import check_experts_page_target, write_experts_page
     from .explain.expertsview import check_json_target, show_experts, write_json
     from .explain.routes import model_and_text
 
     if args.json:
         check_json_target(Path(args.json))
+    if args.html:
+        check_experts_page_target(Path(args.html))
     model, tokenizer, ids, source = model_and_text(args.path, args.data, args.tokens)
     report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet, untrained=args.untrained_null)
     report.source = f"{args.path}; {source}"
@@ -276,6 +279,9 @@ def cmd_experts(args: argparse.Namespace) -> None:
     if args.json:
         write_json(report, Path(args.json))
         print(f"json: {args.json}")
+    if args.html:
+        write_experts_page(report, Path(args.html), f"nanollama4 experts: {args.path}")
+        print(f"page: {args.html}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

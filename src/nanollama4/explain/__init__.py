@@ -13,6 +13,7 @@ Over a whole text rather than one prompt (`nanollama4 experts`), imported from t
   explain.experts      `experts(model, tokenizer, ids)` -> `ExpertsReport`: loads, lift, classes, MI, paths
   explain.specialise   the arithmetic: lift, mutual information, the shuffle null, intervals
   explain.expertsview  `show_experts(report)`, `write_json(report, path)`
+  explain.expertspage  `experts_html(report)`: the offline page (experts.html), filled and written as page.py's
 """
 
 from .page import PAGE_SCORES_LIMIT, html, notebook_html

@@ -2,7 +2,8 @@
 
 page.html is the template, shipped as package data; `html` fills its two placeholders, the at-sign
 names TITLE (the title, HTML-escaped) and DATA (the trace as JSON, with "<", ">" and "&" escaped), in a
-single pass, so nothing a prompt contains is ever read as a placeholder.
+single pass, so nothing a prompt contains is ever read as a placeholder. The filling and the safe writing
+(`fill_page`, `check_page_target`, `write_html`) serve the experts page too (expertspage.py).
 """
 
 from __future__ import annotations
@@ -51,47 +52,68 @@ def html(t: Trace, title: str = "nanollama4 explain") -> str:
                           for head in layer.attention.tolist()],
         } for layer in t.layers],
     }
-    # inside <script>, no "<", ">" or "&" may appear raw: token text such as "</script>" or "<!--" would end
-    # or change the script element; JSON's \u escapes say the same characters safely
-    payload = (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
-               .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
-    fills = {"TITLE": html_text.escape(title), "DATA": payload}
     n_experts = max((layer.n_experts or 0 for layer in t.layers), default=0)
-    page = palette.fill(_template(), n_experts)  # before the data goes in: a prompt is never read as a placeholder
+    return fill_page("page.html", title, data, n_experts)
+
+
+def script_json(data: object) -> str:
+    """`data` as JSON safe to inline in a <script> element: no "<", ">" or "&" appears raw (token text such
+    as "</script>" or "<!--" would end or change the element); JSON's \\u escapes say the same characters."""
+    return (json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+
+
+def fill_page(template: str, title: str, data: object, n_experts: int) -> str:
+    """The packaged `template` with the expert palette, then @TITLE@ (HTML-escaped) and @DATA@ (`script_json`)
+    filled in a single pass, so nothing a text contains is ever read as a placeholder."""
+    fills = {"TITLE": html_text.escape(title), "DATA": script_json(data)}
+    page = palette.fill(_template(template), n_experts)  # before the data goes in: never read as a placeholder
     return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], page)  # one pass: a prompt is never re-read
 
 
-def _template() -> str:
-    """page.html, read through importlib.resources so it is found in an installed wheel as in a checkout."""
-    return resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+def _template(name: str) -> str:
+    """A page template, read through importlib.resources so it is found in an installed wheel as in a checkout."""
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
-MARK = b'<meta name="generator" content="nanollama4 explain">'  # in the first line of every page we write
+EXPLAIN = "nanollama4 explain"  # the generator named in the first line of every explain page we write
 
 
-def is_our_page(path: Path) -> bool:
-    """Whether `path` is a regular file that starts like a page `html` made (so replacing it loses nothing
-    of anyone else's)."""
+def mark(generator: str) -> bytes:
+    """What the first line of every page `generator` writes holds: what tells our pages from anyone else's."""
+    return f'<meta name="generator" content="{generator}">'.encode()
+
+
+MARK = mark(EXPLAIN)
+
+
+def is_our_page(path: Path, generator: str = EXPLAIN) -> bool:
+    """Whether `path` is a regular file that starts like a page `generator` made (so replacing it loses
+    nothing of anyone else's). A link, a pipe or a device is never opened to look."""
     if path.is_symlink() or not path.is_file():
         return False
     with open(path, "rb") as f:
-        return MARK in f.read(512)
+        return mark(generator) in f.read(512)
 
 
-def check_page_target(out: Path, force: bool = False) -> None:
+def check_page_target(out: Path, force: bool = False, generator: str = EXPLAIN, can_force: bool = True) -> None:
     """Refuse, before any work, a page path that cannot be written or would replace a file of someone else's
-    (anything not a page `html` made, unless `force`)."""
+    (anything not a page `generator` made, a planted link included, unless `force`)."""
     if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
-    if os.path.lexists(out) and not force and not is_our_page(out):
-        raise ConfigError(f"--html {out} exists and is not a page nanollama4 explain wrote; pick a new file name "
-                          "(or pass --force to replace it)")
+    if os.path.lexists(out) and not force and not is_our_page(out, generator):
+        raise ConfigError(f"--html {out} exists and is not a page {generator} wrote; pick a new file name"
+                          + (" (or pass --force to replace it)" if can_force else ""))
+
+
+def write_html(page: str, out: Path) -> None:
+    """`page` at `out`, written whole or not at all; a link there is replaced, never written through."""
+    atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
 
 
 def write_page(t: Trace, out: Path, title: str) -> None:
     """The trace's page at `out`, written whole or not at all."""
-    page = html(t, title)
-    atomic_write(out, lambda p: Path(p).write_text(page, encoding="utf-8"))
+    write_html(html(t, title), out)
 
 
 def notebook_html(t: Trace) -> str:
