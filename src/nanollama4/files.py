@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .errors import CheckpointError, Nanollama4Error, WriteError
+from .errors import CheckpointError, ConfigError, Nanollama4Error, WriteError
 
 JSON_LIMIT = 256 * 2**20  # bytes; a BPE tokenizer.json of a 200k vocabulary is ~10 MB
 LINE_LIMIT = 16 * 2**20  # bytes of one JSON line; ours are at most ~6 MB (a 256 x 1024 expert-load table)
@@ -292,3 +292,13 @@ def read_safetensors(path: Path, inside: Path | None = None) -> dict[str, torch.
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupt or truncated") from None
+
+
+def check_output_target(out: Path, flag: str, ours: Callable[[Path], bool], whose: str, fix: str = "") -> None:
+    """Refuse, before any work, an output path (`flag` names the option) that cannot be written, or whose
+    present file `ours` does not recognise (`whose`: "a page nanollama4 explain wrote", say): a command
+    replaces only what it wrote itself. `ours` must not open a link, a pipe or a device to look."""
+    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ConfigError(f"{flag} {out}: give a file path in an existing, writable folder")
+    if os.path.lexists(out) and not ours(out):
+        raise ConfigError(f"{flag} {out} exists and is not {whose}; pick a new file name{fix}")

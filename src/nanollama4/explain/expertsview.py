@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..files import atomic_write
+from ..files import atomic_write, check_output_target
 from .experts import ExpertsReport, LayerStat, UntrainedLayer
 from .specialise import Specialisation
 from .terminal import terminal_console
@@ -35,13 +35,12 @@ def check_json_target(out: Path) -> None:
     if os.path.islink(out):
         raise ConfigError(f"--json {out} is a symbolic link; give the path of a new file (a link is never written "
                           "through)")
-    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ConfigError(f"--json {out}: give a file path in an existing, writable folder")
-    if out.exists() and (not out.is_file() or not _is_ours(out)):  # a pipe or a device is not opened to look
-        raise ConfigError(f"--json {out} exists and is not a file nanollama4 experts wrote; pick a new file name")
+    check_output_target(out, "--json", _is_ours, "a file nanollama4 experts wrote")
 
 
 def _is_ours(path: Path) -> bool:
+    if not path.is_file():  # a pipe or a device is not opened to look
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(64)

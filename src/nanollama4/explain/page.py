@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import html as html_text
 import json
-import os
 import re
 from importlib import resources
 from pathlib import Path
 
-from ..errors import ConfigError, GenerationError
-from ..files import atomic_write
+from ..errors import GenerationError
+from ..files import atomic_write, check_output_target
 from . import palette
 from .tracing import Trace, describe_attention
 
@@ -99,11 +98,8 @@ def is_our_page(path: Path, generator: str = EXPLAIN) -> bool:
 def check_page_target(out: Path, force: bool = False, generator: str = EXPLAIN, can_force: bool = True) -> None:
     """Refuse, before any work, a page path that cannot be written or would replace a file of someone else's
     (anything not a page `generator` made, a planted link included, unless `force`)."""
-    if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ConfigError(f"--html {out}: give a file path in an existing, writable folder")
-    if os.path.lexists(out) and not force and not is_our_page(out, generator):
-        raise ConfigError(f"--html {out} exists and is not a page {generator} wrote; pick a new file name"
-                          + (" (or pass --force to replace it)" if can_force else ""))
+    check_output_target(out, "--html", lambda path: force or is_our_page(path, generator),
+                        f"a page {generator} wrote", " (or pass --force to replace it)" if can_force else "")
 
 
 def write_html(page: str, out: Path) -> None:
