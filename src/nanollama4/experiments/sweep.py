@@ -53,6 +53,7 @@ from ..files import atomic_write, read_json
 from ..runs import fit_seq_len
 from . import arms as folders
 from . import common
+from .common import TINY_SCORE_TOKENS
 from .sweep_report import report
 
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
@@ -141,7 +142,6 @@ class Sweep:
 # the smoke-test scale of `--tiny`: a few steps of tiny windows, one validation; numbers that mean nothing
 TINY_TRAIN = dict(batch_size=2, seq_len=16, eval_interval=3, eval_batches=1, warmup_steps=1)
 TINY_STEPS = 3
-TINY_SCORE_TOKENS = 4096  # validation tokens a --tiny arm is scored on (the full split takes minutes)
 
 
 # ---------------------------------------------------------------------------------------------- reading
