@@ -140,9 +140,10 @@ def test_an_experiments_files_replace_a_planted_link_instead_of_writing_through_
 
 
 def test_chunking_at_the_training_window_changes_nothing_in_training():
-    """irope_length applies chunking at evaluation only: on windows of the chunk's length, a chunked and an
-    unchunked model with the same weights compute the same loss and gradients (no window crosses a chunk
-    boundary), and on longer windows they differ."""
+    """Chunking is a mask over positions, not a change of weights: on windows of the chunk's length a chunked
+    and an unchunked model with the same weights compute the same loss and gradients (no window crosses a
+    chunk boundary), and on longer windows they differ (which is why irope_length trains its chunked arms on
+    windows four chunks long)."""
     import torch
 
     import nanollama4

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 EXPERIMENTS = {
     "moe_vs_dense": "MoE vs dense at equal active parameters (N = 4..32, k = 1 and 2)",
     "shared_expert": "the shared expert on and off at equal active parameters",
-    "irope_length": "all-RoPE vs iRoPE trained at 128, evaluated to 2,048, with and without temperature",
+    "irope_length": "all RoPE, chunked RoPE and iRoPE trained at 128 with chunks of 32: loss and passkey to 2,048",
     "gqa": "1, 2, 4, 8 KV heads at 8 query heads: cache bytes, decode speed, loss",
     "router_tricks": "noise, -inf masking, capacity with and without overflow, aux loss, bias balancing",
     "moe_capacity": "a dense model short of capacity against MoEs of N = 4, 16, 64 at its active size, long runs",
