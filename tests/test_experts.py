@@ -308,3 +308,27 @@ def test_the_shared_share_is_the_norm_ratio_documented(crowded):
         routed = (moe_reference(moe, x) - moe.shared_expert(x)).reshape(32, -1).norm(dim=-1)
     torch.testing.assert_close(torch.from_numpy(routes.shared_LN[1]), shared / (shared + routed), rtol=1e-4,
                                atol=1e-6)
+
+
+def test_compare_adds_each_runs_specialisation_by_layer(tiny_run, tmp_path, capsys):
+    """`compare --experts N --untrained-null`: per run, the bits `experts` computes on the same N validation
+    tokens, and the untrained twin's; a run whose checkpoint cannot be read keeps its row with a note."""
+    import shutil
+
+    from nanollama4.explain.routes import model_and_text
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_run, broken, symlinks=True)
+    (broken / "step-0000004" / "model.safetensors").write_bytes(b"not a checkpoint")
+    rc, stdout, err = run_cli(["compare", str(tiny_run), str(broken), "--out", str(tmp_path / "cmp"),
+                               "--experts", "300", "--untrained-null"], capsys)
+    assert rc == 0, err
+    model, tok, ids, _ = model_and_text(tiny_run, None, 300)
+    want = experts(model, tok, ids, untrained=True)
+    row = next(line for line in stdout.splitlines() if line.startswith("| run |"))
+    assert "I(expert; token) by MoE layer" in row
+    row = next(line for line in stdout.splitlines() if line.startswith(f"| {tiny_run.name} | 300"))
+    assert " / ".join(f"{lay.token_mi.bits:.2f}" for lay in want.layers) in row
+    assert "(untrained " + " / ".join(f"{u.token_mi.bits:.2f}" for u in want.untrained) in row
+    assert "| broken | - |" in stdout and "- broken: " in stdout
+    assert "What the experts learned" in (tmp_path / "cmp" / "compare.md").read_text()

@@ -288,6 +288,11 @@ def _run_commands(sub: Any) -> None:
                                        "tokens and time; expert load; routing)")
     p.add_argument("runs", nargs="+", type=_path, metavar="RUN", help="run directories (two or more to compare)")
     p.add_argument("--out", type=_path, help="folder for compare.md and the plots (default: runs/compare-TIMESTAMP)")
+    p.add_argument("--experts", type=_positive_int, nargs="?", const=100_000, metavar="TOKENS",
+                   help="also route each MoE run's first TOKENS validation tokens (default 100,000) and add its "
+                        "experts' specialisation by layer, in bits (as `experts` reads it)")
+    p.add_argument("--untrained-null", action="store_true",
+                   help="with --experts: the same numbers for an untrained twin of each run (fresh weights)")
     p.set_defaults(func=commands.cmd_compare)
 
     p = sub.add_parser("sweep", help="train the arms of a sweep file seed by seed and read them with paired "

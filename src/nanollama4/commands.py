@@ -375,7 +375,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from .compare import compare_runs
 
     out = args.out or "runs/compare-" + time.strftime("%Y%m%d-%H%M%S")
-    table, paths = compare_runs(args.runs, out)
+    table, paths = compare_runs(args.runs, out, args.experts, args.untrained_null)
     print(table)
     for path in paths:
         print(f"{'table' if path.suffix == '.md' else 'plot'}: {path}")

@@ -444,16 +444,23 @@ def _ours(folder: Path) -> bool:
     return text.decode("utf-8", errors="replace").rstrip().endswith(MARK)
 
 
-def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike) -> tuple[str, list[Path]]:
+def compare_runs(runs: Sequence[str | os.PathLike], out: str | os.PathLike, experts_tokens: int | None = None,
+                 untrained_null: bool = False) -> tuple[str, list[Path]]:
     """Compare training runs: returns (the Markdown table, the files written in OUT). The table goes to
     OUT/compare.md and the plots beside it (PLOTS); a plot that no longer applies (no MoE run, no routing)
-    is removed from OUT, so that a folder used twice shows no picture of other runs."""
+    is removed from OUT, so that a folder used twice shows no picture of other runs. `experts_tokens`: also
+    route that many validation tokens of each run and add its experts' specialisation by layer (with the
+    untrained twin's when `untrained_null`; explain/expertstable.py)."""
     if not runs:
         raise ConfigError("compare needs at least one run: pass the run directories to compare (runs/NAME ...)")
     paths = [_abs(Path(r)) for r in runs]
     records = [read_run(p, name) for p, name in zip(paths, _unique_names(paths), strict=True)]
     folder = _out_folder(out)
     text = markdown_table(records)
+    if experts_tokens:
+        from .explain.expertstable import specialisation_section
+
+        text += specialisation_section(paths, [r.name for r in records], experts_tokens, untrained_null)
     colours = run_colours(len(records))
     written = [plot_losses(records, colours, folder)]
     for plot, name in ((plot_expert_load, "expert_load.png"), (plot_routing, "routing.png")):

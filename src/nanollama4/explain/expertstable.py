@@ -1,0 +1,60 @@
+"""The experts' specialisation of several runs side by side: the section `compare --experts` adds below its
+table, so that a sweep's arms (balancing, capacity, a shared expert or none) can be read for what their
+experts learned as well as for their loss.
+
+Each run's checkpoint (the one `experts` reads: the run's best) routes the first N tokens of its own
+validation text, and each MoE layer gets two numbers in bits: I(first expert; token) and I(first expert;
+token class), the mutual informations `nanollama4 experts` prints. With `untrained`, the same for an
+untrained twin of each run (its config, fresh weights), the null that shows how much of a number routing
+gets with no training at all. Plug-in estimates of mutual information grow as the sample shrinks, so every
+run is read on the same N tokens; runs with different tokenizers count different things and are compared
+by their gap to their own untrained twin, not by their bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import Nanollama4Error, shown
+from .experts import experts
+from .routes import model_and_text
+
+TOKENS = 100_000  # tokens each run routes unless told: a few seconds a run for the demo model
+
+
+def specialisation_section(paths: Sequence[Path], names: Sequence[str], max_tokens: int = TOKENS,
+                           untrained: bool = False, batch: int = 16) -> str:
+    """A Markdown section: per run, the tokens routed and, layer by layer, I(expert; token) and I(expert;
+    class) in bits (with the untrained twin's in brackets when asked), then the notes."""
+    rows, notes = [], []
+    for path, name in zip(paths, names, strict=True):
+        try:
+            model, tokenizer, ids, _ = model_and_text(path, None, max_tokens)
+            if not any(True for _ in model.moe_layers()):
+                rows.append([name, "-", "dense: no experts", "-"])
+                continue
+            report = experts(model, tokenizer, ids, batch=batch, untrained=untrained)
+        except Nanollama4Error as e:
+            rows.append([name, "-", "-", "-"])
+            notes.append(f"{name}: {e}")
+            continue
+        twin = report.untrained or []
+        token = " / ".join(f"{lay.token_mi.bits:.2f}" for lay in report.layers)
+        kind = " / ".join(f"{lay.class_mi.bits:.2f}" for lay in report.layers)
+        if twin:
+            token += " (untrained " + " / ".join(f"{u.token_mi.bits:.2f}" for u in twin) + ")"
+            kind += " (untrained " + " / ".join(f"{u.class_mi.bits:.2f}" for u in twin) + ")"
+        rows.append([name, f"{report.tokens:,} {report.tokenizer}", token, kind])
+    header = ["run", "tokens routed", "I(expert; token) by MoE layer, bits", "I(expert; class) by MoE layer, bits"]
+    rows = [[shown(c).replace("|", "\\|") for c in row] for row in [header, *rows]]
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join(":---" for _ in header) + "|")
+    notes = [f"Each run's best checkpoint routes the first {max_tokens:,} tokens of its validation text "
+             "(`nanollama4 experts RUN --tokens N` shows every expert). Bits say how much the expert a token's "
+             "first slot went to tells about the token (or its class); "
+             + ("the untrained twin (same config, fresh weights) is what routing gives with no training."
+                if untrained else "add --untrained-null for what the same models give untrained."),
+             *notes]
+    return ("\n## What the experts learned\n\n" + "\n".join(lines) + "\n\n"
+            + "\n".join(f"- {shown(n)}" for n in notes) + "\n")
