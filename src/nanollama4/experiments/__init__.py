@@ -24,6 +24,8 @@ EXPERIMENTS = {
     "irope_length": "all RoPE, chunked RoPE and iRoPE trained at 128 with chunks of 32: loss and passkey to 2,048",
     "gqa": "1, 2, 4, 8 KV heads at 8 query heads: cache bytes, decode speed, loss",
     "router_tricks": "noise, -inf masking, capacity with and without overflow, aux loss, bias balancing",
+    "expert_specialisation": "the demo MoE's experts read over its validation text against two nulls, shared "
+                             "expert on and off; BPE on Shakespeare and on Python source",
     "moe_capacity": "a dense model short of capacity against MoEs of N = 4, 16, 64 at its active size, long runs",
 }
 
