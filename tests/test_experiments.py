@@ -164,3 +164,37 @@ def test_chunking_at_the_training_window_changes_nothing_in_training():
     long = torch.randint(0, cfg.vocab_size, (1, 48))
     with torch.no_grad():
         assert not torch.allclose(full(long), chunked(long))
+
+
+def test_passkey_probes_read_the_attention_the_model_used():
+    """irope_length's `ask` records, at the question, each layer's attention on the passkey as the layer
+    computed it (the trace's probabilities, an independent recorder); chunked layers give 0 past their chunk;
+    a blind NoPE layer gives 0; and every layer's attention is put back afterwards."""
+    import random
+
+    import torch
+
+    import nanollama4
+    from nanollama4.experiments import irope_length as ir
+    from nanollama4.experiments import recall
+    from nanollama4.explain.tracing import trace
+    from nanollama4.tokenizer import CharTokenizer
+
+    torch.manual_seed(0)
+    tok = CharTokenizer.from_text(recall.FILLER + recall.VALUES + "#?")
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, n_layers=4, nope_interval=4, attention_chunk_size=8,
+                            max_seq_len=64, attn_temperature_tuning=True, floor_scale=8)
+    model = nanollama4.build_model(cfg).eval()
+    before = [b.attn.attend for b in model.blocks]
+    length, d = 48, 20  # the passkey 20 back: past every chunk of 8
+    _, seen = ir.ask(model, tok, length, d, 1)
+    text, _ = recall.probe(random.Random(f"0-{length}-{d}"), length, d)  # the probe ask drew
+    at = length - 1 - d
+    for layer, heads in zip(trace(model, tok, text).layers, seen, strict=True):
+        want = layer.attention[:, -1, at:at + 2].sum(-1)
+        torch.testing.assert_close(torch.tensor(heads, dtype=torch.float32), want, atol=1e-5, rtol=0)
+    assert all(h == 0 for heads in seen[:3] for h in heads) and min(seen[3]) > 0  # R-R-R chunked, N full
+    _, blind = ir.ask(model, tok, length, d, 1, blind=True)
+    assert all(h == 0 for h in blind[3])
+    assert [b.attn.attend for b in model.blocks] == before
+    assert [ir.band(x, 128, 32) for x in ir.distances(128, 32)] == [0] * 3 + [1] * 3 + [2] * 5
