@@ -1,11 +1,7 @@
 """Passkey retrieval at toy scale: does a model *use* context further back than it was trained on?
 
-The text is filler with passkeys and questions in it. The filler repeats a few plain sentences (FILLER), as
-Mohtashami and Jaggi's test does, entered at a random point each time: once a model has learnt it, it
-predicts the filler almost exactly, and what is left to learn is the passkey (random letters instead leave
-99% of the loss on characters nothing predicts, and a model of this size took over 3,000 steps to find the
-passkey under that noise). A passkey is "#" and a digit; a question is "?", and the character after it is
-the digit of the latest passkey. Nothing else in the text predicts
+The text is lowercase filler with passkeys and questions in it. A passkey is "#" and a digit; a question
+is "?", and the character after it is the digit of the latest passkey. Nothing else in the text predicts
 that digit, so a model that names it more often than chance (1 in 10) has found the passkey, however far
 back it is: the long-context test of Mohtashami and Jaggi (2023), at the scale of characters.
 
@@ -28,13 +24,7 @@ from ..model import Transformer
 from ..tokenizer import CharTokenizer
 
 VALUES = "0123456789"
-FILLER = "the grass is green. the sky is blue. the sun is yellow. here we go. there and back again. "
-
-
-def filler(rng: random.Random, n: int) -> list[str]:
-    """`n` characters of the repeated FILLER, from a random point of it."""
-    start = rng.randrange(len(FILLER))
-    return [FILLER[(start + i) % len(FILLER)] for i in range(n)]
+FILLER = "abcdefghijklmnopqrstuvwxyz"
 
 
 def write_corpus(path: Path, characters: int, reach: int = 128, seed: int = 0) -> Path:
@@ -46,7 +36,8 @@ def write_corpus(path: Path, characters: int, reach: int = 128, seed: int = 0) -
     while len(text) < characters:
         d = round(math.exp(rng.uniform(math.log(2), math.log(reach - 3))))
         value = rng.choice(VALUES)
-        text += ["#", value, *filler(rng, d - 2), "?", value, *filler(rng, reach)]
+        text += ["#", value, *(rng.choice(FILLER) for _ in range(d - 2)), "?", value,
+                 *(rng.choice(FILLER) for _ in range(reach))]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(text), encoding="utf-8")
     return path
@@ -57,7 +48,7 @@ def probe(rng: random.Random, length: int, d: int) -> tuple[str, str]:
     characters before the "?"; and the passkey's digit."""
     if not 2 <= d <= length - 1:
         raise ValueError(f"a passkey {d} characters back does not fit a window of {length}")
-    body = filler(rng, length - 1)  # then "?"
+    body = [rng.choice(FILLER) for _ in range(length - 1)]  # then "?"
     value = rng.choice(VALUES)
     at = len(body) - d
     body[at], body[at + 1] = "#", value
