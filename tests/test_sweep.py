@@ -188,8 +188,8 @@ def test_the_experiments_are_sweep_files():
     """Each experiment's arms, seeds and steps are in its packaged sweep file, readable as any sweep is."""
     for name in EXPERIMENTS:
         sweep = read_sweep(sweep_file(name))
-        assert sweep.experiment == name and len(sweep.arms) >= 2 and sweep.seeds == (0, 1, 2)
-        assert sweep.max_steps in (500, 800, 2500)
+        assert sweep.experiment == name and len(sweep.arms) >= 2 and len(sweep.seeds) == 3
+        assert 500 <= sweep.max_steps <= 2500
     moe = read_sweep(sweep_file("moe_vs_dense"))
     dense, n8 = (moe.configs(a)[0] for a in moe.arms if a.name in ("dense", "moe N=8 k=1"))
     assert (dense.n_experts, dense.ffn_dim, n8.n_experts, n8.expert_dim) == (0, 384, 8, 192)

@@ -315,7 +315,7 @@ def _run_commands(sub: Any) -> None:
     p.add_argument("--out", type=_path, help="folder for results and plots (default: runs/experiments/NAME-TIMESTAMP)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps per arm (default: the experiment's, 500-2,500)")
     p.add_argument("--data", type=_path, help="a text file, a folder or a quoted glob (default: Shakespeare's works)")
-    add_arm_options(p, "(default 0,1,2)")
+    add_arm_options(p, "(default: the experiment's, 0,1,2 for all but expert_specialisation's 1337,1,2)")
     p.set_defaults(func=commands.cmd_experiment)
 
 

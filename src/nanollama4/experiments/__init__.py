@@ -54,7 +54,7 @@ def run_experiment(name: str, out: str | Path, setting: Setting | None = None, p
     if setting is not None:
         if setting.data is not None:
             sweep = replace(sweep, base=replace(sweep.base, data=str(Path(setting.data).expanduser().resolve())))
-        tiny, steps, seeds = setting.tiny, setting.steps, setting.seeds
+        tiny, steps, seeds = setting.tiny, setting.steps, setting.seeds or None  # (): the file's seeds
     return run_sweep(sweep, out, progress, tiny=bool(tiny), seeds=seeds, max_steps=steps)
 
 

@@ -50,11 +50,12 @@ class Setting:
     def chosen(cls, data: str | None = None, tiny: bool = False, steps: int | None = None,
                seeds: tuple[int, ...] | None = None) -> Setting:
         """The setting `nanollama4 experiment` asks for: full or tiny scale, with steps and seeds replaced
-        where given (validation points no further apart than the run is long)."""
+        where given (validation points no further apart than the run is long); no seeds given, () = the
+        experiment file's own."""
         setting = cls.tiny_scale(data) if tiny else cls(data=data)
         if steps:
             setting = replace(setting, steps=steps, eval_interval=min(setting.eval_interval, steps))
-        return replace(setting, seeds=seeds) if seeds else setting
+        return replace(setting, seeds=seeds or ())
 
     @classmethod
     def tiny_scale(cls, data: str | None = None) -> Setting:
