@@ -359,3 +359,14 @@ def test_a_corpus_path_a_run_folder_names_is_shown_with_control_characters_visib
     rc, _, err = run_cli(["train", "--resume", str(run_copy), "--max-steps", "6", "--quiet"], capsys)
     line = assert_cli_error(rc, err, "train")
     assert f"{run_copy} was trained on /gone\\x1b[2J\\nforged, which no longer exists" in line, line
+
+
+def test_a_run_trained_on_a_glob_reads_its_text_back(corpus, tmp_path):
+    """A recorded corpus that is a glob exists while it matches files (eval, experts and resume read it)."""
+    from nanollama4.errors import DataError
+    from nanollama4.runs import corpus_of
+
+    pattern = str(corpus.parent / "*.txt")
+    assert corpus_of(tmp_path, {"data": pattern}, None) == pattern
+    with pytest.raises(DataError, match="no longer exists"):
+        corpus_of(tmp_path, {"data": str(tmp_path / "gone" / "*.py")}, None)

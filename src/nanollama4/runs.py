@@ -204,10 +204,22 @@ def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> s
     if data is not None:
         return data
     data = state.get("data")
-    if data is not None and not Path(data).exists():
+    if data is not None and not Path(data).exists() and not _glob_matches(data):
         raise DataError(f"{run_dir} was trained on {shown(data)}, which no longer exists; pass --data PATH with "
                         "the same text")
     return data
+
+
+def _glob_matches(data: str) -> bool:
+    """Whether a recorded corpus that is a glob (`'src/**/*.py'`) still matches files."""
+    from .data import find_corpus_files
+
+    if not any(c in data for c in "*?["):
+        return False
+    try:
+        return bool(find_corpus_files(data))
+    except DataError:
+        return False
 
 
 def token_dataset(files: list[Path], tokenizer: Tokenizer, cache_dir: Path, tc: TrainConfig, data: str | None,
