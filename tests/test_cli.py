@@ -199,6 +199,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("serve", "--dtype"): [["RUN", "--dtype", "half"]],
     ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
     ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],
+    ("compare", "--experts"): [["RUN", "--experts", "0"], ["RUN", "--experts", "many"]],
+    ("compare", "--untrained-null"): [["RUN", "--untrained-null=yes"]],
     ("sweep", "file"): [["MISSING"], ["FILE"], ["EMPTY"]],
     ("sweep", "--out"): [["SWEEP", "--out", "FILE"], ["SWEEP", "--out", ""]],
     ("sweep", "--seeds"): [["SWEEP", "--seeds", "a"], ["SWEEP", "--seeds", "1,1"]],

@@ -144,10 +144,12 @@ def report(out: Path) -> list[Path]:
                                for s, t in zip(reads[a], reads[b], strict=True)])
             prow.append([label, *cells, mean_cell])
         loss = common.paired_reading(results, a, b)
+        tie, _ = common.largest_spread([r for r in results if r.name in arms])
         table += (f"\n\n### {a} minus {b}, paired by seed\n\n" + common.markdown_table(
             ["difference", *[f"layer {i}" for i in range(n_layers)], "mean over layers"], prow)
                   + f"\n\nlearned: trained minus untrained bits, per seed; mean [95% t-interval], a tie within "
-                  f"+-{BITS_EFFECT} bits. Full validation loss, {a} minus {b}: {loss.interval}, {loss.reading}.")
+                  f"+-{BITS_EFFECT} bits. Full validation loss, {a} minus {b}: {loss.interval}, {loss.reading} "
+                  f"(seed-to-seed spread of the raw losses, largest of the two arms: {common.format_spread(tie)}).")
     lines = []
     for name, per in reads.items():
         first = per[0]
