@@ -402,3 +402,42 @@ def test_a_corpus_too_large_for_memory_is_one_line_before_reading_it(tmp_path, c
     assert re.search(r"is 4096\.0 GiB; its token ids take up to 8192\.0 GiB in the cache at .* GiB free: set "
                      r"NANOLLAMA4_CACHE", assert_cli_error(rc, err, "train"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_of_several_files_has_the_end_of_text_token_after_each(tmp_path):
+    """documents: each file tokenized alone and followed by the end-of-text id; one file stays as it is unless
+    asked ('files'); a tokenizer without the token (saved before it existed) keeps the files joined."""
+    from nanollama4.runs import ends_documents
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("ab\n")
+    (folder / "b.txt").write_text("ba")
+    files = find_corpus_files(str(folder))
+    tok = CharTokenizer.from_text("ab\n", end_of_text=True)
+    eos = tok.eos_id
+    built = TokenDataset.build(files, tok, tmp_path / "cache", val_fraction=0.0, documents=True)
+    assert built.tokens.tolist() == [*tok.encode("ab\n"), eos, *tok.encode("ba"), eos]
+    joined = TokenDataset.build(files, tok, tmp_path / "cache", val_fraction=0.0, documents=False)
+    assert joined.tokens.tolist() == tok.encode("ab\nba")  # a separate cache entry: no boundaries
+    old = CharTokenizer.from_text("ab\n")
+    assert TokenDataset.build(files, old, tmp_path / "cache", val_fraction=0.0, documents=True).tokens.tolist() \
+        == old.encode("ab\nba")
+    assert ends_documents("auto", files) and not ends_documents("auto", files[:1])
+    assert ends_documents("files", files[:1]) and not ends_documents("none", files)
+
+
+def test_a_folder_trains_with_an_end_of_text_after_each_file(tmp_path, capsys):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"{i}.txt").write_text("the cat sat on the mat. " * 40)
+    run = tmp_path / "run"
+    rc, _, err = train_cli(capsys, "--data", str(folder), "--out", str(run), "--max-steps", "2")
+    assert rc == 0, err
+    _, tok, _ = load_run(run)
+    assert tok.eos_id == tok.vocab_size - 1
+    cache = [p for p in (Path(os.environ["NANOLLAMA4_CACHE"])).glob("*-documents.bin")]
+    assert cache, "the folder's tokens were not cached with document ends"
+    ids = np.memmap(cache[-1], dtype=np.uint16, mode="r")
+    assert int((ids == tok.eos_id).sum()) == 6 and ids[-1] == tok.eos_id

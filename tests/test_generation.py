@@ -553,3 +553,16 @@ def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p):
     assert torch.equal(kept.isfinite(), logits == logits.max(-1, keepdim=True).values)
     tokens = next_token(logits, Sampling(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(0))
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_a_row_ends_at_the_tokenizers_end_of_text_unless_told_to_ignore_it():
+    from nanollama4.engine.sampling import Sampling, TextStream
+
+    tok = CharTokenizer.from_text("ab", end_of_text=True)
+    stream = TextStream(tok, Sampling())
+    assert stream.add(0) == "a" and stream.add(tok.eos_id) == "" and stream.stopped
+    assert stream.stop_id == tok.eos_id and stream.add(1) == ""
+    going = TextStream(tok, Sampling(ignore_eos=True))
+    assert going.add(tok.eos_id) + going.add(1) + going.flush() == "<|end_of_text|>b" and not going.stopped
+    old = TextStream(CharTokenizer.from_text("ab"), Sampling())  # no such token: nothing new stops a row
+    assert old.add(1) == "b" and not old.stopped

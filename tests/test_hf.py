@@ -228,7 +228,7 @@ def test_export_command_writes_a_checkpoint_transformers_loads_and_our_commands_
     rc, stdout, err = run_cli(["export", str(tiny_run), str(out)], capsys)
     assert rc == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                      "tokenizer.json"]
+                                                      "tokenizer.json", "tokenizer_config.json"]
     ours, tok, _ = load_run(tiny_run)
     theirs = transformers.Llama4ForCausalLM.from_pretrained(out).eval()
     ids = torch.tensor([tok.encode("the cat sat on the mat")])
@@ -271,7 +271,7 @@ def test_a_failed_export_leaves_nothing_that_a_retry_refuses(tiny_run, tmp_path,
     rc, _, err = run_cli(["export", str(tiny_run), str(out)], capsys)
     assert rc == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                      "tokenizer.json"]
+                                                      "tokenizer.json", "tokenizer_config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
 
 

@@ -30,7 +30,8 @@ def test_a_folder_of_python_files_trains_and_val_fraction_is_used(tmp_path, caps
     assert found, printed
     n_train, n_val = (int(found[i].replace(",", "")) for i in (1, 2))
     text_chars = sum(len(f.read_text(encoding="utf-8")) for f in code.rglob("*.py"))
-    assert n_train + n_val == text_chars and n_val == int(text_chars * 0.25)  # char tokens: one per character
+    files = len(list(code.rglob("*.py")))  # each followed by the end-of-text token
+    assert n_train + n_val == text_chars + files and n_val == int((text_chars + files) * 0.25)
     assert (out / "last").exists()
 
 

@@ -271,8 +271,14 @@ def test_scoring_a_prompt_token_ids_a_tiny_temperature_and_the_model_card(served
 def test_the_openai_client_raises_on_a_bad_field(served):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         served.client.completions.create(model=NAME, prompt="But soft", top_p=0)
-    with pytest.raises(openai.BadRequestError, match="not in the vocabulary"):
+    with pytest.raises(openai.BadRequestError, match="not in the vocabulary.*replace_unknown"):
         served.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "\u00e9t\u00e9"}])
+    # what the 400 advises, an HTTP client can send: the replacement as a request field
+    r = served.client.completions.create(model=NAME, prompt="\u00e9t\u00e9", max_tokens=3, temperature=0,
+                                         extra_body={"replace_unknown": "t"})
+    assert r.choices[0].text == generate(served.offline, served.tok, "ttt", 3, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="replace_unknown"):
+        served.client.completions.create(model=NAME, prompt="\u00e9", extra_body={"replace_unknown": "\u00e9"})
     with pytest.raises(openai.NotFoundError):
         served.client.completions.create(model="other", prompt="But soft")
 

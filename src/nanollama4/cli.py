@@ -260,9 +260,13 @@ def _model_commands(sub: Any) -> None:
     add_dtype(p)
     p.set_defaults(func=commands.cmd_serve)
 
-    p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer")
+    p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer, or "
+                       "as one GGUF file that llama.cpp runs")
     p.add_argument("run_dir", type=_path)
-    p.add_argument("out", type=_path, help="a new or empty folder")
+    p.add_argument("out", type=_path, help="a new or empty folder (hf), a new file name (gguf)")
+    p.add_argument("--format", default="hf", choices=["hf", "gguf"],
+                   help="hf: transformers' Llama4ForCausalLM folder (default); gguf: llama.cpp's Llama 4, refused "
+                        "with each difference named when llama.cpp would compute another model (docs/interop.md)")
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
     p.add_argument("--drop-bias", action="store_true",
                    help="write a model trained with bias balancing without its balancing biases (the reference "

@@ -305,16 +305,41 @@ def cmd_export(args: argparse.Namespace) -> None:
     from .hf import check_export_target, export_hf, padding_note
 
     out = Path(args.out)
+    if args.format == "gguf":
+        return _export_gguf(args, out)
     check_export_target(out)  # before the model is read
     if args.drop_bias:
         model, tokenizer = _without_bias(args)
     else:
         model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias)
+    eos = tokenizer.eos_id
+    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias, bos_token_id=eos, eos_token_id=eos)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
-          "generation_config.json, tokenizer.json")
+          f"generation_config.json, tokenizer.json{', tokenizer_config.json' if eos is not None else ''}")
+    if eos is None:
+        print("note: this run's tokenizer has no end-of-text token (it was trained before nanollama4 had one): the "
+              "export declares no EOS, so transformers' generate stops on length only")
     if padding_note(model.cfg):
         print(padding_note(model.cfg))
+
+
+def _export_gguf(args: argparse.Namespace, out: Path) -> None:
+    from .checkpoint import load_run
+    from .errors import ConfigError
+    from .llamacpp import check_llamacpp, export_gguf
+
+    if out.is_symlink() or out.exists():  # before the model is read
+        raise ConfigError(f"{out} exists; export the GGUF to a new file name")
+    if args.drop_bias:
+        model, tokenizer = _without_bias(args)
+    else:
+        model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
+    check_llamacpp(model)
+    notes = export_gguf(model, tokenizer, out, name=Path(args.run_dir).name)
+    print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: llama.cpp's llama4, float32, "
+          f"{out.stat().st_size / 2**20:.1f} MiB")
+    for note in notes:
+        print(f"note: {note}")
 
 
 DROP_BIAS_TOKENS = 2**18  # validation tokens `export --drop-bias` measures the change on (at most)

@@ -95,6 +95,8 @@ LoraRank = Annotated[int, at_least(0, "a whole number >= 0 (0: train every weigh
 LoraAlpha = Annotated[float, above(0, "a positive number or None (= lora_rank)")]
 Parallel = Literal["ddp", "fsdp"]
 TokenizerKind = Literal["char", "bpe"]
+Documents = Annotated[Literal["auto", "files", "none"], Rule(
+    "'auto' (after each file of a corpus of several), 'files' (after each file, one too) or 'none'")]
 LogKind = Annotated[Literal["jsonl", "tensorboard"], Rule("'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard "
                                                           "events as well)")]
 
@@ -254,6 +256,7 @@ class TrainConfig(_JsonConfig):
     seed: Seed = 1337  # seeds initialisation, batch sampling and router noise
     tokenizer: TokenizerKind = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: Count = 2048  # vocabulary size when tokenizer = "bpe"
+    documents: Documents = "auto"  # end-of-text token after each file: "auto" (if several files), "files" or "none"
     threads: Whole = 0  # torch CPU threads; 0 = all cores, fewer while other work slows the step (threads.py)
     device: Device = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: InvalidUtf8 = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"

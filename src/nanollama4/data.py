@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -280,15 +281,19 @@ def check_disk_for(files: Sequence[Path], dtype: np.dtype, cache_dir: Path) -> N
 
 
 def _write_ids(files: Sequence[Path], tokenizer: Tokenizer, dtype: np.dtype, path: str,
-               invalid_utf8: str) -> dict[str, Any]:
+               invalid_utf8: str, end: int | None = None) -> dict[str, Any]:
     """Tokenize the corpus piece by piece (`encoded_pieces`) into `path` as `dtype` ids, with a progress bar
-    in bytes on a terminal: memory holds one piece's ids, however large the corpus. Returns the count and
-    the sha256 of what was written."""
+    in bytes on a terminal: memory holds one piece's ids, however large the corpus; with `end` (an id), each
+    file is tokenized alone and followed by it. Returns the count and the sha256 of what was written."""
     digest, n, top = hashlib.sha256(), 0, np.iinfo(dtype).max
     total = sum(Path(f).stat().st_size for f in files)
+    documents = [[f] for f in files] if end is not None else [list(files)]
+    ending = [("", [end])] if end is not None else []
+    pieces = itertools.chain.from_iterable(  # streamed: one piece in memory at a time
+        itertools.chain(encoded_pieces(iter_corpus(doc, invalid_utf8), tokenizer), ending) for doc in documents)
     with open(path, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None,
                                       leave=False) as bar:
-        for piece, encoded in encoded_pieces(iter_corpus(files, invalid_utf8), tokenizer):
+        for piece, encoded in pieces:
             ids = np.asarray(encoded, dtype=np.int64)
             if ids.size and (ids.min() < 0 or ids.max() > top):
                 raise DataError(f"token ids outside [0, {top}] for dtype {dtype.name}; the tokenizer's "
@@ -349,11 +354,12 @@ class TokenDataset:
 
     @classmethod
     def build(cls, source: str | Path | Sequence[Path] | None, tokenizer: Tokenizer, cache_dir: str | Path,
-              val_fraction: float = 0.1, invalid_utf8: str = "error") -> TokenDataset:
+              val_fraction: float = 0.1, invalid_utf8: str = "error", documents: bool = False) -> TokenDataset:
         """Tokenize the corpus once into `cache_dir` (or reuse a matching cache entry) and memory-map it.
 
         `source` is a list of files, or a path / None as for `find_corpus_files`; `invalid_utf8` is as for
-        `read_corpus`.
+        `read_corpus`. `documents`: each file is a document, followed by the tokenizer's end-of-text token
+        (a tokenizer without one, saved before it existed, keeps the files joined as they are).
         """
         files = [Path(f) for f in source] if isinstance(source, (list, tuple)) else find_corpus_files(source)
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size < 2**16 else np.uint32)
@@ -372,9 +378,11 @@ class TokenDataset:
             raise empty_corpus(files)
         content_sha = digest.hexdigest()
         fingerprint = tokenizer.fingerprint()
-        stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}"
+        end = getattr(tokenizer, "eos_id", None) if documents else None
+        stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}{'-documents' if end is not None else ''}"
         bin_path, header_path = cache_dir / f"{stem}.bin", cache_dir / f"{stem}.json"
-        expected = {"content_sha256": content_sha, "tokenizer": fingerprint, "dtype": dtype.name}
+        expected = {"content_sha256": content_sha, "tokenizer": fingerprint, "dtype": dtype.name,
+                    **({"documents": len(files)} if end is not None else {})}
 
         header = _read_header(header_path, bin_path, expected)
         if header is not None and not _ids_below(bin_path, dtype, header["n_tokens"], tokenizer.vocab_size):
@@ -383,7 +391,7 @@ class TokenDataset:
         if header is None:
             written: dict[str, Any] = {}
             # the binary first, then the header: a header on disk always describes a complete binary
-            atomic_write(bin_path, lambda p: written.update(_write_ids(files, tokenizer, dtype, p, invalid_utf8)))
+            atomic_write(bin_path, lambda p: written.update(_write_ids(files, tokenizer, dtype, p, invalid_utf8, end)))
             if written["n_tokens"] == 0:
                 raise DataError(f"the tokenizer produced no tokens for the corpus at {files[0].parent}")
             header = {**expected, **written, "source": [f.name for f in files]}

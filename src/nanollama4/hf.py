@@ -34,7 +34,7 @@ from .files import read_json, read_safetensors, regular_file, safetensors_shapes
 from .model import Transformer
 from .ops import install
 from .router import SigmoidRouter, router_class
-from .tokenizer import BPETokenizer, CharTokenizer, load_tokenizer
+from .tokenizer import END_OF_TEXT, BPETokenizer, CharTokenizer, load_tokenizer
 
 # Our parameter names -> the reference's, as (pattern, replacement) applied in order.
 _TO_HF = [
@@ -136,8 +136,9 @@ def _check_layout(hf: dict[str, Any], cfg: ModelConfig) -> None:
 def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id: int | None = None
                  ) -> dict[str, Any]:
     """The reference config.json for our config, every key written (omitted keys get full-size defaults).
-    BOS and EOS are the tokenizer's: None (null) for ours, which have neither, so that transformers'
-    generate stops on length or a stop the user gives, never at an ordinary token that happens to be id 2."""
+    BOS and EOS are the tokenizer's end-of-text token; None (null) for a tokenizer saved before it existed,
+    so that transformers' generate stops on length or a stop the user gives, never at an ordinary token that
+    happens to be id 2."""
     if cfg.n_experts and router_class(cfg.router) is not SigmoidRouter:
         raise CheckpointError("only the Llama 4 MoE (router='sigmoid') exists in the reference format; this model "
                               f"has router={cfg.router!r}")
@@ -336,6 +337,35 @@ def check_export_target(out: Path) -> None:
         raise ConfigError(f"{out} exists and is not an empty folder; export into a new or empty folder")
 
 
+def tokenizer_config(cfg: ModelConfig) -> dict[str, Any]:
+    """tokenizer_config.json for an export whose tokenizer has the end-of-text token: it is EOS, and BOS too
+    (as GPT-2's one token is both): every document after a corpus's first follows it in training, and a
+    consumer that wants a token before a text (lm-eval's empty context, transformers' generate with no
+    prompt) finds it."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT,
+            "add_bos_token": False, "add_eos_token": False, "model_max_length": cfg.max_seq_len,
+            "clean_up_tokenization_spaces": False}
+
+
+def hf_tensors(model: Transformer, drop_bias: bool = False) -> dict[str, torch.Tensor]:
+    """The model's weights under the reference's names and at its one expert width (`padded_to_hf`), on the
+    CPU: what an export writes. Refused: layers whose shapes differ from the config (one config describes
+    every layer) and routers' balancing biases unless `drop_bias` (the reference router has none)."""
+    check_layers_match_config(model)
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name.endswith("expert_bias"):
+            if t.abs().max() > 0 and not drop_bias:
+                raise CheckpointError("this model's routers carry balancing biases (bias_balance_rate), which the "
+                                      "reference format cannot express; pass --drop-bias (drop_bias=True) to write "
+                                      "it without them: the export then says how much the validation loss moves")
+            continue
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
+    return {name: t.contiguous() for name, t in padded_to_hf(model.cfg, tensors).items()}
+
+
 def export_hf(model: Transformer, path: str | os.PathLike[str],
               tokenizer_save: Callable[[Path], Any] | None = None, drop_bias: bool = False,
               bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
@@ -355,19 +385,7 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
     path = Path(path)
     check_export_target(path)
     hf_config = config_to_hf(model.cfg, bos_token_id, eos_token_id)
-    check_layers_match_config(model)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("expert_bias"):
-            if t.abs().max() > 0 and not drop_bias:
-                raise CheckpointError("this model's routers carry balancing biases (bias_balance_rate), which the "
-                                      "reference format cannot express; pass --drop-bias (drop_bias=True) to write "
-                                      "it without them: the export then says how much the validation loss moves")
-            continue
-        if name == "lm_head.weight" and model.cfg.tie_embeddings:
-            continue
-        tensors[to_hf_name(name)] = t.detach().to("cpu").contiguous()
-    tensors = {name: t.contiguous() for name, t in padded_to_hf(model.cfg, tensors).items()}
+    tensors = hf_tensors(model, drop_bias)
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "_from_model_config": True}
     tmp = None
@@ -379,6 +397,8 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         if tokenizer_save is not None:
             tokenizer_save(tmp / "tokenizer.json")
+            if eos_token_id is not None:  # AutoTokenizer's eos_token (lm-eval's end of text and prefix token)
+                (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model.cfg), indent=2) + "\n")
         for f in tmp.iterdir():
             f.chmod(0o644)
             with open(f, "rb") as fh:

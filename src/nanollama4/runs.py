@@ -222,13 +222,18 @@ def _glob_matches(data: str) -> bool:
         return False
 
 
+def ends_documents(documents: str, files: list[Path]) -> bool:
+    """Whether the corpus `files` gets the end-of-text token after each file (TrainConfig.documents)."""
+    return documents == "files" or (documents == "auto" and len(files) > 1)
+
+
 def token_dataset(files: list[Path], tokenizer: Tokenizer, cache_dir: Path, tc: TrainConfig, data: str | None,
                   advice: str = "resume on the text the run was trained on") -> TokenDataset:
     """A run's corpus through its own tokenizer (cached), or a DataError when the text has characters the
     tokenizer never saw (it is not the text the run was trained on)."""
     try:
         return TokenDataset.build(files, tokenizer, cache_dir, val_fraction=tc.val_fraction,
-                                  invalid_utf8=tc.invalid_utf8)
+                                  invalid_utf8=tc.invalid_utf8, documents=ends_documents(tc.documents, files))
     except UnknownCharacters as e:
         raise DataError(f"the run's tokenizer cannot encode the corpus {data or '(the default)'}: it has "
                         f"{e.listing}; {advice}") from None

@@ -94,8 +94,9 @@ def start_run(model_cfg: ModelConfig, tc: TrainConfig, run_dir: Path, data: str 
     check_disk_for(files, np.dtype(np.uint16), cache_dir or default_cache_dir())  # before reading it for the vocabulary
     tokenizer = None
     if world.main:  # the corpus read piece by piece: it need not fit in memory
-        tokenizer = CharTokenizer.from_text(corpus_characters(files, tc.invalid_utf8)) if tc.tokenizer == "char" \
-            else BPETokenizer.train(vocabulary_pieces(files, tc.invalid_utf8), tc.bpe_vocab_size)
+        tokenizer = CharTokenizer.from_text(corpus_characters(files, tc.invalid_utf8), end_of_text=True) \
+            if tc.tokenizer == "char" \
+            else BPETokenizer.train(vocabulary_pieces(files, tc.invalid_utf8), tc.bpe_vocab_size, end_of_text=True)
     if world.distributed:  # every rank encodes with rank 0's tokenizer
         sent = distributed.broadcast_text(world, tokenizer.to_json() if world.main else None, device)
         tokenizer = tokenizer_from_json(sent)

@@ -1,6 +1,11 @@
 """Tokenizers: characters (the classic tiny-Shakespeare setup) and byte-level BPE (the `tokenizers` library).
 
-Both speak the same small interface (`Tokenizer`): encode, decode, vocab_size, save, name, fingerprint.
+Both speak the same small interface (`Tokenizer`): encode, decode, vocab_size, eos_id, save, name, fingerprint.
+A tokenizer a run trains has one special token after its vocabulary, the end of a document (Llama's
+`<|end_of_text|>`): training puts it after each file of a corpus of several (data.py), generation stops at
+it, and exports declare it as EOS. In a character tokenizer its spelling in a text is only characters; in
+byte-level BPE the tokenizers library reads the spelling as the token, as transformers and llama.cpp do.
+Tokenizers saved before it existed have none (`eos_id` None) and work as before.
 The fingerprint is a hash of the saved JSON, so that the data cache (data.py) can tell tokenizers apart
 without trusting file names. `load_tokenizer` reads either format back from its JSON file.
 """
@@ -13,8 +18,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .errors import GenerationError, TokenizerError
 from .files import JSON_LIMIT, read_bytes
@@ -29,6 +34,7 @@ class UnknownCharacters(TokenizerError):
 
 
 CHAR_KIND = "nanollama4-char"  # the "kind" key that marks our character-tokenizer JSON
+END_OF_TEXT = "<|end_of_text|>"  # the end-of-document token, as Llama spells it
 _MAX_SHOWN = 20  # unknown characters listed in an error message
 
 
@@ -40,6 +46,9 @@ class Tokenizer(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -78,13 +87,15 @@ class _SavedAsJson:
 
 
 class CharTokenizer(_SavedAsJson):
-    """One id per character, ids in sorted character order. Unknown characters are an error unless a
-    `replace` character is given, so that a corpus never silently loses text."""
+    """One id per character, ids in sorted character order, then the end-of-text token when `end_of_text`
+    (id len(chars)). Unknown characters are an error unless a `replace` character is given, so that a corpus
+    never silently loses text."""
 
     name = "char"
 
-    def __init__(self, chars: Iterable[str], replace: str | None = None) -> None:
+    def __init__(self, chars: Iterable[str], replace: str | None = None, end_of_text: bool = False) -> None:
         self.chars: list[str] = list(chars)
+        self.end_of_text = bool(end_of_text)
         if not self.chars:
             raise TokenizerError("a character tokenizer needs at least one character; build it from non-empty text")
         bad = [c for c in self.chars if not isinstance(c, str) or len(c) != 1]
@@ -98,15 +109,19 @@ class CharTokenizer(_SavedAsJson):
             self._replacement_id(replace)  # validate now, not at the first unknown character
 
     @classmethod
-    def from_text(cls, text: str, replace: str | None = None) -> CharTokenizer:
-        """The vocabulary is the sorted set of characters of `text`."""
+    def from_text(cls, text: str, replace: str | None = None, end_of_text: bool = False) -> CharTokenizer:
+        """The vocabulary is the sorted set of characters of `text` (and the end-of-text token when asked)."""
         if not text:
             raise TokenizerError("cannot build a character vocabulary from empty text; pass the training corpus")
-        return cls(sorted(set(text)), replace=replace)
+        return cls(sorted(set(text)), replace=replace, end_of_text=end_of_text)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.chars)
+        return len(self.chars) + self.end_of_text
+
+    @property
+    def eos_id(self) -> int | None:
+        return len(self.chars) if self.end_of_text else None
 
     def _replacement_id(self, replace: str) -> int:
         if replace not in self.stoi:
@@ -132,16 +147,21 @@ class CharTokenizer(_SavedAsJson):
         return [self.stoi.get(c, rid) for c in text]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids`; the end-of-text token reads as its spelling, as transformers decodes it."""
         ids = _as_int_list(ids)
-        n = len(self.chars)
+        n = self.vocab_size
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
             raise TokenizerError(f"cannot decode ids outside the vocabulary [0, {n}): {bad[:_MAX_SHOWN]}")
-        return "".join(self.chars[i] for i in ids)
+        chars = [*self.chars, END_OF_TEXT] if self.end_of_text else self.chars
+        return "".join(chars[i] for i in ids)
 
     def to_json(self) -> str:
-        """The saved form: {"kind": "nanollama4-char", "chars": [...]} (+ "replace" when one is set)."""
+        """The saved form: {"kind": "nanollama4-char", "chars": [...]} (+ "end_of_text" with its spelling when
+        the tokenizer has it, + "replace" when one is set)."""
         state: dict[str, Any] = {"kind": CHAR_KIND, "chars": self.chars}
+        if self.end_of_text:
+            state["end_of_text"] = END_OF_TEXT
         if self.replace is not None:
             state["replace"] = self.replace  # it changes what encode returns, so it belongs to the fingerprint
         return json.dumps(state, ensure_ascii=False)
@@ -151,9 +171,11 @@ class CharTokenizer(_SavedAsJson):
         a BPE model whose vocabulary is the characters and which has no merges (so every character is its
         own token, at our id), and a decoder that joins the tokens as they are. (`tokenizer_from_json`
         reads such a file back as a CharTokenizer.) Unknown characters are the library's business there:
-        they encode to nothing."""
+        they encode to nothing. The end-of-text token is an added special token at our id."""
         tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(self.chars)}, merges=[]))
         tok.decoder = decoders.Fuse()
+        if self.end_of_text:
+            tok.add_special_tokens([AddedToken(END_OF_TEXT, special=True)])
         return tok
 
     def save_hf(self, path: str | Path) -> None:
@@ -165,21 +187,28 @@ class CharTokenizer(_SavedAsJson):
         """The CharTokenizer a `to_hf` file holds, or None when the JSON is not one (any other tokenizer)."""
         model, decoder = state.get("model") or {}, state.get("decoder") or {}
         vocab = model.get("vocab") if isinstance(model, dict) else None
+        added = state.get("added_tokens") or []
         if not (isinstance(model, dict) and model.get("type") == "BPE" and model.get("merges") == []
                 and isinstance(decoder, dict) and decoder.get("type") == "Fuse" and isinstance(vocab, dict)
-                and not state.get("pre_tokenizer") and not state.get("added_tokens") and vocab):
+                and not state.get("pre_tokenizer") and isinstance(added, list) and vocab):
             return None
         chars = sorted(vocab, key=lambda c: vocab[c])
         if [vocab[c] for c in chars] != list(range(len(chars))) or any(len(c) != 1 for c in chars):
             return None
-        return cls(chars)
+        if added and [(a.get("content"), a.get("id")) for a in added if isinstance(a, dict)] != [
+                (END_OF_TEXT, len(chars))]:
+            return None  # added tokens other than our end-of-text: not an exported character tokenizer
+        return cls(chars, end_of_text=bool(added))
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> CharTokenizer:
         chars = state.get("chars")
         if not isinstance(chars, list):
             raise TokenizerError('a character tokenizer JSON needs a "chars" list of single characters')
-        return cls(chars, replace=state.get("replace"))
+        end = state.get("end_of_text")
+        if end not in (None, END_OF_TEXT):
+            raise TokenizerError(f'a character tokenizer\'s "end_of_text" must be {END_OF_TEXT!r} (or absent)')
+        return cls(chars, replace=state.get("replace"), end_of_text=end is not None)
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
@@ -196,9 +225,11 @@ class BPETokenizer(_SavedAsJson):
         self.tokenizer = tokenizer
 
     @classmethod
-    def train(cls, texts: str | Iterable[str], vocab_size: int, min_frequency: int = 2) -> BPETokenizer:
+    def train(cls, texts: str | Iterable[str], vocab_size: int, min_frequency: int = 2,
+              end_of_text: bool = False) -> BPETokenizer:
         """Train byte-level BPE on a string or an iterator of strings, up to `vocab_size` tokens (the 256
-        byte symbols included; fewer if the text runs out of pairs seen `min_frequency` times)."""
+        byte symbols and, when `end_of_text`, the end-of-text token last, included; fewer if the text runs out
+        of pairs seen `min_frequency` times)."""
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if vocab_size < len(alphabet):
             raise TokenizerError(f"vocab_size ({vocab_size}) must be at least {len(alphabet)}, the byte alphabet "
@@ -206,9 +237,11 @@ class BPETokenizer(_SavedAsJson):
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, initial_alphabet=alphabet,
-                                      show_progress=False)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - end_of_text, min_frequency=min_frequency,
+                                      initial_alphabet=alphabet, show_progress=False)
         tok.train_from_iterator(_chunks(texts) if isinstance(texts, str) else texts, trainer=trainer)
+        if end_of_text:
+            tok.add_special_tokens([AddedToken(END_OF_TEXT, special=True)])
         return cls(tok)
 
     @classmethod
@@ -219,6 +252,11 @@ class BPETokenizer(_SavedAsJson):
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The end-of-text token's id: ours, or a reference tokenizer's of that spelling (Llama's)."""
+        return self.tokenizer.token_to_id(END_OF_TEXT)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -250,6 +288,12 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF = _byte_level_alphabet()
+_SPELLING = {b: c for c, b in _BYTE_OF.items()}
+
+
+def byte_level_spelling(text: str) -> str:
+    """`text` as byte-level BPE spells it: its UTF-8 bytes, each as its alphabet character (" " is "Ġ")."""
+    return "".join(_SPELLING[b] for b in text.encode("utf-8"))
 
 
 def check_prompt(text: str, fix: str, name: str = "prompt") -> None:

@@ -65,6 +65,7 @@ class Sampling:
     seed: Seed | None = None  # seeds the row's own generator; None = torch's global RNG
     stop: Stops = ()  # stop right before this text (not returned)
     stop_ids: StopIds = ()  # token ids: a row ends at the first of these
+    ignore_eos: bool = False  # go on past the tokenizer's end-of-text token (a row ends there by default)
 
     def __post_init__(self) -> None:
         # one stop or id stands for a list of one; anything else that is not a list is left for `check` to refuse
@@ -164,7 +165,8 @@ class TextStream:
 
     def __init__(self, tokenizer: Any | None, sampling: Sampling) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(s for s in sampling.stop if s)
-        self.stop_ids = frozenset(sampling.stop_ids)
+        eos = getattr(tokenizer, "eos_id", None)
+        self.stop_ids = frozenset(sampling.stop_ids) | ({eos} if eos is not None and not sampling.ignore_eos else set())
         if self.stop and tokenizer is None:
             raise GenerationError("stop strings need a tokenizer to read the text; give stop_ids instead")
         self.ids: list[int] = []

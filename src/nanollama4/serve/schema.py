@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from ..engine.sampling import Sampling, SamplingError
 from ..errors import GenerationError, TokenizerError
-from ..tokenizer import prompt_ids
+from ..tokenizer import UnknownCharacters, prompt_ids, replacing_unknown
 from .chat import ChatFormat, ChatTemplateError, PlayFormat
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ class Body(BaseModel):
     presence_penalty: StrictInt | StrictFloat | None = Field(None, description="must be a number")
     logit_bias: dict[str, Any] | None = None
     nanollama4_trace: StrictBool | None = None  # ours: each streamed token with the step that chose it
+    replace_unknown: StrictStr | None = None  # ours: a character put for each one the vocabulary lacks
 
     def asked(self, body: dict, engine: Engine, chat: ChatFormat, trace: bool) -> _Asked:
         raise NotImplementedError
@@ -177,7 +178,7 @@ class CompletionFields(Body):
     suffix: StrictStr | None = None
 
     def asked(self, body: dict, engine: Engine, chat: ChatFormat, trace: bool) -> _Asked:
-        texts, prompts = _prompts(self.prompt, engine)
+        texts, prompts = _prompts(self.prompt, engine, self.replace_unknown)
         if trace and len(prompts) > 1:
             raise _bad("nanollama4_trace", "takes one prompt at a time", True)
         logprobs = self.logprobs
@@ -219,7 +220,7 @@ class ChatFields(Body):
         if not self.messages:
             raise _bad("messages", MESSAGES_RULE, body.get("messages"))
         text = chat_prompt([m.model_dump(exclude_none=True) for m in self.messages], chat)
-        prompt = _encode(text, engine, "messages")
+        prompt = _encode(text, engine, "messages", self.replace_unknown)
         top = self.top_logprobs
         if top is not None and not 0 <= top <= self.MAX_LOGPROBS:
             raise _bad("top_logprobs", f"must be an integer from 0 to {self.MAX_LOGPROBS} (or null)", top)
@@ -357,15 +358,15 @@ def _sampling(req: Body, stop: tuple[str, ...], stop_ids: tuple[int, ...]) -> Sa
         raise ApiError(400, str(e), param=e.field) from None
 
 
-def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
+def _prompts(prompt: Any, engine: Engine, replace: str | None = None) -> tuple[list[str], list[list[int]]]:
     """A completions prompt (its JSON type already checked): a string, a list of strings, a list of token
     ids or a list of such lists."""
     vocab = engine.tokenizer.vocab_size
     if isinstance(prompt, str):
-        return [prompt], [_encode(prompt, engine, "prompt")]
+        return [prompt], [_encode(prompt, engine, "prompt", replace)]
     if isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS:
         if all(isinstance(p, str) for p in prompt):
-            return list(prompt), [_encode(p, engine, "prompt") for p in prompt]
+            return list(prompt), [_encode(p, engine, "prompt", replace) for p in prompt]
         lists = [prompt] if all(isinstance(t, int) for t in prompt) else prompt  # one id list, or a list of them
         if all(ids and all(0 <= t < vocab for t in ids) for ids in lists):
             return [engine.tokenizer.decode(ids) for ids in lists], [list(ids) for ids in lists]
@@ -373,11 +374,24 @@ def _prompts(prompt: Any, engine: Engine) -> tuple[list[str], list[list[int]]]:
                f"[0, {vocab}) (a list, or a list of lists)", prompt)
 
 
-def _encode(text: str, engine: Engine, param: str) -> list[int]:
+def _encode(text: str, engine: Engine, param: str, replace: str | None = None) -> list[int]:
+    """The ids of a prompt's text; a character the vocabulary lacks is a 400 that names it and the request
+    field that substitutes one (`replace_unknown`), which an HTTP client can send."""
+    tokenizer = engine.tokenizer
+    if replace is not None:
+        if len(replace) != 1:
+            raise _bad("replace_unknown", "must be one character (one the vocabulary has, such as \"?\")", replace)
+        try:
+            tokenizer = replacing_unknown(tokenizer, replace)
+        except TokenizerError as e:
+            raise ApiError(400, f"replace_unknown: {e}", param="replace_unknown") from None
     try:
-        return prompt_ids(engine.tokenizer, text, "give some text to continue (as valid Unicode)", name=param)
+        return prompt_ids(tokenizer, text, "give some text to continue (as valid Unicode)", name=param)
     except GenerationError as e:
         raise ApiError(400, str(e), param=param) from None
+    except UnknownCharacters as e:
+        raise ApiError(400, f"{param}: cannot encode {e.listing}; send \"replace_unknown\": \"?\" (or another "
+                       "character the vocabulary has) to put it in their place", param=param) from None
     except TokenizerError as e:
         raise ApiError(400, f"{param}: {e}", param=param) from None
 

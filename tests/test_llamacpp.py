@@ -1,0 +1,186 @@
+"""`export --format gguf`: the file llama.cpp reads holds our model exactly, and a model llama.cpp would compute
+differently is refused with each difference named. Where llama.cpp's tools are built
+(benchmarks/llama_cpp_build.sh, or LLAMA_CPP_BIN), they run on the export and must agree with us."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanollama4.checkpoint import load_run
+from nanollama4.config import TrainConfig, preset
+from nanollama4.errors import CheckpointError
+from nanollama4.llamacpp import check_llamacpp, export_gguf, gguf_tensors, llamacpp_differences
+from nanollama4.ops import build_model
+from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+from nanollama4.train import train
+from tests.helpers import assert_cli_error, run_cli
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+# The tiny preset as llama.cpp computes it: no chunk inside the context, no temperature inside it.
+EXACT = dict(attention_chunk_size=None, floor_scale=8192)
+
+
+def tiny_run(root: Path, corpus: Path, name: str, **tc) -> Path:
+    run = root / name
+    cfg = TrainConfig(**{**dict(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2,
+                                max_steps=4, lr=3e-3, threads=1), **tc})
+    train(preset("tiny", **EXACT), cfg, run, data=str(corpus), progress=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-runs")
+    return {"char": tiny_run(root, corpus, "char"), "bpe": tiny_run(root, corpus, "bpe", tokenizer="bpe",
+                                                                      bpe_vocab_size=300)}
+
+
+def read_back(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    reader = gguf.GGUFReader(path)
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    tensors = {t.name: torch.from_numpy(t.data.copy()).reshape([int(n) for n in reversed(t.shape)])
+               for t in reader.tensors}
+    return fields, tensors
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_the_gguf_holds_the_model_and_its_tokenizer(kind, runs, tmp_path, capsys):
+    out = tmp_path / "model.gguf"
+    rc, stdout, err = run_cli(["export", str(runs[kind]), str(out), "--format", "gguf"], capsys)
+    assert rc == 0, err
+    assert "llama4" in stdout
+    model, tokenizer, _ = load_run(runs[kind])
+    cfg = model.cfg
+    fields, tensors = read_back(out)
+    assert fields["general.architecture"] == "llama4"
+    expect = {"llama4.block_count": cfg.n_layers, "llama4.embedding_length": cfg.d_model,
+              "llama4.attention.head_count": cfg.n_heads, "llama4.attention.head_count_kv": cfg.n_kv_heads,
+              "llama4.attention.key_length": cfg.head_dim, "llama4.rope.dimension_count": cfg.head_dim,
+              "llama4.expert_count": cfg.n_experts, "llama4.expert_used_count": cfg.experts_per_token,
+              "llama4.context_length": cfg.max_seq_len, "llama4.interleave_moe_layer_step": cfg.moe_every,
+              "llama4.feed_forward_length": cfg.ffn_dim, "tokenizer.ggml.model": "gpt2",
+              "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.add_bos_token": False}
+    assert {k: fields[k] for k in expect} == expect
+    assert fields["llama4.rope.freq_base"] == pytest.approx(cfg.rope_theta)
+    assert fields["llama4.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg.norm_eps)
+    assert fields["llama4.attention.sliding_window_pattern"] == [True, True, True, False]  # the RoPE layers
+    assert len(fields["tokenizer.ggml.tokens"]) == cfg.vocab_size
+    assert fields["tokenizer.ggml.merges"]
+    # every tensor, bit for bit, under llama.cpp's names and shapes
+    ours = gguf_tensors(model)
+    assert set(tensors) == set(ours)
+    for name, t in ours.items():
+        assert torch.equal(tensors[name], t), name
+    e = cfg.n_experts
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape == (e, cfg.expert_dim, cfg.d_model)
+    assert tensors["blk.0.ffn_down_exps.weight"].shape == (e, cfg.d_model, cfg.expert_dim)
+    gate_up = model.blocks[0].ffn.experts.gate_up.detach()  # (E, D, 2H): gate then up
+    assert torch.equal(tensors["blk.0.ffn_gate_exps.weight"], gate_up[..., :cfg.expert_dim].transpose(1, 2))
+    assert torch.equal(tensors["blk.0.ffn_up_exps.weight"], gate_up[..., cfg.expert_dim:].transpose(1, 2))
+    # the tokens are ours, spelled as byte-level BPE spells them
+    if kind == "char":
+        assert isinstance(tokenizer, CharTokenizer)
+        assert fields["tokenizer.ggml.tokens"][tokenizer.stoi[" "]] == "Ġ"
+        assert fields["tokenizer.ggml.tokens"][tokenizer.stoi["\n"]] == "Ċ"
+    else:
+        assert isinstance(tokenizer, BPETokenizer)
+        tokens = fields["tokenizer.ggml.tokens"]
+        assert "".join(tokens[i] for i in tokenizer.encode(" the king\n")) == "ĠtheĠkingĊ"
+
+
+def test_a_character_of_several_bytes_is_rebuilt_by_its_own_merges():
+    from nanollama4.llamacpp import char_vocabulary
+
+    tokens, merges = char_vocabulary(CharTokenizer(["a", "é", "€", " "]))
+    assert tokens == ["a", "Ã©", "âĤ¬", "Ġ"]
+    assert merges == ["Ã ©", "â Ĥ", "âĤ ¬"]
+    tokens, merges = char_vocabulary(CharTokenizer(["a", "b"]))
+    assert merges == ["aa a"]  # a merge that never applies: llama.cpp wants the list to exist
+
+
+@pytest.mark.parametrize("change, named", [
+    ({}, ["attention_chunk_size=8 on the RoPE layers", "temperature"]),  # the tiny preset itself
+    ({**EXACT, "max_seq_len": 16384}, ["full attention on the RoPE layers", "max_seq_len <= 8192"]),
+    ({**EXACT, "nope_interval": 2}, ["layers without RoPE [1, 3]", "nope_interval=4"]),
+    ({**EXACT, "use_qk_norm": False}, ["use_qk_norm=false", "use_qk_norm=true"]),
+    ({**EXACT, "router": "softmax"}, ["router='softmax'"]),
+    ({**EXACT, "n_experts": 0}, ["dense model"]),
+    ({**EXACT, "floor_scale": 16}, ["temperature", "floor_scale=8192"]),
+])
+def test_a_model_llama_cpp_would_compute_differently_is_refused_naming_each_difference(change, named):
+    cfg = preset("tiny", **change)
+    found = llamacpp_differences(cfg)
+    assert found.differences
+    text = "; ".join(found.differences)
+    for words in named:
+        assert words in text, (words, text)
+    with pytest.raises(CheckpointError, match="llama.cpp would compute a different model"):
+        check_llamacpp(build_model(cfg))
+
+
+def test_differences_that_cannot_act_within_the_context_are_notes_not_refusals():
+    cfg = preset("tiny", attention_chunk_size=64, floor_scale=128)  # both reach past max_seq_len = 64
+    found = llamacpp_differences(cfg)
+    assert found.differences == []
+    assert any("attention_chunk_size=64" in n for n in found.notes)
+    assert any("temperature is 1" in n for n in found.notes)
+    assert llamacpp_differences(preset("tiny", attention_chunk_size=8192, floor_scale=8192)).notes == []
+
+
+def test_the_cli_refuses_in_one_line_and_never_replaces_a_file(runs, tiny_run, tmp_path, capsys):
+    out = tmp_path / "model.gguf"
+    rc, _, err = run_cli(["export", str(tiny_run), str(out), "--format", "gguf"], capsys)
+    line = assert_cli_error(rc, err, "export")
+    assert "attention_chunk_size=8" in line and "floor_scale=8192" in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    out.write_text("mine")
+    rc, _, err = run_cli(["export", str(runs["char"]), str(out), "--format", "gguf"], capsys)
+    assert "exists" in assert_cli_error(rc, err, "export")
+    assert out.read_text() == "mine"
+    link = tmp_path / "link.gguf"
+    link.symlink_to(tmp_path / "elsewhere.gguf")
+    rc, _, err = run_cli(["export", str(runs["char"]), str(link), "--format", "gguf"], capsys)
+    assert_cli_error(rc, err, "export")
+    assert not (tmp_path / "elsewhere.gguf").exists()
+
+
+def test_rope_scaling_travels_as_llama_cpp_frequency_factors(tmp_path):
+    cfg = preset("tiny", **EXACT, rope_scaling=8.0, rope_original_max_len=64)
+    model = build_model(cfg)
+    factors = gguf_tensors(model)["rope_freqs.weight"]
+    assert factors.shape == (cfg.head_dim // 2,)
+    assert factors[0] == pytest.approx(1.0) and factors[-1] == pytest.approx(8.0)  # short waves kept, long slowed
+    export_gguf(model, CharTokenizer([chr(i) for i in range(32, 32 + cfg.vocab_size)]), tmp_path / "m.gguf")
+    _, tensors = read_back(tmp_path / "m.gguf")
+    assert torch.equal(tensors["rope_freqs.weight"], factors)
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llama_cpp_bin() -> Path | None:
+    """Where llama.cpp's tools are: LLAMA_CPP_BIN, or benchmarks/llama_cpp_build.sh's default cache."""
+    from benchmarks.llama_cpp import default_bin
+
+    where = default_bin()
+    return where if where is not None and (where / "llama-perplexity").exists() else None
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_llama_cpp_computes_our_model(kind, runs, corpus, tmp_path):
+    """llama.cpp tokenizes the validation text as we do, its perplexity equals ours on the same windows to
+    0.1%, and its greedy continuation is ours, token for token."""
+    where = llama_cpp_bin()
+    if where is None:
+        pytest.skip("llama.cpp's tools are not built here (benchmarks/llama_cpp_build.sh builds them; CI does)")
+    from benchmarks.llama_cpp import compare
+
+    row = compare(runs[kind], corpus, where, tmp_path, n_ctx=64, chunks=6, new_tokens=40)
+    assert row["same_tokens"], row
+    assert abs(row["ppl_llama_cpp"] / row["ppl_ours"] - 1) < 1e-3, row
+    assert row["greedy_same"], row
