@@ -121,3 +121,27 @@ def test_generate_and_explain_load_a_model_in_bfloat16(runs, tmp_path, capsys):
     assert rc == 0 and "next token after the prompt" in printed, err
     model, _ = load_any(out, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_run_trained_before_the_end_of_text_token_loads_trains_on_and_exports_as_before(corpus, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A tokenizer.json without "end_of_text" (as every run before Interop III saved): no EOS anywhere."""
+    import nanollama4.runsetup as runsetup
+
+    real = CharTokenizer.from_text
+    monkeypatch.setattr(runsetup.CharTokenizer, "from_text",
+                        staticmethod(lambda text, replace=None, end_of_text=False: real(text, replace)))
+    old = tiny_run(tmp_path, corpus, "old")
+    monkeypatch.undo()
+    saved = json.loads((old / "last" / "tokenizer.json").read_text())
+    assert "end_of_text" not in saved
+    model, tok, _ = load_run(old)
+    assert tok.eos_id is None and model.cfg.vocab_size == len(tok.chars)
+    rc, out, err = run_cli(["export", str(old), str(tmp_path / "hf")], capsys)
+    assert rc == 0, err
+    assert "no end-of-text token" in out and not (tmp_path / "hf" / "tokenizer_config.json").exists()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] is None
+    rc, _, err = run_cli(["train", "--resume", str(old), "--max-steps", "6"], capsys)
+    assert rc == 0, err
+    _, tok, _ = load_run(old, prefer="last")
+    assert tok.eos_id is None

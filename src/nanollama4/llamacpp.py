@@ -49,12 +49,12 @@ class Comparison:
     notes: list[str]
 
 
-def _temperature(cfg: ModelConfig, tuned: bool, floor: int, scale: float) -> list[float] | None:
-    """The NoPE layers' query scale at every position the model is used at, or None where it is 1 throughout
-    (log(floor((p + 1) / floor) + 1) * scale + 1 is 1 while p + 1 < floor)."""
+def _temperature(cfg: ModelConfig, tuned: bool, floor: int, scale: float) -> tuple[int, float] | None:
+    """The NoPE layers' query scale at the positions the model is used at, as (floor, scale), or None where it
+    is 1 throughout: log(floor((p + 1) / floor) + 1) * scale + 1 is 1 while p + 1 < floor."""
     if not tuned or scale == 0 or cfg.max_seq_len < floor:
         return None
-    return [float(torch.log(torch.tensor((p + 1) // floor + 1.0))) * scale + 1 for p in range(cfg.max_seq_len)]
+    return floor, scale
 
 
 def llamacpp_differences(cfg: ModelConfig) -> Comparison:
