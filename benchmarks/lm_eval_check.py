@@ -91,7 +91,8 @@ def compare(hf_out: Path, api_out: Path, tasks: Path, export: Path) -> int:
     passages = [json.loads(line)["text"] for line in (tasks / "rolling.jsonl").read_text().splitlines()]
     per = {"nanollama4_next_line": lambda k: 1,
            "nanollama4_rolling": lambda k: len(tokenizer.encode(passages[k]))}
-    print("| task | items | hf | local-completions (serve) | largest log-likelihood difference |\n|---|---|---|---|---|")
+    print("| task | items | hf | local-completions (serve) | largest log-likelihood difference |")
+    print("|---|---|---|---|---|")
     worst = 0.0
     for task, unit in (("nanollama4_next_line", "an item"), ("nanollama4_rolling", "a token")):
         a, b = _samples(hf_out, task), _samples(api_out, task)
