@@ -348,6 +348,19 @@ def paired_test(diffs: Sequence[float], effect: float = EFFECT, gated: float = m
     return PairedTest(diffs, m, low, high, reading)
 
 
+def higher_or_lower(diffs: Sequence[float], effect: float, digits: int) -> str:
+    """A paired difference of a quantity with no better side (accuracy points, bits): its mean and interval
+    with `digits` decimals, read "higher", "lower", a tie within `effect`, or undecided ("-" where a seed has
+    no value)."""
+    if any(math.isnan(x) for x in diffs):
+        return "-"
+    test = paired_test(diffs, effect=effect)
+    if math.isnan(test.low):  # too few seeds for an interval
+        return f"{test.mean:+.{digits}f}"
+    reading = {"better": "lower", "worse": "higher"}.get(test.reading, test.reading)
+    return f"{test.mean:+.{digits}f} [{test.low:+.{digits}f}, {test.high:+.{digits}f}] {reading}"
+
+
 def paired_reading(results: Sequence[ArmResult], name: str, base: str, effect: float = EFFECT) -> PairedTest:
     """`paired_test` of arm `name` against `base`, with the gate's spread for an arm left at one seed."""
     return paired_test(paired(results, name, base), effect, gated=spread(results, base))

@@ -192,8 +192,4 @@ def _code(token: str) -> str:
 
 
 def _bits(diffs: list[float]) -> str:
-    test = common.paired_test(diffs, effect=BITS_EFFECT)
-    if test.low != test.low:  # nan: too few seeds for an interval
-        return f"{test.mean:+.3f}"
-    reading = {"better": "lower", "worse": "higher"}.get(test.reading, test.reading)
-    return f"{test.mean:+.3f} [{test.low:+.3f}, {test.high:+.3f}] {reading}"
+    return common.higher_or_lower(diffs, BITS_EFFECT, 3)

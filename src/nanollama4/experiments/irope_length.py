@@ -336,7 +336,7 @@ def _plot(out: Path, doc: dict, context: int, chunk: int) -> Path:
     fig, axes = common.figure(ncols=4 if pk else 2, width=4.6, height=4.2)
     for name, per in curves.items():
         axes[0].plot(lengths, [common.mean(c[i] for c in per) for i in range(len(lengths))], "o", label=name,
-                     linestyle=_style(name))
+                     **_style(name))
     axes[0].set(xscale="log", xlabel="window length (characters)", ylabel="loss on the far half (nats/char)",
                 title="Shakespeare: loss by window length")
     axes[0].set_xticks(lengths, [str(n) for n in lengths])
@@ -346,7 +346,7 @@ def _plot(out: Path, doc: dict, context: int, chunk: int) -> Path:
     for name, per in doc["by_context"].items():
         ys = [common.mean(c[i] for c in per) - (common.mean(c[i] for c in base) if base else 0)
               for i in range(len(middles))]
-        axes[1].plot(middles, ys, "o", label=name, linestyle=_style(name))
+        axes[1].plot(middles, ys, "o", label=name, **_style(name))
     axes[1].set(xscale="log", xlabel=f"context before the position (windows of {lengths[-1]:,})",
                 ylabel="loss minus chunked RoPE's (nats/char)" if base else "loss (nats/char)",
                 title="Shakespeare: loss by context")
@@ -355,19 +355,20 @@ def _plot(out: Path, doc: dict, context: int, chunk: int) -> Path:
         ds = [d for d in pk["distances"] if d <= big * context - 2]
         for name, per in pk["accuracy"].items():
             axes[2].plot(ds, [100 * common.mean(a[str(big)][i] for a in per) for i in range(len(ds))], "o",
-                         label=name, linestyle=_style(name))
+                         label=name, **_style(name))
         axes[2].axhline(10, color="grey", linestyle="--", linewidth=0.8, label="chance")
         axes[2].set(xscale="log", xlabel="passkey distance d (characters)", ylabel="accuracy (%)",
                     title=f"Passkey in windows of {big * context:,}")
         for name, per in pk["attention"].items():
-            if "iRoPE" not in name:
+            if "iRoPE" not in name or "blind" in name:  # the blinded layout's NoPE layer gives it 0, off the scale
                 continue
             last = len(per[0][str(big)][0]) - 1  # the NoPE layer: the last of R-R-R-N
             axes[3].plot(ds, [_look(per, big, i, last, "mean") for i in range(len(ds))], "o",
-                         label=f"{name}: layer {last}", linestyle=_style(name))
+                         label=f"{name}: layer {last}", **_style(name))
         axes[3].axhline(2 / (big * context), color="grey", linestyle="--", linewidth=0.8, label="uniform")
         axes[3].set(xscale="log", yscale="log", xlabel="passkey distance d (characters)",
-                    ylabel="attention on the passkey (top head)", title="The NoPE layer at the question")
+                    ylabel="attention on the passkey (mean of the heads)", title="The NoPE layer at the question")
+        axes[2].legend(fontsize=6, loc="upper right")
         axes[3].legend(fontsize=7)
     for ax in axes:
         ax.axvline(chunk, color="grey", linestyle=":", linewidth=0.8)
@@ -383,9 +384,11 @@ def _look(per_seed: list[dict], window: int, i: int, layer: int, how: str) -> fl
     return common.mean(common.mean(h) if how == "mean" else max(h) for h in heads)
 
 
-def _style(name: str) -> str:
-    """Dashed for a layout with the temperature off, dotted for the blinded one: each often lies on its twin."""
-    return "--" if "no temperature" in name else ":" if "blind" in name else "-"
+def _style(name: str) -> dict:
+    """One colour per layout in every panel; dashed for the temperature off, dotted for the blinded one (each
+    often lies on its twin)."""
+    colour = {v[0]: f"C{i}" for i, v in enumerate(VARIANTS)}.get(name)
+    return {"color": colour, "linestyle": "--" if "no temperature" in name else ":" if "blind" in name else "-"}
 
 
 def _cell(diffs: list[float]) -> str:
@@ -395,10 +398,4 @@ def _cell(diffs: list[float]) -> str:
 
 def _points(diffs: list[float]) -> str:
     """A paired accuracy difference in points: higher or lower, a tie within ACCURACY_EFFECT, or undecided."""
-    if any(math.isnan(x) for x in diffs):
-        return "-"
-    test = common.paired_test(diffs, effect=ACCURACY_EFFECT)
-    if math.isnan(test.low):
-        return f"{test.mean:+.1f}"
-    reading = {"better": "lower", "worse": "higher"}.get(test.reading, test.reading)
-    return f"{test.mean:+.1f} [{test.low:+.1f}, {test.high:+.1f}] {reading}"
+    return common.higher_or_lower(diffs, ACCURACY_EFFECT, 1)
