@@ -177,7 +177,8 @@ def test_llama_cpp_computes_our_model(kind, runs, corpus, tmp_path):
     0.1%, and its greedy continuation is ours, token for token."""
     where = llama_cpp_bin()
     if where is None:
-        pytest.skip("llama.cpp's tools are not built here (benchmarks/llama_cpp_build.sh builds them; CI does)")
+        pytest.skip("llama.cpp's tools are not built here: benchmarks/llama_cpp_build.sh builds them (about 4 minutes "
+                    "on 2 cores, more than make test can spare, so CI does not)")
     from benchmarks.llama_cpp import compare
 
     row = compare(runs[kind], corpus, where, tmp_path, n_ctx=64, chunks=6, new_tokens=40)
