@@ -142,7 +142,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("generate", "--greedy"): [["RUN", "--greedy=1"]],
     ("generate", "--stream"): [["RUN", "--stream=1"]],
     ("generate", "--stop"): [["RUN", "--stop", ""]],
-    ("generate", "--ignore-eos"): [["RUN", "--ignore-eos=1"]],
+    ("generate", "--ignore-eos"): [["RUN", "--ignore-eos=maybe"]],
     ("generate", "--no-slide"): [["RUN", "--no-slide", "--max-new-tokens", "1000"]],
     ("generate", "--compile"): [["RUN", "--compile=1"]],
     ("explain", "path"): [["MISSING", "--prompt", "the"], ["EMPTY", "--prompt", "the"]],

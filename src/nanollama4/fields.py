@@ -313,8 +313,8 @@ def flag_type(name: str, hint: Any) -> Callable[[str], Any]:
 def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
                   defaults: dict[str, Any] | None = None) -> None:
     """One `--field-name` flag per field of `cls` (but `skip`): typed as the field, its help the field's
-    comment, its default the field's (or `defaults`'); a tuple field is a repeatable flag, a bool field that is
-    False by default a switch (`--ignore-eos`)."""
+    comment, its default the field's (or `defaults`'); a tuple field is a repeatable flag, a bool field takes a
+    true/false word or none (`--ignore-eos` alone is `--ignore-eos true`)."""
     helps, defaults = field_help(cls), defaults or {}
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -326,8 +326,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if typing.get_origin(base) is tuple:
             parser.add_argument(flag, dest=f.name, action="append", type=_argument_type(typing.get_args(base)[0]),
                                 metavar="TEXT", help=helps.get(f.name, "") + " (repeatable)")
-        elif base is bool and default is False:
-            parser.add_argument(flag, dest=f.name, action="store_true", help=helps.get(f.name, ""))
+        elif base is bool:
+            parser.add_argument(flag, dest=f.name, type=_argument_type(hint), nargs="?", const=True, default=default,
+                                metavar="true|false", help=helps.get(f.name, ""))
         else:
             shown = f" (default {default})" if f.name in defaults else ""
             parser.add_argument(flag, dest=f.name, type=_argument_type(hint), default=default,
