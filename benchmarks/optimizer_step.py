@@ -1,13 +1,14 @@
 """One optimizer step of the demo's models: what Muon costs an MoE as N grows, and what AdamW for the routed
 experts (`muon_experts=False`) or orthogonalising a few experts per step in turn (`muon_experts_per_step`)
-saves.
+saves. `--before`: also each Muon arm with one Newton-Schulz loop per parameter, as the step was before it
+stacked the matrices of one shape (`optim.orthogonalize_all`).
 
 Each model of the same active size (the shakespeare-char preset with N routed experts, and its dense twin,
 whose FFN is as wide as the routed top-1 plus the shared expert) gets random gradients, then its
 optimizer's step is timed: the configurations alternate round by round in one process, so a drift of the
 machine falls on all alike; median ms per step after a warm-up.
 
-    python benchmarks/optimizer_step.py [--experts 8,16,32] [--rounds 9] [--per-step 1,2]
+    python benchmarks/optimizer_step.py [--experts 8,16,32] [--rounds 9] [--per-step 1,2] [--before]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+import nanollama4.optim as optim
 from nanollama4.config import TrainConfig, preset
 from nanollama4.memory import param_counts
 from nanollama4.ops import build_model
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--experts", default="8,16,32")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--per-step", default="1,2", help="muon_experts_per_step values to time (experts in turn)")
+    ap.add_argument("--before", action="store_true", help="also one Newton-Schulz loop per parameter")
     args = ap.parse_args()
     tune_allocator()
     moe = preset("shakespeare-char")
@@ -51,9 +54,15 @@ def main() -> None:
         arms[f"N={n}, Muon, AdamW experts"] = setup(moe.replace(n_experts=n), muon_experts=False)
         for k in (int(x) for x in args.per_step.split(",") if x):
             arms[f"N={n}, Muon, {k} experts per step"] = setup(moe.replace(n_experts=n), muon_experts_per_step=k)
+    if args.before:
+        for name in [n for n in arms if "AdamW experts" not in n]:
+            opt, params = arms[name]
+            arms[f"{name}: a loop per parameter (before)"] = (opt, params)
+    stacked, each = optim.orthogonalize_all, (lambda batches: [optim.orthogonalize(b) for b in batches])
     times: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds + 1):
         for name, (opt, _) in arms.items():
+            optim.orthogonalize_all = each if name.endswith("(before)") else stacked
             start = time.perf_counter()
             opt.step()
             if r:  # the first round is the warm-up (state allocated, kernels chosen)

@@ -53,6 +53,7 @@ from .errors import ConfigError, registered
 # the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
+STACK_ELEMENTS = 1 << 21  # `orthogonalize_all` stacks matrices of one shape up to about this many values a call
 
 
 def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
@@ -68,6 +69,27 @@ def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> 
         gram = x @ x.mT
         x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x if wide else x.mT).reshape(g.shape)
+
+
+def orthogonalize_all(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`orthogonalize` of each (k, rows, cols) batch in `batches`, the batches of one shape stacked, up to
+    STACK_ELEMENTS values, and done in one call: an optimizer step then runs one Newton-Schulz loop for the
+    4 layers' query projections, or every layer's experts whose turn it is, not one per parameter. Small
+    matrices gain most (a loop's ten products are each too small to fill the cores); a stack of large ones
+    only adds its copy, hence the cap (benchmarks/optimizer_step.py --before). Each matrix's iteration is its
+    own whatever it is stacked with: the norm and the products are per matrix."""
+    stacks: dict[tuple[int, int], list[list[int]]] = {}
+    for i, b in enumerate(batches):
+        runs = stacks.setdefault(tuple(b.shape[-2:]), [[]])
+        if runs[-1] and sum(batches[j].numel() for j in runs[-1]) + b.numel() > STACK_ELEMENTS:
+            runs.append([])
+        runs[-1].append(i)
+    out: list[torch.Tensor] = [batches[0]] * len(batches)
+    for members in (run for runs in stacks.values() for run in runs):
+        done = orthogonalize(torch.cat([batches[i] for i in members]) if len(members) > 1 else batches[members[0]])
+        for i, part in zip(members, done.split([batches[i].shape[0] for i in members]), strict=True):
+            out[i] = part
+    return out
 
 
 def _as_matrices(t: torch.Tensor, layout: str, blocks: int) -> torch.Tensor:
@@ -114,8 +136,11 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
+        """Momentum per matrix, then every matrix of the group orthogonalised in one Newton-Schulz loop per
+        shape (`orthogonalize_all`), then the updates."""
         lr, wd, m = group["lr"], group["weight_decay"], group["momentum"]
-        layout, blocks = group["layout"], group["blocks"]
+        layout, blocks, n = group["layout"], group["blocks"], group["ns_experts"]
+        updates, asked = [], []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
@@ -123,30 +148,44 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - m)
             update = p.grad.lerp(buf, m) if group["nesterov"] else buf
+            updates.append(update)
+            asked.append(_as_matrices(self._due(state, update, layout, n), layout, blocks))
+        for p, update, done in zip(params, updates, orthogonalize_all(asked), strict=True):
+            ortho = self._placed(self.state[p], update, done, layout, blocks, n)
             fan_out, fan_in = p.shape if layout == "linear" else (p.shape[2] // blocks, p.shape[1])
-            n = group["ns_experts"]
-            if layout == "experts" and 0 < n < p.shape[0]:
-                ortho = self._in_turn(state, update, n, blocks)
-            else:
-                ortho = _from_matrices(orthogonalize(_as_matrices(update, layout, blocks)), p, layout, blocks)
             p.mul_(1 - lr * wd)
             p.add_(ortho.to(p.dtype), alpha=-lr * math.sqrt(max(1.0, fan_out / fan_in)))
 
     @staticmethod
-    def _in_turn(state: dict[str, Any], update: torch.Tensor, n: int, blocks: int) -> torch.Tensor:
-        """The orthogonalised update of every expert in `update` (E, in, out), n of them computed anew this
-        step in turn and the rest as last computed (all of them at the first step)."""
+    def _in_turn(layout: str, n: int, update: torch.Tensor) -> bool:
+        return layout == "experts" and 0 < n < update.shape[0]
+
+    def _due(self, state: dict[str, Any], update: torch.Tensor, layout: str, n: int) -> torch.Tensor:
+        """What this step orthogonalises of `update`: all of it, or with experts in turn the n experts whose
+        turn it is (all of them at the first step)."""
+        if not self._in_turn(layout, n, update) or "ortho" not in state:
+            return update
+        return update.index_select(0, self._chosen(state, update, n))
+
+    @staticmethod
+    def _chosen(state: dict[str, Any], update: torch.Tensor, n: int) -> torch.Tensor:
+        turn, experts = state["ns_turn"], update.shape[0]
+        return torch.arange(turn * n, turn * n + n, device=update.device) % experts
+
+    def _placed(self, state: dict[str, Any], update: torch.Tensor, done: torch.Tensor, layout: str, blocks: int,
+                n: int) -> torch.Tensor:
+        """The orthogonalised update of the whole parameter from what `_due` asked for: with experts in turn,
+        the fresh experts written into the ones kept from earlier steps, and the turn moved on."""
+        if not self._in_turn(layout, n, update):
+            return _from_matrices(done, update, layout, blocks)
         if "ortho" not in state:
-            state["ortho"] = _from_matrices(orthogonalize(_as_matrices(update, "experts", blocks)), update,
-                                            "experts", blocks).to(update.dtype)
+            state["ortho"] = _from_matrices(done, update, layout, blocks).to(update.dtype)
             state["ns_turn"] = 0
             return state["ortho"]
-        turn, experts = state["ns_turn"], update.shape[0]
-        chosen = torch.arange(turn * n, turn * n + n, device=update.device) % experts
-        part = update.index_select(0, chosen)
-        fresh = _from_matrices(orthogonalize(_as_matrices(part, "experts", blocks)), part, "experts", blocks)
+        chosen = self._chosen(state, update, n)
+        fresh = _from_matrices(done, update[:n], layout, blocks)  # (the slice gives only its shape)
         state["ortho"].index_copy_(0, chosen, fresh.to(update.dtype))
-        state["ns_turn"] = (turn + 1) % experts
+        state["ns_turn"] = (state["ns_turn"] + 1) % update.shape[0]
         return state["ortho"]
 
     def _adamw(self, group: dict[str, Any], params: list[nn.Parameter]) -> None:
