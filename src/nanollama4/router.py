@@ -194,9 +194,11 @@ class Router(nn.Module):
     def update_bias(self) -> None:
         """Nudge each expert's choice bias toward uniform load: up if under-loaded, down if over-loaded.
 
-        Uses the assignments counted since the last update (one optimizer step's worth), then resets them.
+        Uses the assignments counted since the last update (one optimizer step's worth), then resets them. No
+        counts (no training pass since) move nothing, sign(0) being 0, so nothing is asked of the tensor's
+        values here: the step stays free of a read back to the host.
         """
-        if not self.bias_rate or self.pending_counts.sum() == 0:
+        if not self.bias_rate:
             return
         load_E = self.pending_counts
         self.expert_bias += self.bias_rate * torch.sign(load_E.mean() - load_E)
