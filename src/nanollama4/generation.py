@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from .engine import Engine, Finished, Request, TokenEvent
-from .engine.runner import compiled_decoder, compiles_well
-from .engine.sampling import GREEDY_BELOW, Sampling, TextStream, filter_logits, next_token, sampling_with
+from .engine.runner import compiled_decoder
+from .engine.sampling import Sampling, TextStream, filter_logits, next_token, sampling_with
 from .errors import GenerationError
 from .model import Transformer
 from .tokenizer import Tokenizer
 
 __all__ = ["Sampling", "generate", "stream", "generate_ids", "iter_tokens", "sample", "filter_logits", "next_token",
-           "TextStream", "GREEDY_BELOW", "compiled_decoder", "compiles_well"]
+           "TextStream", "compiled_decoder"]
 
 
 def _engine(model: Transformer, rows: int, tokenizer: Tokenizer | None, vocab: int | None, slide: bool,

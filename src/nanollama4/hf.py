@@ -251,14 +251,6 @@ def _weight_name(name: str) -> str | None:
     return name.removeprefix("language_model.")
 
 
-def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All text-model tensors of a single-file or sharded checkpoint (see `hf_shards`)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in hf_shards(path):
-        tensors.update(read_safetensors(shard))
-    return {new: t for name, t in tensors.items() if (new := _weight_name(name)) is not None}
-
-
 def load_hf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, fast: bool = True) -> Transformer:
     """Build our Transformer from a reference `save_pretrained` directory (config.json + safetensors), its
     parameters in `dtype` (torch.bfloat16 halves a float32 model's memory).

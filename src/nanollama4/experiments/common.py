@@ -100,18 +100,6 @@ class ArmResult:
 TINY_SCORE_TOKENS = 4096  # validation tokens a --tiny arm is scored on (the full split takes minutes)
 
 
-def train_arm(name: str, cfg: ModelConfig, setting: Setting, out: Path, seed: int, progress: bool = True,
-              train_changes: dict[str, Any] | None = None) -> ArmResult:
-    """Train one arm to setting.steps in OUT/runs/FOLDER-seedS (with `train_changes` to its TrainConfig, e.g.
-    another tokenizer) and read back what it logged (`train_run`)."""
-    if setting.tiny:
-        cfg = tiny_model(cfg)
-    tc = TrainConfig(max_steps=setting.steps, batch_size=setting.batch_size, seq_len=setting.seq_len,
-                     eval_interval=setting.eval_interval, eval_batches=setting.eval_batches, seed=seed,
-                     warmup_steps=min(50, setting.steps), **(train_changes or {}))
-    return train_run(name, cfg, tc, out, progress, setting.data, TINY_SCORE_TOKENS if setting.tiny else None)
-
-
 def train_run(name: str, cfg: ModelConfig, tc: TrainConfig, out: Path, progress: bool = True,
               data: str | None = None, max_tokens: int | None = None) -> ArmResult:
     """Train arm `name` with TrainConfig `tc` (its seed and budget, of steps or time, included) in
