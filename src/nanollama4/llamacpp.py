@@ -89,11 +89,12 @@ def llamacpp_differences(cfg: ModelConfig) -> Comparison:
         ours = _temperature(cfg, cfg.attn_temperature_tuning, cfg.floor_scale, cfg.attn_scale)
         theirs = _temperature(cfg, True, TEMPERATURE_FLOOR, TEMPERATURE_SCALE)
         if ours != theirs:
+            fix = (f"attn_temperature_tuning=false or floor_scale={TEMPERATURE_FLOOR}" if theirs is None else
+                   f"floor_scale={TEMPERATURE_FLOOR} and attn_scale={TEMPERATURE_SCALE}")
             diffs.append(f"the NoPE layers' temperature (attn_temperature_tuning={cfg.attn_temperature_tuning}, "
-                         f"floor_scale={cfg.floor_scale}, attn_scale={cfg.attn_scale}) scales queries within the "
-                         f"model's context of {ctx}; llama.cpp's (floor {TEMPERATURE_FLOOR}, scale "
-                         f"{TEMPERATURE_SCALE}) does not there: train with attn_temperature_tuning=false or "
-                         f"floor_scale={TEMPERATURE_FLOOR}")
+                         f"floor_scale={cfg.floor_scale}, attn_scale={cfg.attn_scale}) differs within the model's "
+                         f"context of {ctx} from llama.cpp's (floor {TEMPERATURE_FLOOR}, scale {TEMPERATURE_SCALE}"
+                         f"{', 1 throughout it' if theirs is None else ''}): train with {fix}")
         elif (cfg.attn_temperature_tuning, cfg.floor_scale, cfg.attn_scale) != (True, TEMPERATURE_FLOOR,
                                                                                   TEMPERATURE_SCALE):
             notes.append(f"the NoPE layers' temperature is 1 throughout the model's context of {ctx} here and in "
