@@ -326,7 +326,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _export_gguf(args: argparse.Namespace, out: Path) -> None:
     from .checkpoint import load_run
     from .errors import ConfigError
-    from .llamacpp import check_llamacpp, export_gguf
+    from .llamacpp import export_gguf
 
     if out.is_symlink() or out.exists():  # before the model is read
         raise ConfigError(f"{out} exists; export the GGUF to a new file name")
@@ -334,7 +334,6 @@ def _export_gguf(args: argparse.Namespace, out: Path) -> None:
         model, tokenizer = _without_bias(args)
     else:
         model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    check_llamacpp(model)
     notes = export_gguf(model, tokenizer, out, name=Path(args.run_dir).name)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: llama.cpp's llama4, float32, "
           f"{out.stat().st_size / 2**20:.1f} MiB")

@@ -16,6 +16,7 @@ spells them, and a character of several bytes is put back together by merges of 
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -141,8 +142,6 @@ def char_vocabulary(tokenizer: CharTokenizer) -> tuple[list[str], list[str]]:
 
 def bpe_vocabulary(tokenizer: BPETokenizer) -> tuple[list[str], list[str]]:
     """Our byte-level BPE's tokens by id and its merges in rank order, as llama.cpp reads them."""
-    import json
-
     state = json.loads(tokenizer.to_json())
     vocab = dict(state["model"]["vocab"]) | {a["content"]: a["id"] for a in state.get("added_tokens") or []}
     tokens = [""] * tokenizer.vocab_size
@@ -179,8 +178,7 @@ def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"no llama.cpp name for the weight {name}; this model cannot be written as GGUF")
         out[mapped] = t
     if cfg.rope_scaling is not None:  # llama.cpp divides each RoPE frequency by its factor
-        plain = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-        out["rope_freqs.weight"] = plain / rope_frequencies(cfg)
+        out["rope_freqs.weight"] = rope_frequencies(cfg.replace(rope_scaling=None)) / rope_frequencies(cfg)
     return {name: t.contiguous() for name, t in out.items()}
 
 
