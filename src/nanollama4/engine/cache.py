@@ -65,8 +65,9 @@ class SlotCache:
     def __init__(self, cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device,
                  context: int | None = None) -> None:
         self.masks: MaskMemo = {}
+        self.context = context or cfg.max_seq_len  # positions 0..context-1
         self.layers = [SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device, self.masks)
-                       for slots, window in self.shapes(cfg, context or cfg.max_seq_len)]
+                       for slots, window in self.shapes(cfg, self.context)]
 
     @staticmethod
     def shapes(cfg: ModelConfig, context: int) -> list[tuple[int, bool]]:

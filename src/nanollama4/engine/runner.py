@@ -1,19 +1,23 @@
 """The engine's runner: the model's forward passes for a prefill and for one batched decode step.
 
 A prefill feeds one prompt into a fresh one-row cache. A decode step feeds every active row's newest
-token at its own position, attending to the row's slots of the shared `SlotCache`; with `compile`, that
-step runs through torch.compile where it stays one graph.
+token at its own position, attending to the row's slots of the shared `SlotCache`. Three ways compute a
+decode step: the plain model (the reference), the C++ step (`ops.fastdecode`: the same math in one call,
+several times faster on a CPU where the plain step is bound by its count of operations), and, with
+`compile`, torch.compile where it stays one graph.
 
-On the CPU a decode step of a few rows is hundreds of small operations, and splitting each over several
-threads can cost more than it saves (each parallel region wakes and joins the other threads). So the
-runner times its own first steps of each size with one thread and with all, alternately, and keeps the
-faster for that size (`Runner.threads`): no extra work, the trial steps are the real ones. Compiled steps
-keep the process's thread count (a graph is specialised to it).
+Which is faster, and with how many threads, depends on the machine: splitting each of a step's small
+operations over several threads can cost more than it saves. So the runner times its own first steps of
+each size with each way it may take (the C++ step and the plain one, one thread and all) and keeps the
+fastest for that size (`Runner.choice`): no extra work, the trial steps are the real ones, and a way that
+is already far slower than another is dropped after one timed step. Compiled steps keep the process's
+thread count (a graph is specialised to it).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -22,10 +26,15 @@ import torch
 
 from ..attention import KVCache
 from ..model import Transformer
+from ..ops import fastdecode
 from ..ops.decode import EVERY_EXPERT_ROWS, few_assignments
 from .cache import SlotCache
 
-TRIAL_STEPS = 4  # timed steps per thread count before a size's choice is made
+log = logging.getLogger("nanollama4.engine")
+
+TRIAL_STEPS = 4  # timed steps per way (C++ or plain, threads) before a size's choice is made
+FAR_SLOWER = 1.5  # a way whose best timed step is this much slower than another's is dropped
+Way = tuple[str, int]  # ("fast" or "plain", threads)
 
 
 class Runner:
@@ -34,8 +43,10 @@ class Runner:
     def __init__(self, model: Transformer, cache: SlotCache, compile: bool = False) -> None:
         self.model, self.cache, self.compile = model, cache, compile
         self.device = next(model.parameters()).device
-        self.threads: dict[int, int] = {}  # decode size (rows rounded up to a power of two) -> threads chosen
-        self._trials: dict[int, dict[int, list[float]]] = {}
+        self.choice: dict[int, Way] = {}  # decode size (rows rounded up to a power of two) -> the way chosen
+        self._trials: dict[int, dict[Way, list[float]]] = {}
+        self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
+        self.only: str | None = None  # "fast" or "plain": take that path alone (tests, benchmarks)
 
     def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:
@@ -44,24 +55,43 @@ class Runner:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         return self.model(ids, cache=cache, positions=positions, last_only=last_only, head=head)
 
+    def fast_step(self) -> fastdecode.FastStep | None:
+        """The C++ step over this runner's model and cache, or None where it cannot run (the reason logged once)."""
+        if self._fast is None:
+            reason = "compile=True asks for torch.compile" if self.compile else fastdecode.unsupported(self.model)
+            try:
+                self._fast = fastdecode.FastStep(self.model, self.cache.layers, self.cache.context) \
+                    if reason is None else False
+            except (ValueError, RuntimeError) as e:
+                reason, self._fast = str(e), False
+            if reason is not None:
+                log.info("decoding takes the plain path: %s", reason)
+        return self._fast or None
+
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits (rows, vocab) of each row's newest token at its position."""
         rows = len(tokens)
-        self.cache.prepare(positions)
-        ids = torch.tensor(tokens, device=self.device)[:, None]
-        positions = torch.tensor(positions, device=self.device)[:, None]
-        compiled = self.compile and compiles_well(self.model, rows)
-        forward = compiled_decoder(self.model) if compiled else self.model
-        step = functools.partial(forward, ids, cache=self.cache, positions=positions, last_only=True)
+        fast = self.fast_step() if self.device.type == "cpu" else None
+        fast = fast if fast is not None and fast.usable(rows) else None
         most = torch.get_num_threads()
+        ways = [w for w in (("fast", most), ("fast", 1), ("plain", most), ("plain", 1))
+                if (w[0] == "plain" or fast is not None) and self.only in (None, w[0])]
+        ways = list(dict.fromkeys(ways)) or [("plain", most)]  # (only="fast" where it cannot run: plain)
         size = 1 << (rows - 1).bit_length()
-        chosen = self.threads.get(size)
-        # a compiled graph is specialised to the thread count: changing it would compile another
-        if self.device.type != "cpu" or most == 1 or chosen == most or compiled:
-            return step()[:, -1]
-        trial = None if chosen else self._trials.setdefault(size, {1: [], most: []})
-        n = chosen or min(trial, key=lambda k: len(trial[k]))  # while trying: the count tried less so far
-        torch.set_num_threads(n)
+        way, trial = self.choice.get(size), None
+        if way is None and len(ways) > 1 and not self.compile:
+            trial = self._trials.setdefault(size, {w: [] for w in ways})
+            alive = [w for w in ways if w in trial]
+            way = min(alive, key=lambda w: len(trial[w])) if alive else None  # the way tried least so far
+        if way not in ways:  # the chosen way cannot run this step (the model is being watched): the first that can
+            way, trial = ways[0], None
+        if way[0] == "fast":
+            step = functools.partial(fast, tokens, positions)
+        else:
+            step = functools.partial(self._plain, tokens, positions)
+        if trial is None and way[1] == most:
+            return step()
+        torch.set_num_threads(way[1])
         try:
             t = time.perf_counter()
             logits = step()
@@ -69,10 +99,29 @@ class Runner:
         finally:
             torch.set_num_threads(most)
         if trial is not None:
-            trial[n].append(elapsed)
-            if all(len(times) > TRIAL_STEPS for times in trial.values()):  # the first of each warms up
-                self.threads[size] = min(trial, key=lambda k: statistics.median(trial[k][1:]))
-        return logits[:, -1]
+            self._note(size, trial, way, elapsed)
+        return logits
+
+    def _note(self, size: int, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
+        """Record a trial step's time; drop ways far slower than another; choose once the rest are all timed."""
+        trial[way].append(elapsed)
+        best = {w: min(t[1:]) for w, t in trial.items() if len(t) > 1}  # each way's first step warms it up
+        for w, b in best.items():
+            if b > FAR_SLOWER * min(best.values()):
+                del trial[w]
+        if trial and all(len(t) > TRIAL_STEPS for t in trial.values()):
+            self.choice[size] = min(trial, key=lambda w: statistics.median(trial[w][1:]))
+            log.info("decode steps of up to %d rows: %s path, %d thread(s)", size, *self.choice[size])
+
+    def _plain(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """The model's own forward pass (compiled where `compile` asks and the step stays one graph)."""
+        rows = len(tokens)
+        self.cache.prepare(positions)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        pos = torch.tensor(positions, device=self.device)[:, None]
+        compiled = self.compile and compiles_well(self.model, rows)
+        forward = compiled_decoder(self.model) if compiled else self.model
+        return forward(ids, cache=self.cache, positions=pos, last_only=True)[:, -1]
 
 
 _compiled_forward: Callable[..., torch.Tensor] | None = None

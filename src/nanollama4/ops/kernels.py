@@ -45,11 +45,11 @@ _bf16: tuple[ModuleType, bool] | None = None  # bf16_available()'s answer, for t
 _lock = threading.Lock()  # a second thread waits for the first one's build instead of seeing None
 
 
-def _flags() -> tuple[str, list[str]]:
+def _flags(stem: str = "grouped") -> tuple[str, list[str]]:
     """A name and compiler flags for the CPU's vector width; the name keeps builds for different CPUs apart."""
     capability = torch.backends.cpu.get_cpu_capability()
     march = {"AVX512": ["-march=x86-64-v4"], "AVX2": ["-march=x86-64-v3"]}.get(capability, [])
-    return f"nanollama4_grouped_{capability.lower()}", ["-O3", "-fopenmp", *march]
+    return f"nanollama4_{stem}_{capability.lower()}", ["-O3", "-fopenmp", *march]
 
 
 def load() -> ModuleType | None:
@@ -65,7 +65,14 @@ def load() -> ModuleType | None:
 
 
 def _build() -> ModuleType | None:
-    """Compile the kernel (or import an earlier process's build); None, with a warning, when that fails.
+    """Compile the kernel (or import an earlier process's build); None, with a warning, when that fails."""
+    return compile_source(SOURCE, "grouped", "the CPU expert kernels", "MoE layers use torch's grouped_mm instead "
+                          "(slower with many experts)")
+
+
+def compile_source(source: Path, stem: str, what: str, instead: str) -> ModuleType | None:
+    """Compile one C++ file of csrc/ as a module (or import an earlier process's build); None, with a warning
+    saying what happens `instead`, when that fails or NANOLLAMA4_CPU_KERNELS=0.
 
     A build is named by a hash of the source, the flags and the torch and Python versions, and an existing
     build is imported directly, without asking ninja: two ninja binaries (the venv's, the system's) read
@@ -77,29 +84,29 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        name, cflags = build_name()
+        name, cflags = build_name(source, stem)
         build_dir = build_root() / name
         library = build_dir / f"{name}.so"
         if library.exists() and not (build_dir / "lock").exists():  # torch holds `lock` while it builds
             return _import(name, library)
-        print("nanollama4: compiling the CPU expert kernels (once, about 20 s)...", file=sys.stderr, flush=True)
+        print(f"nanollama4: compiling {what} (once, about 20 s)...", file=sys.stderr, flush=True)
         build_dir.mkdir(parents=True, exist_ok=True)
         with _ninja_first_on_path():
             # -fopenmp links libgomp by name; torch's Linux wheels ship that same library, so the kernel's
             # threads are torch's threads (and follow torch.set_num_threads).
-            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+            return cpp_extension.load(name, [str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
                                       build_directory=str(build_dir))
     except Exception as err:  # no compiler, no ninja, a read-only cache: fall back, but say so
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        warnings.warn(f"nanollama4: could not compile the CPU expert kernels ({first_line}); MoE layers use "
-                      "torch's grouped_mm instead (slower with many experts)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"nanollama4: could not compile {what} ({first_line}); {instead}", RuntimeWarning,
+                      stacklevel=4)
         return None
 
 
-def build_name() -> tuple[str, list[str]]:
+def build_name(source: Path | None = None, stem: str = "grouped") -> tuple[str, list[str]]:
     """The build's name (CPU vector width + a hash of everything that changes the binary) and its flags."""
-    stem, cflags = _flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__, sys.version)).encode())
+    stem, cflags = _flags(stem)
+    key = hashlib.sha256((source or SOURCE).read_bytes() + repr((cflags, torch.__version__, sys.version)).encode())
     return f"{stem}_{key.hexdigest()[:12]}", cflags
 
 

@@ -1,0 +1,362 @@
+// One decode step of the model in C++, float32, on the CPU: every row's newest token through every layer
+// to its logits, in one call with the GIL released.
+//
+// A decode step of a small model reads a few megabytes of weights and does little arithmetic, so through
+// torch's operators it is bound by their count: ~500 dispatches from Python for the demo's 4 layers
+// (benchmarks/RESULTS.md, "The engine's decode step"). Here each layer is a handful of loops: RMSNorm,
+// the q/k/v products, RoPE, QK-norm or the NoPE temperature, the cache write and attention over the
+// row's visible slots, the output product, the router's top-k and the chosen experts' products, the
+// shared expert. Products parallelise over output columns (at::parallel_for, torch's threads), so a
+// one-row step streams each weight once on every core.
+//
+// The math is the model files' (model.py, attention.py, moe.py, router.py), and engine/fastdecode.py
+// describes the layers to this file and decides when it applies; the plain engine path is the
+// reference that tests compare it to. Layouts: nn.Linear weights are (out, in) ("linear"); the routed
+// experts' gate_up (E, D, 2H) and down (E, H, D) are (in, out) ("matmul").
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+inline vec splat(float a) { return vec{} + a; }
+inline float hsum(vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
+constexpr int64_t kBlasRows = 8;  // from this many rows the products are torch's (faster there, measured)
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec s0{}, s1{};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    s0 += load(a + i) * load(b + i);
+    s1 += load(a + i + kLanes) * load(b + i + kLanes);
+  }
+  for (; i + kLanes <= n; i += kLanes) s0 += load(a + i) * load(b + i);
+  float s = hsum(s0 + s1);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y (M x N) = x (M x K) @ W^T for W (N x K): each thread takes whole output columns, reading each of its
+// weight rows once for all M rows.
+void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
+  if (M >= kBlasRows) {
+    auto xt = at::from_blob(const_cast<float*>(x), {M, K});
+    auto wt = at::from_blob(const_cast<float*>(W), {N, K});
+    auto yt = at::from_blob(y, {M, N});
+    at::mm_out(yt, xt, wt.t());
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(x + m * K, W + n * K, K);
+  });
+}
+
+// y (M x N) = x (M x K) @ W for W (K x N): each thread takes blocks of 64 output columns and streams
+// their part of every weight row once per 8 input rows.
+void matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
+  if (M >= kBlasRows) {
+    auto xt = at::from_blob(const_cast<float*>(x), {M, K});
+    auto wt = at::from_blob(const_cast<float*>(W), {K, N});
+    auto yt = at::from_blob(y, {M, N});
+    at::mm_out(yt, xt, wt);
+    return;
+  }
+  constexpr int64_t kBlock = 64, kRows = 8;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * kBlock * 4));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, width = std::min(kBlock, N - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+        const int64_t rows = std::min(kRows, M - r0);
+        alignas(64) float acc[kRows][kBlock] = {};
+        if (width == kBlock) {
+          for (int64_t k = 0; k < K; ++k) {
+            const float* w = W + k * N + c0;
+            const vec w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
+            for (int64_t r = 0; r < rows; ++r) {
+              const vec a = splat(x[(r0 + r) * K + k]);
+              store(acc[r], load(acc[r]) + a * w0);
+              store(acc[r] + 16, load(acc[r] + 16) + a * w1);
+              store(acc[r] + 32, load(acc[r] + 32) + a * w2);
+              store(acc[r] + 48, load(acc[r] + 48) + a * w3);
+            }
+          }
+        } else {
+          for (int64_t k = 0; k < K; ++k)
+            for (int64_t r = 0; r < rows; ++r) {
+              const float a = x[(r0 + r) * K + k];
+              for (int64_t j = 0; j < width; ++j) acc[r][j] += a * W[k * N + c0 + j];
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * N + c0, acc[r], width * 4);
+      }
+    }
+  });
+}
+
+// x / rms(x) * w over each row of n (w may be null: no gain), as F.rms_norm computes it
+void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  const float scale = 1.f / std::sqrt(dot(x, x, n) / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * scale * w[i] : x[i] * scale;
+}
+
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+enum RouterKind { kSigmoid = 0, kSoftmaxChosen = 1, kSoftmaxAll = 2 };
+
+struct Layer {
+  // attention
+  at::Tensor attn_norm, wq, wk, wv, wo;
+  bool rope = false, qk_norm = false, temperature = false, window = false;
+  int64_t chunk = 0;  // 0: no chunking
+  float floor_scale = 1.f, attn_scale = 0.f;
+  at::Tensor k_cache, v_cache, pos_cache;  // (R, S, KV, Dh), (R, S, KV, Dh), (R, S) int64
+  // feed-forward: dense SwiGLU (gate, up, down as linears), or routed experts + an optional shared one
+  at::Tensor ffn_norm, gate, up, down;
+  bool moe = false;
+  at::Tensor router, bias, gate_up, expert_down;
+  int64_t router_kind = kSigmoid, top_k = 1;
+  bool scales_input = true;
+};
+
+class DecodeStep {
+ public:
+  DecodeStep(at::Tensor embed, at::Tensor norm, at::Tensor head, at::Tensor rope_table, double eps,
+             int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, std::vector<std::vector<at::Tensor>> tensors,
+             std::vector<std::vector<int64_t>> ints, std::vector<std::vector<double>> floats)
+      : embed_(embed), norm_(norm), head_(head), rope_(rope_table), eps_(static_cast<float>(eps)),
+        H_(n_heads), KV_(n_kv_heads), Dh_(head_dim) {
+    D_ = embed.size(1);
+    V_ = head.size(0);
+    TORCH_CHECK(tensors.size() == ints.size() && ints.size() == floats.size(), "one description per layer");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      const auto& n = ints[i];
+      const auto& f = floats[i];
+      TORCH_CHECK(n.size() == 10 && f.size() == 2, "layer description: 10 ints and 2 floats");
+      Layer L;
+      L.attn_norm = t.at(0); L.wq = t.at(1); L.wk = t.at(2); L.wv = t.at(3); L.wo = t.at(4);
+      L.k_cache = t.at(5); L.v_cache = t.at(6); L.pos_cache = t.at(7); L.ffn_norm = t.at(8);
+      L.rope = n[0]; L.qk_norm = n[1]; L.temperature = n[2]; L.chunk = n[3]; L.window = n[4]; L.moe = n[5];
+      L.router_kind = n[7]; L.top_k = n[8]; L.scales_input = n[9];
+      L.floor_scale = static_cast<float>(f[0]); L.attn_scale = static_cast<float>(f[1]);
+      const bool dense_or_shared = !L.moe || n[6];
+      size_t j = 9;
+      if (L.moe) { L.router = t.at(j++); L.bias = t.at(j++); L.gate_up = t.at(j++); L.expert_down = t.at(j++); }
+      if (dense_or_shared) { L.gate = t.at(j++); L.up = t.at(j++); L.down = t.at(j++); }
+      for (const at::Tensor* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.k_cache, &L.v_cache, &L.ffn_norm,
+                                  &L.router, &L.bias, &L.gate_up, &L.expert_down, &L.gate, &L.up, &L.down})
+        if (w->defined()) TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous(), "float32, contiguous");
+      TORCH_CHECK(L.pos_cache.scalar_type() == at::kLong && L.pos_cache.is_contiguous(), "int64 positions");
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  at::Tensor step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions) {
+    const int64_t B = static_cast<int64_t>(tokens.size());
+    TORCH_CHECK(B > 0 && static_cast<int64_t>(positions.size()) == B, "one position per token");
+    const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_;
+    x_.assign(B * D, 0.f);
+    h_.resize(B * D);
+    q_.resize(B * QD); k_.resize(B * KD); v_.resize(B * KD); att_.resize(B * QD); y_.resize(B * D);
+    const float* E = embed_.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
+      TORCH_CHECK(positions[b] >= 0 && positions[b] < rope_.size(0), "position out of range");
+      std::memcpy(&x_[b * D], E + tokens[b] * D, D * 4);
+    }
+    for (auto& L : layers_) {
+      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], L.attn_norm.data_ptr<float>(), eps_, D, &h_[b * D]);
+      attention(L, B, positions);
+      for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
+      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], L.ffn_norm.data_ptr<float>(), eps_, D, &h_[b * D]);
+      std::fill(y_.begin(), y_.end(), 0.f);
+      if (L.moe) experts(L, B);
+      if (L.gate.defined()) swiglu(L, B);
+      for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
+    }
+    for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], norm_.data_ptr<float>(), eps_, D, &h_[b * D]);
+    at::Tensor logits = at::empty({B, V_}, at::kFloat);
+    linear(h_.data(), B, D, head_.data_ptr<float>(), V_, logits.data_ptr<float>());
+    return logits;
+  }
+
+ private:
+  void attention(Layer& L, int64_t B, const std::vector<int64_t>& positions) {
+    const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_, half = Dh_ / 2, rep = H_ / KV_;
+    linear(h_.data(), B, D, L.wq.data_ptr<float>(), QD, q_.data());
+    linear(h_.data(), B, D, L.wk.data_ptr<float>(), KD, k_.data());
+    linear(h_.data(), B, D, L.wv.data_ptr<float>(), KD, v_.data());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t p = positions[b];
+      if (L.rope) {  // rotate each pair of every head (queries and keys), then the weightless QK-norm
+        const float* cs = rope_.data_ptr<float>() + p * half * 2;
+        auto rotate = [&](float* row, int64_t heads) {
+          for (int64_t h = 0; h < heads; ++h) {
+            float* r = row + h * Dh_;
+            for (int64_t i = 0; i < half; ++i) {
+              const float x0 = r[2 * i], x1 = r[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+              r[2 * i] = x0 * c - x1 * s;
+              r[2 * i + 1] = x0 * s + x1 * c;
+            }
+            if (L.qk_norm) rms_norm(r, nullptr, eps_, Dh_, r);
+          }
+        };
+        rotate(&q_[b * QD], H_);
+        rotate(&k_[b * KD], KV_);
+      } else if (L.temperature) {
+        const float t = 1.f + L.attn_scale * std::log1p(std::floor((static_cast<float>(p) + 1.f) / L.floor_scale));
+        for (int64_t i = 0; i < QD; ++i) q_[b * QD + i] *= t;
+      }
+    }
+    // each row attends to its slots that the mask allows (0 <= position <= p, in p's chunk when chunked)
+    // and to its new key; a ring (chunked layer) is read before the new key overwrites its oldest slot
+    const int64_t S = L.k_cache.size(1);
+    float* kc = L.k_cache.data_ptr<float>();
+    float* vc = L.v_cache.data_ptr<float>();
+    int64_t* pc = L.pos_cache.data_ptr<int64_t>();
+    const float scale = 1.f / std::sqrt(static_cast<float>(Dh_));
+    const int64_t reach = L.window ? S : 0;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; ++b) longest = std::max(longest, (L.window ? S : positions[b]) + 1);
+    const int64_t grain = std::max<int64_t>(1, 8192 / (longest * Dh_));
+    at::parallel_for(0, B * H_, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<const float*> keys, values;
+      std::vector<float> w;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H_, h = i % H_, g = h / rep, p = positions[b];
+        const int64_t candidates = L.window ? reach : p;
+        keys.clear(); values.clear();
+        for (int64_t s = 0; s < candidates; ++s) {
+          const int64_t kp = pc[b * S + s];
+          if (kp < 0 || kp > p || (L.chunk && kp / L.chunk != p / L.chunk)) continue;
+          keys.push_back(kc + ((b * S + s) * KV_ + g) * Dh_);
+          values.push_back(vc + ((b * S + s) * KV_ + g) * Dh_);
+        }
+        keys.push_back(&k_[b * KD + g * Dh_]);
+        values.push_back(&v_[b * KD + g * Dh_]);
+        const float* q = &q_[b * QD + h * Dh_];
+        const int64_t n = static_cast<int64_t>(keys.size());
+        w.resize(n);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j] = dot(q, keys[j], Dh_) * scale);
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
+        float* out = &att_[b * QD + h * Dh_];
+        std::fill(out, out + Dh_, 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const float a = w[j] / total;
+          for (int64_t d = 0; d < Dh_; ++d) out[d] += a * values[j][d];
+        }
+      }
+    });
+    for (int64_t b = 0; b < B; ++b) {  // the new keys into their slots: the position, or its place in the ring
+      const int64_t p = positions[b], s = L.window ? p % S : p;
+      TORCH_CHECK(s < S, "position past the cache");
+      std::memcpy(kc + (b * S + s) * KD, &k_[b * KD], KD * 4);
+      std::memcpy(vc + (b * S + s) * KD, &v_[b * KD], KD * 4);
+      pc[b * S + s] = p;
+    }
+    linear(att_.data(), B, QD, L.wo.data_ptr<float>(), D_, y_.data());
+  }
+
+  void swiglu(Layer& L, int64_t B) {  // the dense FFN or the shared expert, added into y_
+    const int64_t F = L.gate.size(0);
+    g_.resize(B * F); u_.resize(B * F); out_.resize(B * D_);
+    linear(h_.data(), B, D_, L.gate.data_ptr<float>(), F, g_.data());
+    linear(h_.data(), B, D_, L.up.data_ptr<float>(), F, u_.data());
+    for (int64_t i = 0; i < B * F; ++i) g_[i] = silu(g_[i]) * u_[i];
+    linear(g_.data(), B, F, L.down.data_ptr<float>(), D_, out_.data());
+    for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
+  }
+
+  void experts(Layer& L, int64_t B) {  // route each row, then each chosen expert on its rows, added into y_
+    const int64_t E = L.router.size(0), K = L.top_k, Hd = L.expert_down.size(1);
+    logits_.resize(B * E);
+    linear(h_.data(), B, D_, L.router.data_ptr<float>(), E, logits_.data());
+    const float* bias = L.bias.data_ptr<float>();
+    std::vector<std::vector<std::pair<int64_t, float>>> rows(E);  // expert -> (row, weight)
+    std::vector<int64_t> chosen(K);
+    std::vector<float> choice(E);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* l = &logits_[b * E];
+      for (int64_t e = 0; e < E; ++e) choice[e] = l[e] + bias[e];
+      for (int64_t k = 0; k < K; ++k) {  // the k best choices, the lower index first on ties
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (std::find(chosen.begin(), chosen.begin() + k, e) == chosen.begin() + k &&
+              (best < 0 || choice[e] > choice[best]))
+            best = e;
+        chosen[k] = best;
+      }
+      std::vector<float> weight(K);
+      if (L.router_kind == kSigmoid) {
+        for (int64_t k = 0; k < K; ++k) weight[k] = 1.f / (1.f + std::exp(-l[chosen[k]]));
+      } else {
+        float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+        const bool all = L.router_kind == kSoftmaxAll;
+        for (int64_t e = 0; e < E; ++e)
+          if (all || std::find(chosen.begin(), chosen.end(), e) != chosen.end()) top = std::max(top, l[e]);
+        for (int64_t e = 0; e < E; ++e)
+          if (all || std::find(chosen.begin(), chosen.end(), e) != chosen.end()) total += std::exp(l[e] - top);
+        for (int64_t k = 0; k < K; ++k) weight[k] = std::exp(l[chosen[k]] - top) / total;
+      }
+      for (int64_t k = 0; k < K; ++k) rows[chosen[k]].push_back({b, weight[k]});
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& mine = rows[e];
+      const int64_t m = static_cast<int64_t>(mine.size());
+      if (!m) continue;
+      xe_.resize(m * D_); he_.resize(m * 2 * Hd); ae_.resize(m * Hd); ye_.resize(m * D_);
+      for (int64_t r = 0; r < m; ++r) {
+        const float a = L.scales_input ? mine[r].second : 1.f;
+        for (int64_t d = 0; d < D_; ++d) xe_[r * D_ + d] = h_[mine[r].first * D_ + d] * a;
+      }
+      matmul(xe_.data(), m, D_, L.gate_up.data_ptr<float>() + e * D_ * 2 * Hd, 2 * Hd, he_.data());
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < Hd; ++j) ae_[r * Hd + j] = silu(he_[r * 2 * Hd + j]) * he_[r * 2 * Hd + Hd + j];
+      matmul(ae_.data(), m, Hd, L.expert_down.data_ptr<float>() + e * Hd * D_, D_, ye_.data());
+      for (int64_t r = 0; r < m; ++r) {
+        const float a = L.scales_input ? 1.f : mine[r].second;
+        for (int64_t d = 0; d < D_; ++d) y_[mine[r].first * D_ + d] += ye_[r * D_ + d] * a;
+      }
+    }
+  }
+
+  at::Tensor embed_, norm_, head_, rope_;
+  float eps_;
+  int64_t H_, KV_, Dh_, D_ = 0, V_ = 0;
+  std::vector<Layer> layers_;
+  // scratch, reused by every step (a step's buffers are sized by its rows)
+  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, he_, ae_, ye_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t,
+                    std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>,
+                    std::vector<std::vector<double>>>())
+      .def("step", &DecodeStep::step, "logits (B, vocab) of each row's token at its position", release());
+}

@@ -1,0 +1,151 @@
+"""The decode step in C++ (csrc/decode.cpp): every row's newest token to its logits in one call.
+
+Decoding a small model on a CPU is bound by the count of torch operations, not by the bytes of weights
+they read: the plain step of the demo model is ~500 small operations and reaches about a fifth of what the
+machine's read bandwidth allows (benchmarks/RESULTS.md, "The engine's decode step"). `FastStep` hands the
+model's own tensors (no copies: a weight loaded in place is seen) and the engine's slot cache to the C++
+step once, and each step is then one call that writes the rows' new keys into the same cache.
+
+It computes the model files' math for the layers they define: RMSNorm, GQA attention with RoPE, QK-norm,
+chunks, rings and the NoPE temperature, dense SwiGLU, and the MoE with the built-in routers (sigmoid,
+softmax over the chosen or over all experts) and a shared expert, in float32. `unsupported(model)` names
+what it does not (another dtype or device, a router or module of another kind, LoRA's parametrised
+weights), and the engine's runner then keeps the plain step; it also keeps it while anything is watching
+the modules (`observe`, forward hooks) and where capacity at inference makes the rows of a batch compete.
+The runner measures both on its first steps and keeps the faster (engine/runner.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..attention import Attention, sdpa_attend
+from ..model import Block, RMSNorm, Transformer
+from ..moe import Experts, MoE, SwiGLU
+from ..rope import rope_angles
+from ..router import SigmoidRouter, SoftmaxRouter
+from . import kernels
+from .attention import cpu_autocast_attend
+from .experts import FastExperts
+from .linear import FastLinear
+
+SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
+LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) weight
+ATTENDS = (sdpa_attend, cpu_autocast_attend)  # attention backends that compute the plain math
+
+_module: ModuleType | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def load() -> ModuleType | None:
+    """The compiled step's module, built on first use (about 20 s, cached); None where it cannot be built."""
+    global _module, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _module = kernels.compile_source(SOURCE, "decode", "the C++ decode step",
+                                                 "decoding takes the plain engine path")
+                _tried = True
+    return _module
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why the C++ step cannot compute `model`, in a few words; None when it can."""
+    if type(model) is not Transformer:
+        return f"a model of class {type(model).__name__}"
+    params = list(model.parameters())
+    if any(p.device.type != "cpu" for p in params):
+        return "a model off the CPU"
+    if any(p.dtype != torch.float32 for p in params):
+        return "weights other than float32"
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        return "parametrised weights (LoRA adapters)"
+    if type(model.norm) is not RMSNorm or type(model.embed) is not nn.Embedding or type(model.lm_head) not in LINEARS:
+        return "an embedding, final norm or LM head of another kind"
+    for block in model.blocks:
+        if type(block) is not Block or type(block.attn) is not Attention:
+            return f"a block or attention of class {type(block).__name__}"
+        if not all(type(getattr(block.attn, n)) in LINEARS for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            return "attention projections of another kind"
+        if type(block.attn_norm) is not RMSNorm or type(block.ffn_norm) is not RMSNorm:
+            return "a norm of another kind"
+        ffn = block.ffn
+        if type(ffn) is MoE:
+            if type(ffn.router) not in (SigmoidRouter, SoftmaxRouter):
+                return f"the router kind {ffn.router.kind!r}"
+            if type(ffn.experts) not in (Experts, FastExperts):
+                return f"routed experts of class {type(ffn.experts).__name__}"
+            if ffn.shared_expert is not None and not _plain_swiglu(ffn.shared_expert):
+                return "a shared expert of another kind"
+        elif not _plain_swiglu(ffn):
+            return f"a feed-forward layer of class {type(ffn).__name__}"
+    if load() is None:
+        return "no C++ compiler (the step could not be built)"
+    return None
+
+
+def _plain_swiglu(m: nn.Module) -> bool:
+    return type(m) is SwiGLU and all(type(getattr(m, n)) in LINEARS for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def watched(model: Transformer, modules: list[nn.Module] | None = None) -> bool:
+    """Whether something would miss the step's insides: an `observe` recorder (an attention backend or a route
+    of its own on a module) or a forward hook anywhere in the model (`modules`: its modules, listed once)."""
+    for block in model.blocks:
+        if block.attn.attend not in ATTENDS or "route" in vars(block.ffn):
+            return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules or model.modules()) or \
+        bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+class FastStep:
+    """The C++ step over `model` and `layers` (the engine's slot-cache layers: k, v (R, S, KV, Dh), pos (R, S)),
+    for positions below `context`. Call it with each row's token and position (host ints, rows 0..B-1 of
+    the cache) for the logits (B, vocab); it writes the new keys into the cache as the plain step does."""
+
+    def __init__(self, model: Transformer, layers: list, context: int) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the C++ decode step cannot run this model: {reason}")
+        cfg = model.cfg
+        rope = rope_angles(model.inv_freq(torch.device("cpu")), torch.arange(context)).contiguous()
+        tensors, ints, floats = [], [], []
+        for block, layer in zip(model.blocks, layers, strict=True):
+            attn, ffn = block.attn, block.ffn
+            t = [block.attn_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                 attn.o_proj.weight, layer.k, layer.v, layer.pos, block.ffn_norm.weight]
+            moe = type(ffn) is MoE
+            shared = moe and ffn.shared_expert is not None
+            kind, top_k, scales_input = 0, 1, True
+            if moe:
+                r = ffn.router
+                t += [r.weight, r.expert_bias, ffn.experts.gate_up, ffn.experts.down]
+                kind = 0 if type(r) is SigmoidRouter else 2 if r.over_all else 1
+                top_k, scales_input = r.top_k, r.scales_input
+            dense = ffn.shared_expert if shared else None if moe else ffn
+            if dense is not None:
+                t += [dense.gate_proj.weight, dense.up_proj.weight, dense.down_proj.weight]
+            tensors.append([x.detach() for x in t])
+            ints.append([attn.use_rope, attn.qk_norm, attn.temperature, attn.chunk or 0, layer.window, moe, shared,
+                         kind, top_k, scales_input])
+            floats.append([float(attn.floor_scale), float(attn.attn_scale)])
+        self.model, self.context, self._modules = model, context, list(model.modules())
+        self.capacity_competes = bool(cfg.n_experts and cfg.capacity_factor is not None and cfg.capacity_in_eval)
+        self._step = load().DecodeStep(model.embed.weight.detach(), model.norm.weight.detach(),
+                                       model.lm_head.weight.detach(), rope, cfg.norm_eps, cfg.n_heads,
+                                       cfg.n_kv_heads, cfg.head_dim, tensors, ints, floats)
+
+    def usable(self, rows: int) -> bool:
+        """Whether this step computes what the plain one would now: nothing watching the modules, and no
+        capacity that makes the rows of a batch compete for experts."""
+        return not (self.capacity_competes and rows > 1) and not watched(self.model, self._modules)
+
+    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        return self._step.step(tokens, positions)

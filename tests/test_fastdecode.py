@@ -1,0 +1,177 @@
+"""The C++ decode step (ops/fastdecode.py, csrc/decode.cpp) against the plain engine path, which is the
+reference: logits to 1e-5 in float32 step by step, and the same tokens through the engine (greedy, seeded
+sampling, stop strings) with chunks, rings, the NoPE temperature, QK-norm, every built-in router, a
+shared expert, dense layers and capacity at inference; what it refuses names why, and the runner keeps
+the plain path wherever the step would not compute what the plain one does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanollama4.config import ModelConfig
+from nanollama4.engine import Engine, Request, Sampling, TokenEvent
+from nanollama4.engine.cache import SlotCache
+from nanollama4.engine.runner import Runner
+from nanollama4.generation import generate_ids
+from nanollama4.lora import attach
+from nanollama4.observe import observe
+from nanollama4.ops import build_model, fastdecode
+from nanollama4.tokenizer import CharTokenizer
+from tests.helpers import randomize_
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(fastdecode.load() is None, reason="no C++ compiler: the C++ decode step is not built")]
+
+# chunks of 8 (a ring of 7 slots), NoPE every 2nd layer with temperature (floor 4), QK-norm, MoE top-2 of 4
+BASE = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=48,
+            attention_chunk_size=8, nope_interval=2, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+            ffn_dim=48, n_experts=4, experts_per_token=2, expert_dim=24)
+VARIANTS = {
+    "sigmoid, shared expert, every feature": {},
+    "softmax over the chosen, no shared expert": dict(router="softmax", shared_expert=False),
+    "softmax over all, capacity at inference": dict(router="softmax", softmax_over="all", capacity_factor=1.0,
+                                                    capacity_in_eval=True),
+    "top-1, no QK-norm, one MoE layer in two": dict(experts_per_token=1, use_qk_norm=False, moe_every=2),
+    "dense, unchunked, all RoPE": dict(n_experts=0, attention_chunk_size=None, nope_interval=0),
+    "chunk as long as the context (no ring)": dict(attention_chunk_size=48),
+}
+
+
+def model_for(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**BASE, **overrides})).eval()
+    randomize_(model, seed=3, gain=1.5)  # trained-like weights: routers and norms that are not uniform
+    for moe in model.moe_layers():
+        moe.router.expert_bias.normal_(std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_step_equals_the_plain_step(name):
+    """Rows at different positions (past several chunks, before and after the ring wraps), decoding together:
+    the C++ step's logits equal the plain step's to 1e-5 of their scale, and it leaves the cache as the plain
+    one does."""
+    model = model_for(**VARIANTS[name])
+    cfg = model.cfg
+    plain_cache, fast_cache = (SlotCache(cfg, 3, torch.float32, torch.device("cpu")) for _ in range(2))
+    plain = Runner(model, plain_cache)
+    plain.only = "plain"
+    fast = fastdecode.FastStep(model, fast_cache.layers, plain_cache.context)
+    g = torch.Generator().manual_seed(1)
+    together = 3 if fast.usable(3) else 1  # (with capacity at inference, rows compete: one row at a time)
+    with torch.no_grad():
+        for step in range(cfg.max_seq_len - 1):
+            rows = 1 if step < 20 else together  # one row alone, then three, the later ones starting at 0
+            positions = [step, step - 20, max(0, step - 27)][:rows]
+            tokens = torch.randint(0, cfg.vocab_size, (rows,), generator=g).tolist()
+            want = plain.decode(tokens, positions)
+            got = fast(tokens, positions)
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), step  # float32 rounding
+    for mine, theirs in zip(fast_cache.layers, plain_cache.layers, strict=True):
+        assert torch.equal(mine.pos, theirs.pos)
+        torch.testing.assert_close(mine.k, theirs.k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mine.v, theirs.v, atol=1e-4, rtol=1e-4)
+
+
+def run_engine(model, prompts, max_tokens, sampling, only, tokenizer=None):
+    engine = Engine(model, tokenizer, max_batch=4)
+    engine.runner.only = only
+    engine.fail_fast = True
+    out = {}
+    for i, p in enumerate(prompts):
+        engine.add(Request(list(p), max_tokens, sampling, emit=lambda e, i=i: out.setdefault(i, []).append(e),
+                           id=str(i)))
+    engine.run()
+    return out, engine
+
+
+@pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "softmax over all, capacity at inference",
+                                  "dense, unchunked, all RoPE"])
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0), Sampling(temperature=1.0, top_k=20, seed=5),
+                                      Sampling(temperature=0.9, top_p=0.9, seed=6)])
+def test_the_engine_gives_the_same_tokens_either_way(name, sampling):
+    """Four requests decoding together (one row alone at the end), 40 tokens each, past several chunks."""
+    model = model_for(**VARIANTS[name])
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 5, 1, 7)]
+    got = {}
+    for only in ("plain", "fast"):
+        events, engine = run_engine(model, prompts, 40, sampling, only)
+        got[only] = {i: [e.token_id for e in ev if isinstance(e, TokenEvent)] for i, ev in events.items()}
+        assert only == "plain" or engine.runner.fast_step() is not None
+    assert got["fast"] == got["plain"]
+    assert all(len(t) == 40 for t in got["plain"].values())
+
+
+def test_stop_strings_end_the_same_tokens():
+    tok = CharTokenizer("abcdefgh ")
+    model = model_for(vocab_size=tok.vocab_size)
+    sampling = Sampling(temperature=1.0, seed=3, stop=["ab", "h"])
+    text = {}
+    for only in ("plain", "fast"):
+        events, _ = run_engine(model, [tok.encode("abc"), tok.encode("hg")], 40, sampling, only, tok)
+        text[only] = {i: "".join(e.text for e in ev) for i, ev in events.items()}
+    assert text["fast"] == text["plain"]
+
+
+def test_greedy_generate_matches_the_plain_path_on_the_demo_shape():
+    """The demo preset (chunks of 64, temperature floor 64) over 150 tokens, past two chunks, on two threads
+    (its products are big enough to be split between them)."""
+    from nanollama4.config import preset
+
+    torch.set_num_threads(2)  # the one_thread fixture puts it back
+    torch.manual_seed(0)
+    model = build_model(preset("shakespeare-char", vocab_size=96, max_seq_len=160)).eval()
+    randomize_(model, seed=1, gain=1.3)
+    tokens = {}
+    for only in ("plain", "fast"):
+        events, _ = run_engine(model, [[5, 6, 7]], 150, Sampling(temperature=0), only)
+        tokens[only] = [e.token_id for e in events[0] if isinstance(e, TokenEvent)]
+    assert tokens["fast"] == tokens["plain"] and len(tokens["fast"]) == 150
+
+
+def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(monkeypatch):
+    model = model_for()
+    out = generate_ids(model, [[1, 2, 3]], 30, temperature=0)
+    engine = Engine(model, max_batch=2)
+    engine.add(Request([1, 2, 3], 30, Sampling(temperature=0), emit=lambda e: None, id="a"))
+    engine.run()
+    chosen = engine.runner.choice
+    assert set(chosen) == {1} and chosen[1][0] in ("fast", "plain")  # the first steps decided, for one row
+    assert out and len(out[0]) == 30
+
+    calls = []
+    fast = engine.runner.fast_step()
+    monkeypatch.setattr(fast, "_step", type("Spy", (), {"step": lambda self, t, p: calls.append(1)})())
+    with observe(model):  # a traced step records the layers' insides: the plain path runs
+        assert not fast.usable(1)
+        engine.runner.choice[1] = ("fast", 1)
+        engine.runner.decode([4], [3])
+    assert calls == []
+    assert fast.usable(1)
+    handle = model.blocks[0].register_forward_hook(lambda *a: None)
+    assert not fast.usable(1)
+    handle.remove()
+
+
+def test_capacity_at_inference_keeps_batches_plain():
+    """With capacity at inference the rows of a batch compete for experts: one row may take the C++ step,
+    several may not."""
+    model = model_for(**VARIANTS["softmax over all, capacity at inference"])
+    fast = fastdecode.FastStep(model, SlotCache(model.cfg, 2, torch.float32, torch.device("cpu")).layers, 48)
+    assert fast.usable(1) and not fast.usable(2)
+
+
+def test_what_it_cannot_run_is_named():
+    model = model_for()
+    assert fastdecode.unsupported(model) is None
+    assert fastdecode.unsupported(model_for().to(torch.bfloat16)) == "weights other than float32"
+    lora = model_for()
+    attach(lora, rank=2, alpha=4.0)
+    assert fastdecode.unsupported(lora) == "parametrised weights (LoRA adapters)"
+    with pytest.raises(ValueError, match="cannot run this model: weights other than float32"):
+        fastdecode.FastStep(model_for().to(torch.bfloat16), [], 8)
+    engine = Engine(lora, max_batch=1)  # the engine decodes it on the plain path
+    engine.add(Request([1, 2], 5, Sampling(temperature=0), emit=lambda e: None, id="x"))
+    engine.run()
+    assert engine.runner._fast is False and engine.finished["length"] == 1
