@@ -40,13 +40,14 @@ Way = tuple[str, int]  # ("fast" or "plain", threads)
 class Runner:
     """Runs `model` over `cache` (the slot cache of the engine's rows)."""
 
+    only: str | None = None  # "fast" or "plain": decode that way alone (tests and benchmarks set it)
+
     def __init__(self, model: Transformer, cache: SlotCache, compile: bool = False) -> None:
         self.model, self.cache, self.compile = model, cache, compile
         self.device = next(model.parameters()).device
         self.choice: dict[int, Way] = {}  # decode size (rows rounded up to a power of two) -> the way chosen
         self._trials: dict[int, dict[Way, list[float]]] = {}
         self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
-        self.only: str | None = None  # "fast" or "plain": take that path alone (tests, benchmarks)
 
     def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:

@@ -95,14 +95,20 @@ def _plain_swiglu(m: nn.Module) -> bool:
     return type(m) is SwiGLU and all(type(getattr(m, n)) in LINEARS for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def watched(model: Transformer, modules: list[nn.Module] | None = None) -> bool:
+def watched(model: Transformer, hooks: list[dict] | None = None) -> bool:
     """Whether something would miss the step's insides: an `observe` recorder (an attention backend or a route
-    of its own on a module) or a forward hook anywhere in the model (`modules`: its modules, listed once)."""
+    of its own on a module) or a forward hook anywhere in the model (`hooks`: `hook_tables(model)`, kept)."""
     for block in model.blocks:
         if block.attn.attend not in ATTENDS or "route" in vars(block.ffn):
             return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules or model.modules()) or \
+    return any(hook_tables(model) if hooks is None else hooks) or \
         bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def hook_tables(model: nn.Module) -> list[dict]:
+    """Every module's forward hook and pre-hook tables: registering a hook adds to its module's table, so a
+    list made once shows later hooks too, and checking it is one `any` per step."""
+    return [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks)]
 
 
 class FastStep:
@@ -136,7 +142,7 @@ class FastStep:
             ints.append([attn.use_rope, attn.qk_norm, attn.temperature, attn.chunk or 0, layer.window, moe, shared,
                          kind, top_k, scales_input])
             floats.append([float(attn.floor_scale), float(attn.attn_scale)])
-        self.model, self.context, self._modules = model, context, list(model.modules())
+        self.model, self.context, self._hooks = model, context, hook_tables(model)
         self.capacity_competes = bool(cfg.n_experts and cfg.capacity_factor is not None and cfg.capacity_in_eval)
         self._step = load().DecodeStep(model.embed.weight.detach(), model.norm.weight.detach(),
                                        model.lm_head.weight.detach(), rope, cfg.norm_eps, cfg.n_heads,
@@ -145,7 +151,7 @@ class FastStep:
     def usable(self, rows: int) -> bool:
         """Whether this step computes what the plain one would now: nothing watching the modules, and no
         capacity that makes the rows of a batch compete for experts."""
-        return not (self.capacity_competes and rows > 1) and not watched(self.model, self._modules)
+        return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks)
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         return self._step.step(tokens, positions)

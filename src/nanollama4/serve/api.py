@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -38,16 +39,30 @@ ENDPOINTS: dict[str, tuple[type[Body], type[Reply]]] = {"/v1/completions": (BODI
 
 
 class Session:
-    """The requests of one HTTP call (one per prompt) and the events they send back, in order."""
+    """The requests of one HTTP call (one per prompt) and the events they send back, in order.
+
+    The engine's thread appends each event and wakes the event loop only when no wake-up is pending, so a
+    stream that the loop reads more slowly than the engine writes it is read in batches (one wake-up and
+    one write to the socket for all the tokens that arrived meanwhile), not a task switch per token."""
 
     def __init__(self, engine: Engine, params: Params) -> None:
         loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.pending: deque[tuple[int, Event]] = deque()  # appended by the engine's thread, taken by the loop
+        self.ready = asyncio.Event()
+        self.waking = False  # a wake-up is scheduled on the loop and has not run yet
+
+        def wake() -> None:  # on the loop, before the reader takes the batch
+            self.waking = False
+            self.ready.set()
 
         def emitter(index: int) -> Callable[[Event], None]:
             def emit(event: Event) -> None:
+                self.pending.append((index, event))
+                if self.waking:
+                    return
+                self.waking = True
                 try:
-                    loop.call_soon_threadsafe(self.events.put_nowait, (index, event))
+                    loop.call_soon_threadsafe(wake)
                 except RuntimeError:  # the loop is gone (the server stopped): nobody is listening
                     pass
             return emit
@@ -67,12 +82,22 @@ class Session:
         except Closing as e:
             raise ApiError(503, f"{e}; try again once it is back", kind="server_error") from None
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, Event]]:
+    async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        """The events in order, as many at a time as have arrived."""
         while self.open:
-            index, event = await self.events.get()
-            if isinstance(event, Finished):
-                self.open -= 1
-            yield index, event
+            await self.ready.wait()
+            self.ready.clear()
+            batch = []
+            while self.pending:
+                batch.append(self.pending.popleft())
+                self.open -= isinstance(batch[-1][1], Finished)
+            if batch:
+                yield batch
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Event]]:
+        async for batch in self.batches():
+            for item in batch:
+                yield item
 
     def cancel(self) -> None:
         for r in self.requests:
@@ -221,13 +246,16 @@ async def _stream(session: Session, reply: Reply) -> Response:
         try:
             for chunk in reply.opening():
                 yield chunk
-            async for index, event in session:
-                if isinstance(event, TokenEvent):
-                    yield reply.token(index, event)
-                    continue
-                prompt_n += event.prompt_tokens
-                completion_n += event.completion_tokens
-                yield reply.last(index, event)
+            async for batch in session.batches():  # one write for the tokens that arrived together
+                chunks = []
+                for index, event in batch:
+                    if isinstance(event, TokenEvent):
+                        chunks.append(reply.token(index, event))
+                        continue
+                    prompt_n += event.prompt_tokens
+                    completion_n += event.completion_tokens
+                    chunks.append(reply.last(index, event))
+                yield "".join(chunks)
             if reply.params.include_usage:
                 yield reply.usage(prompt_n, completion_n)
             yield "data: [DONE]\n\n"
