@@ -155,3 +155,47 @@ def stop_the_third_training(train, calls: list[Path]):
         return train(cfg, tc, run_dir, **kwargs)
 
     return train_then_stop
+
+
+# ------------------------------------------------------------------------------- host reads inside a step
+HOST_READ_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+                 "aten::unique", "aten::_unique2", "aten::bincount")  # ops whose result needs a tensor's value
+HOST_READ_METHODS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                               "nonzero", "cpu"})  # Tensor methods that hand a value (or a host copy) to Python
+
+
+def host_reads(fn) -> list[str]:
+    """Every read of a tensor's value on the host while `fn()` runs, one line each: the ops the profiler
+    records (`HOST_READ_OPS`, with the op or Python frame that called them) and the Tensor methods Python
+    calls (`HOST_READ_METHODS`, with the nanollama4 line that called them). On a GPU each is a pipeline
+    drain; on the CPU the same code paths show them."""
+    import collections
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+    from torch.profiler import ProfilerActivity, profile
+
+    class Methods(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in HOST_READ_METHODS:
+                ours = [f for f in traceback.extract_stack()[:-1] if "/nanollama4/" in f.filename]
+                where = f"{ours[-1].filename.split('/nanollama4/')[-1]}:{ours[-1].lineno}" if ours else "?"
+                self.seen.append(f"Tensor.{name} at {where}")
+            return func(*args, **(kwargs or {}))
+
+    methods = Methods()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, methods:
+        fn()
+    ops = collections.Counter()
+    for e in prof.events():
+        if e.name in HOST_READ_OPS:
+            parent = e.cpu_parent
+            while parent is not None and parent.name in HOST_READ_OPS:
+                parent = parent.cpu_parent
+            ops[f"{e.name} in {parent.name if parent is not None else '?'}"] += 1
+    return [*methods.seen, *(f"{k} (x{n})" for k, n in ops.items())]

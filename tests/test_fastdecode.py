@@ -18,7 +18,7 @@ from nanollama4.lora import attach
 from nanollama4.observe import observe
 from nanollama4.ops import build_model, fastdecode
 from nanollama4.tokenizer import CharTokenizer
-from tests.helpers import randomize_
+from tests.helpers import host_reads, randomize_
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(fastdecode.load() is None, reason="no C++ compiler: the C++ decode step is not built")]
@@ -175,3 +175,21 @@ def test_what_it_cannot_run_is_named():
     engine.add(Request([1, 2], 5, Sampling(temperature=0), emit=lambda e: None, id="x"))
     engine.run()
     assert engine.runner._fast is False and engine.finished["length"] == 1
+
+
+def test_a_decode_step_reads_no_tensor_back():
+    """Steady-state decode steps of four rows (`helpers.host_reads`): the C++ step reads nothing back; the plain
+    step only the chosen experts' ids in `ops.decode.few_rows`' CPU branch (eager on the CPU, where reading
+    them costs nothing; elsewhere it gathers the experts' weights on the device instead)."""
+    from nanollama4.config import preset
+
+    torch.manual_seed(0)
+    model = build_model(preset("shakespeare-char", vocab_size=96)).eval()
+    for only, allowed in (("fast", ()), ("plain", ("Tensor.tolist at ops/decode.py",))):
+        runner = Runner(model, SlotCache(model.cfg, 4, torch.float32, torch.device("cpu")))
+        runner.only = only
+        with torch.no_grad():
+            for s in range(3):
+                runner.decode([1, 2, 3, 4], [s] * 4)
+            reads = host_reads(lambda r=runner: [r.decode([1, 2, 3, 4], [s] * 4) for s in range(3, 6)])
+        assert [r for r in reads if not r.startswith(allowed)] == [], only

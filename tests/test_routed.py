@@ -113,13 +113,15 @@ def test_experts_without_rows_get_zero_gradients(product):
 
 
 def test_plan_rows_pads_each_group_and_keeps_the_stable_order():
+    """Each group padded to the multiple; the buffer as long as the worst case (7 + 4 x 3 rows, to a multiple
+    of 4: 20), known from the shapes alone, the rows past the groups joining the last one as padding."""
     token_A = torch.tensor([0, 1, 2, 3, 4, 5, 6])
     expert_A = torch.tensor([2, 0, 2, 2, 0, 3, 2])
     plan = routed.plan_rows(token_A, expert_A, 4, 4)
-    assert plan.counts_E.tolist() == [4, 0, 4, 4]
+    assert plan.counts_E.tolist() == [4, 0, 4, 12]
     # expert 0: assignments 1, 4 then two padding rows (A = 7); expert 2: 0, 2, 3, 6; expert 3: 5 + padding
-    assert plan.assign_P.tolist() == [1, 4, 7, 7, 0, 2, 3, 6, 5, 7, 7, 7]
-    assert plan.token_P.tolist() == [1, 4, 0, 0, 0, 2, 3, 6, 5, 0, 0, 0]
+    assert plan.assign_P.tolist() == [1, 4, 7, 7, 0, 2, 3, 6, 5] + [7] * 11
+    assert plan.token_P.tolist() == [1, 4, 0, 0, 0, 2, 3, 6, 5] + [0] * 11
     plain = routed.plan_rows(token_A, expert_A, 4, 1)
     assert plain.counts_E.tolist() == [2, 0, 4, 1] and plain.assign_P.tolist() == [1, 4, 0, 2, 3, 6, 5]
 

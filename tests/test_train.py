@@ -35,6 +35,7 @@ from tests.helpers import (
     assert_cli_error,
     assert_one_line,
     assert_refused,
+    host_reads,
     run_cli,
     snapshot,
     start_training,
@@ -515,14 +516,14 @@ def test_a_diverging_run_never_saves_non_finite_weights(interval, corpus, tmp_pa
                            "--set", "lr=1e6", "--set", f"eval_interval={interval}", "--set", "warmup_steps=0")
     line = assert_cli_error(rc, err, "train")
     if interval == 3:
-        assert line == (f"nanollama4 train: error: the gradient norm became nan at step 3; the step was not "
-                        f"applied, no checkpoint was saved in {run} yet; lower lr (--set lr=...) and train again")
+        assert line == (f"nanollama4 train: error: the gradient norm became nan at step 3; the step's weights were "
+                        f"not saved, no checkpoint was saved in {run} yet; lower lr (--set lr=...) and train again")
         assert not list(run.glob("step-*"))
         rc, _, err = train_cli(capsys, "--data", str(corpus), "--out", str(run), "--max-steps", "2")
         assert rc == 0, err  # "train again" in the same folder works: it holds no run yet
         return
-    assert line == (f"nanollama4 train: error: the gradient norm became nan at step 3; the step was not applied, "
-                    f"{run}/last (step-0000002) is intact; lower lr (--set lr=...) and continue with "
+    assert line == (f"nanollama4 train: error: the gradient norm became nan at step 3; the step's weights were not "
+                    f"saved, {run}/last (step-0000002) is intact; lower lr (--set lr=...) and continue with "
                     f"--resume {run}")
     for name in ("last", "best"):
         tensors = load_file(resolve_checkpoint(run, prefer=name) / "model.safetensors")
@@ -533,13 +534,15 @@ def test_a_diverging_run_never_saves_non_finite_weights(interval, corpus, tmp_pa
     # clear way and changes nothing (test_a_nan_gradient_... shows a resume that succeeds)
     before = snapshot(run)
     rc, _, err = run_cli(["train", "--resume", str(run), "--max-steps", "4", "--set", "lr=1e-3", "--quiet"], capsys)
-    assert "the gradient norm became nan at step 3; the step was not applied" in assert_cli_error(rc, err, "train")
+    assert "the gradient norm became nan at step 3; the step's weights were not saved" in \
+        assert_cli_error(rc, err, "train")
     assert snapshot(run) == before
 
 
-def test_a_nan_gradient_with_a_finite_loss_is_not_applied_and_the_run_resumes(corpus, tmp_path, monkeypatch):
-    """A NaN in one parameter's gradient (the loss stays finite) at step 4: nothing of it reaches the weights
-    or a checkpoint, and the advised resume continues with the same losses as a run that never failed."""
+def test_a_nan_gradient_with_a_finite_loss_is_not_saved_and_the_run_resumes(corpus, tmp_path, monkeypatch):
+    """A NaN in one parameter's gradient (the loss stays finite) at step 4: the run stops as soon as the step's
+    numbers are read (the step itself reads nothing back), before a checkpoint holds it, and the advised resume
+    continues with the same losses as a run that never failed."""
     from nanollama4.runs import resume_config
     from nanollama4.train import TrainingError, train
 
@@ -560,7 +563,7 @@ def test_a_nan_gradient_with_a_finite_loss_is_not_applied_and_the_run_resumes(co
     with monkeypatch.context() as patch, pytest.raises(TrainingError) as info:
         patch.setattr(Transformer, "loss", loss)
         train(preset("tiny"), tc, run, data=str(corpus), progress=False)
-    assert str(info.value).startswith("the gradient norm became nan at step 4; the step was not applied, ")
+    assert str(info.value).startswith("the gradient norm became nan at step 4; the step's weights were not saved, ")
     assert os.readlink(run / "last") == "step-0000002"
     result = train(None, resume_config(run), run, resume=True, progress=False)
     assert result.step == 6
@@ -722,3 +725,48 @@ def test_the_suggested_prompt_is_the_start_of_a_line_of_the_runs_own_text():
     assert prompt_of("d-line\n\n   def forward(self, x_TD, token_A, expert_A):\n") == "def forward(self, x_TD,"
     assert prompt_of("ne\nshort\n") == "short"
     assert prompt_of("one long line without any newline in it at all") is None
+
+
+# ------------------------------------------------------------------------------- a step reads nothing back
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_a_training_step_reads_no_tensor_back(optimizer, corpus, tmp_path):
+    """The demo's step (its model, bf16, Muon with two experts a step, or AdamW) with the routed product a GPU
+    takes (torch's grouped_mm, offsets on the device): under the profiler and a Tensor-method spy
+    (`helpers.host_reads`), nothing in `train_step` reads a value back. Allowed, each for its reason: the
+    sampler's window starts (drawn on the CPU by design, from the generator a resume restores), and reads
+    inside two of torch's own CPU kernels, which their CUDA kernels do on the device: fused AdamW's step
+    counters and grouped_mm's offsets. `read_step`, outside the step, then reads the step's numbers once."""
+    from nanollama4.runsetup import start_run
+    from nanollama4.train import read_step, train_step
+
+    tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer=optimizer, lr=2e-3, min_lr=2e-4,
+                     muon_experts_per_step=2, threads=1)
+    run = start_run(preset("shakespeare-char"), tc, tmp_path / "run", str(corpus), None)
+    for moe in run.model.moe_layers():
+        moe.experts.dispatch = "grouped"
+    for _ in range(3):  # past the first steps (optimizer state made, products chosen)
+        read_step(run, train_step(run, 1.0))
+    reads = host_reads(lambda: [train_step(run, 1.0) for _ in range(2)])
+    inside_torch = tuple(f"aten::{op} in aten::{kernel}" for op in ("item", "_local_scalar_dense")
+                         for kernel in ("_fused_adamw_", "_grouped_mm"))
+    assert [r for r in reads if not r.startswith(("Tensor.tolist at data.py", *inside_torch))] == []
+    assert any(r.startswith("Tensor.tolist at data.py") for r in reads)  # the spy sees reads where they are
+    result = read_step(run, train_step(run, 1.0))
+    assert math.isfinite(result.lm) and result.grad_norm > 0 and result.counts.shape == (4, 8)
+
+
+def test_the_cpu_products_read_only_their_group_sizes(corpus, tmp_path):
+    """With the products "auto" picks on a CPU, the one extra read is the bucketed loop's group sizes (a
+    CPU-only product: one torch.mm per expert needs each group's size on the host); the compiled kernel reads
+    its counts in C++, which is not a tensor read (no device to wait for)."""
+    from nanollama4.runsetup import start_run
+    from nanollama4.train import read_step, train_step
+
+    tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer="muon", lr=2e-3, threads=1)
+    run = start_run(preset("shakespeare-char"), tc, tmp_path / "run", str(corpus), None)
+    for _ in range(2):
+        read_step(run, train_step(run, 1.0))
+    reads = host_reads(lambda: train_step(run, 1.0))
+    inside_torch = tuple(f"aten::{op} in aten::_fused_adamw_" for op in ("item", "_local_scalar_dense"))
+    allowed = ("Tensor.tolist at data.py", "Tensor.tolist at ops/experts.py", *inside_torch)
+    assert [r for r in reads if not r.startswith(allowed)] == []

@@ -64,15 +64,15 @@ from .threads import ThreadWatch
 LONG_BUDGET = 7 * 24 * 3600.0  # seconds: a --max-time past this gets a warning about the schedule
 
 
-def train_step(run: Run, scale: float) -> StepResult:
+def train_step(run: Run, scale: float) -> StepTensors:
     """One optimizer step at `scale` of the peak learning rates (`schedule.lr_scale`): this rank's grad_accum of the
     step's R x grad_accum micro-batches (all of them drawn, to keep the ranks' samplers alike), clipping, the
-    update, the balancing bias. A non-finite loss or gradient norm stops the run before anything of the step
-    is applied."""
+    update, the balancing bias. Nothing in it reads a tensor's value back to the host, so that a GPU runs the
+    whole step without waiting for it (tests/test_train_step.py); `read_step` reads what it left."""
     tc, model, world = run.tc, run.model, run.world
     set_lr(run.optimizer, tc, scale)
     noisy = any(m.router.noise_kind != "none" for m in model.moe_layers())
-    sums = torch.zeros(2, dtype=torch.float64)  # lm, aux over this rank's micro-batches (on the CPU: one read)
+    sums = torch.zeros(2, dtype=torch.float32 if run.device.type == "mps" else torch.float64, device=run.device)
     mine = 0
     for m in range(tc.grad_accum * world.size):
         starts = run.dataset.draw_starts("train", tc.batch_size, tc.seq_len, run.batches)
@@ -86,22 +86,43 @@ def train_step(run: Run, scale: float) -> StepResult:
             with autocast(run.device, tc.bf16):
                 out = run.parallel.loss(x.to(run.device), y.to(run.device))
             (out.total / tc.grad_accum).backward()
-        sums += torch.stack([out.lm.detach(), out.aux.detach()]).double().cpu()
+        sums += torch.stack([out.lm.detach(), out.aux.detach()]).to(sums.dtype)  # lm, aux of this rank
     counts, routing = expert_counts(model), routing_stats(model)
-    lm, aux = (run.parallel.sum_over_ranks(sums) / (tc.grad_accum * world.size)).tolist()
-    if counts is not None:  # one collective for both; the shares and losses are averaged over the ranks
-        both = run.parallel.sum_over_ranks(torch.cat([counts, routing], dim=1).cpu())
-        counts, routing = both[:, :counts.shape[1]], both[:, counts.shape[1]:] / world.size
-    if not math.isfinite(lm + aux):
-        raise _diverged(f"the loss became {lm + aux}", run.step + 1, run.dir)
     run.parallel.after_backward()
     grad_norm = run.parallel.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-    if not math.isfinite(grad_norm):  # the update would write NaN into every weight it touches
-        raise _diverged(f"the gradient norm became {grad_norm}", run.step + 1, run.dir)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     model.update_router_biases()
     run.step += 1
+    return StepTensors(sums, grad_norm, counts, routing)
+
+
+@dataclass
+class StepTensors:
+    """What a step leaves on its device, unread: the summed losses, the gradient norm, the routing."""
+
+    sums: torch.Tensor  # (2,) lm and aux summed over this rank's micro-batches
+    grad_norm: torch.Tensor  # 0-d, before clipping
+    counts: torch.Tensor | None
+    routing: torch.Tensor | None
+
+
+def read_step(run: Run, t: StepTensors) -> StepResult:
+    """Read a step's numbers back (one transfer; with several ranks, one collective for them all) and stop the
+    run if the loss or the gradient norm is not finite: the update has then been applied, and the run stops
+    before any checkpoint holds it."""
+    tc, world = run.tc, run.world
+    values = torch.cat([t.sums.double(), t.grad_norm.reshape(1).double()]).cpu()
+    values[:2] = run.parallel.sum_over_ranks(values[:2]) / (tc.grad_accum * world.size)
+    lm, aux, grad_norm = values.tolist()
+    counts, routing = t.counts, t.routing
+    if counts is not None:  # one collective for both; the shares and losses are averaged over the ranks
+        both = run.parallel.sum_over_ranks(torch.cat([counts, routing], dim=1).cpu())
+        counts, routing = both[:, :counts.shape[1]], both[:, counts.shape[1]:] / world.size
+    if not math.isfinite(lm + aux):
+        raise _diverged(f"the loss became {lm + aux} at step {run.step}", run.dir)
+    if not math.isfinite(grad_norm):  # the update wrote NaN into every weight it touched
+        raise _diverged(f"the gradient norm became {grad_norm} at step {run.step}", run.dir)
     return StepResult(lm=lm, aux=aux, grad_norm=grad_norm, counts=counts, routing=routing)
 
 
@@ -112,7 +133,7 @@ def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
     val = evaluate(run.model, run.val_batches, run.device, run.tc.bf16, run.world.rank, run.world.size,
                    run.parallel.sum_over_ranks)
     if not math.isfinite(val):
-        raise _diverged(f"the validation loss became {val} after step {run.step}", run.step, run.dir, applied=True)
+        raise _diverged(f"the validation loss became {val} after step {run.step}", run.dir)
     line = {"step": run.step, "time": round(elapsed, 3), "val_loss": val}
     routing = run.telemetry.take(run.model)
     if routing:
@@ -254,7 +275,7 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
             if watch:
                 watch.before(run.step)
             t_step = time.perf_counter()
-            result = train_step(run, scale)
+            result = read_step(run, train_step(run, scale))
             trained_tokens += tokens_per_step
             dt = time.perf_counter() - t_step
             moved = watch.after(dt) if watch else None
@@ -375,18 +396,16 @@ def noise_seed(seed: int, step: int, micro_batch: int) -> int:
     return ((seed * 1_000_003 + step) * 65_537 + micro_batch) & (2**63 - 1)
 
 
-def _diverged(what: str, step: int, run_dir: Path, applied: bool = False) -> TrainingError:
-    """The error for a non-finite loss or gradient: nothing of that step was applied, or (`applied`, found
-    by validation after the step) its weights were not saved."""
+def _diverged(what: str, run_dir: Path) -> TrainingError:
+    """The error for a non-finite loss, gradient or validation loss, found when the step's numbers were read:
+    the weights that hold it were not saved."""
     if holds_run(run_dir):
         last = resolve_checkpoint(run_dir, prefer="last").name
         advice = (f"{run_dir}/last ({last}) is intact; lower lr (--set lr=...) and continue with "
                   f"--resume {run_dir}")
     else:
         advice = f"no checkpoint was saved in {run_dir} yet; lower lr (--set lr=...) and train again"
-    if applied:
-        return TrainingError(f"{what}; the step's weights were not saved, {advice}")
-    return TrainingError(f"{what} at step {step}; the step was not applied, {advice}")
+    return TrainingError(f"{what}; the step's weights were not saved, {advice}")
 
 
 @contextmanager

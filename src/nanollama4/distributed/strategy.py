@@ -46,9 +46,10 @@ class Parallel:
     def after_backward(self) -> None:
         """Once per step, after the last backward: finish the gradients and the step's expert counts."""
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the global gradient norm to max_norm; returns the norm before clipping."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to max_norm; returns the norm before clipping, a 0-d tensor on the
+        device (read nothing back: the step stays free of host synchronisation)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over all ranks (CPU in, CPU out: some devices have no float64)."""
@@ -154,9 +155,10 @@ class Distributed(Parallel):
             for buf, row in zip(pending, summed, strict=True):
                 buf.copy_(row)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
-        the expert shards' squares summed over their group; then every gradient is scaled alike."""
+        the expert shards' squares summed over their group; then every gradient is scaled alike, by a factor
+        computed on the device (nothing read back)."""
         shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.expert_set]
         norm = _whole_norm(shared)
         if self.experts:
@@ -164,13 +166,11 @@ class Distributed(Parallel):
             if not isinstance(self.experts[0], DTensor):  # (a DTensor's norm is already the whole one)
                 dist.all_reduce(squares, group=self.expert_group)
             norm = (norm.pow(2) + squares).sqrt()
-        total = norm.item()
-        scale = min(1.0, max_norm / (total + 1e-6))
-        if scale < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return total
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return norm
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         on_device = t.to(self.device)  # NCCL reduces only what is on the GPU

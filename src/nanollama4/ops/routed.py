@@ -58,16 +58,21 @@ class RowPlan:
 
 def plan_rows(token_A: torch.Tensor, expert_A: torch.Tensor, n_experts: int, multiple: int) -> RowPlan:
     """Sort the assignments by expert (stably, as `moe.sort_by_expert` does) and, for multiple > 1, give each
-    expert's group padding rows up to a multiple of `multiple`, all in one ordering."""
+    expert's group padding rows up to a multiple of `multiple`, all in one ordering, in a buffer whose size
+    depends on the shapes alone (no host read of the counts)."""
     expert_S, order_S = torch.sort(expert_A, stable=True)
     counts_E = count_per_expert(expert_S, n_experts)
     A, dev = expert_A.shape[0], expert_A.device
     if multiple == 1:
         return RowPlan(order_S, token_A.index_select(0, order_S), counts_E)
     padded_E = (counts_E + multiple - 1).div(multiple, rounding_mode="floor") * multiple
+    # as many rows as the worst case needs (each group padded by up to multiple - 1), a size known without
+    # reading the counts: the rows past the groups' padded total join the last group as more padding
+    P = -(-(A + n_experts * (multiple - 1)) // multiple) * multiple
+    padded_E[-1] += P - padded_E.sum()
     slot_S = torch.arange(A, device=dev) - (torch.cumsum(counts_E, 0) - counts_E).index_select(0, expert_S)
     row_S = (torch.cumsum(padded_E, 0) - padded_E).index_select(0, expert_S) + slot_S
-    assign_P = torch.full((int(padded_E.sum()),), A, dtype=torch.long, device=dev).index_copy_(0, row_S, order_S)
+    assign_P = torch.full((P,), A, dtype=torch.long, device=dev).index_copy_(0, row_S, order_S)
     token_P = torch.cat([token_A, token_A.new_zeros(1)]).index_select(0, assign_P)
     return RowPlan(assign_P, token_P, padded_E)
 
