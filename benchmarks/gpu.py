@@ -1,5 +1,6 @@
 """The GPU check, in one process: parity on the device, the routed layer against the dense FFN, a demo
-training step's tokens/s and MFU, and batch-1/16 decode. `benchmarks/gpu.sh` runs it on a CUDA machine.
+training step's tokens/s and MFU, the `gpu` preset's training step (eager and compiled), and batch-1/16
+decode with and without CUDA graphs. `benchmarks/gpu.sh` runs it on a CUDA machine.
 
 1. **Parity.** The fast model (`ops.install`, which picks grouped_mm for bf16 on CUDA) against the plain one on
    the same device and weights, each tensor as a whole (the norm of the difference over the norm): in
@@ -12,9 +13,16 @@ training step's tokens/s and MFU, and batch-1/16 decode. `benchmarks/gpu.sh` run
    forward + backward under bf16 autocast, median ms, at the demo's 32 x 256 tokens and at 64 x 1024.
 3. **A demo training step** (`make demo`'s recipe: bf16, Muon, batch 32 x 256; and batch 256 x 256):
    tokens/s and the model FLOPs utilisation against the chip's peak (`--peak-tflops`, or a table of names).
-4. **Decode**: greedy tokens/s at batch 1 and 16 through the engine (`generation.generate_ids`).
+4. **The `gpu` preset** (~0.7 B parameters, 0.2 B active; its dense twin of the same active size): a training
+   step eager and through torch.compile (mode "max-autotune-no-cudagraphs", and "reduce-overhead", which
+   replays the compiled step as CUDA graphs where its shapes are static), tokens/s, MFU and host syncs.
+5. **Decode**: greedy tokens/s at batch 1 and 16 through the engine (`generation.generate_ids`): the default
+   (on CUDA, steps replayed as CUDA graphs: `engine.graphs`) against the plain step, and host syncs a step.
 
     python benchmarks/gpu.py [--device cuda] [--quick] [--peak-tflops 989]
+
+`--device cpu --quick` is the dry run `make test` makes (tests/test_gpu_check.py): every section on tiny
+shapes; the compiled rows are skipped there (compiling takes minutes on a 2-core CPU) and say so.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from functools import partial
 import torch
 
 from nanollama4.config import TrainConfig, preset
+from nanollama4.engine.cache import SlotCache
+from nanollama4.engine.runner import Runner
 from nanollama4.generation import generate_ids
 from nanollama4.memory import param_counts
 from nanollama4.model import Transformer
@@ -208,21 +218,77 @@ def training_step(device: torch.device, batches: list[int], reps: int, peak: flo
                   f"| {tflops:.2f} | {mfu} |")
 
 
+def gpu_preset(device: torch.device, batch: int, seq: int, reps: int, peak: float | None, quick: bool) -> None:
+    print(f"\n## 4. the gpu preset: a training step (bf16 autocast, Muon, batch {batch} x {seq})")
+    print("| model | params | active | mode | ms / step | host syncs | tokens/s | model TFLOP/s | MFU |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    moe = preset("gpu", max_seq_len=seq)
+    if quick:  # the same layout at a size a CPU steps through in a moment
+        moe = moe.replace(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=256,
+                          expert_dim=128, vocab_size=512, attention_chunk_size=seq // 4, floor_scale=seq // 4)
+    twin = moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim)
+    modes = ["eager"] if device.type != "cuda" else ["eager", "max-autotune-no-cudagraphs", "reduce-overhead"]
+    for name, cfg in (("MoE", moe), ("dense twin", twin)):
+        counts = param_counts(cfg)
+        active = counts.active - counts.embedding
+        for mode in modes:
+            torch.manual_seed(0)
+            model = install(Transformer(cfg)).to(device).train()
+            opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4))
+            if mode != "eager":
+                model.compile(mode=mode)
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+            try:
+                seconds = timed(partial(_train_step, model, opt, ids), device, reps)
+            except Exception as e:  # a mode this torch or chip cannot run: a row that says so
+                print(f"| {name} | | | {mode} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | | |")
+                continue
+            syncs = _host_syncs(partial(_train_step, model, opt, ids), device)
+            tokens = batch * seq
+            flops = tokens * (6 * active + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq / 2)
+            tflops = flops / seconds / 1e12
+            mfu = f"{100 * tflops / peak:.1f}%" if peak else "peak unknown"
+            print(f"| {name} | {counts.total / 1e6:,.1f}M | {active / 1e6:,.1f}M | {mode} | {seconds * 1e3:.1f} "
+                  f"| {syncs} | {tokens / seconds:,.0f} | {tflops:.2f} | {mfu} |", flush=True)
+    if device.type != "cuda":
+        print("(compiled modes skipped off CUDA: compiling takes minutes on a small CPU)")
+
+
 def decode(device: torch.device, rows: list[int], new: int) -> None:
-    print(f"\n## 4. greedy decode through the engine, {new} new tokens after a 16-token prompt")
-    print("| model | batch | tokens/s |\n|---|---:|---:|")
+    print(f"\n## 5. greedy decode through the engine, {new} new tokens after a 16-token prompt")
+    print("| model | batch | default tokens/s | plain tokens/s | default / plain | host syncs a step (default) |")
+    print("|---|---:|---:|---:|---:|---:|")
     moe = preset("shakespeare-char")
     for name, cfg in (("MoE", moe), ("dense twin", moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))):
         torch.manual_seed(0)
         model = install(Transformer(cfg)).to(device).eval()
         for b in rows:
             prompts = [list(range(1, 17)) for _ in range(b)]
-            generate_ids(model, prompts, 8, temperature=0)  # warm-up
-            sync(device)
-            start = time.perf_counter()
-            generate_ids(model, prompts, new, temperature=0)
-            sync(device)
-            print(f"| {name} | {b} | {b * new / (time.perf_counter() - start):,.0f} |")
+            rate = {}
+            for way in (None, "plain"):
+                Runner.only = way
+                try:
+                    generate_ids(model, prompts, 8, temperature=0)  # warm-up (and the graphs' capture)
+                    sync(device)
+                    start = time.perf_counter()
+                    generate_ids(model, prompts, new, temperature=0)
+                    sync(device)
+                    rate[way] = b * new / (time.perf_counter() - start)
+                finally:
+                    Runner.only = None
+            syncs = _decode_syncs(model, b, device)
+            print(f"| {name} | {b} | {rate[None]:,.0f} | {rate['plain']:,.0f} | {rate[None] / rate['plain']:.2f} "
+                  f"| {syncs} |", flush=True)
+
+
+def _decode_syncs(model: Transformer, rows: int, device: torch.device) -> str:
+    """Host syncs in one steady-state decode step of the runner (the model's pass, not the sampling after it)."""
+    cache = SlotCache(model.cfg, rows, next(model.parameters()).dtype, device)
+    runner = Runner(model, cache)
+    with torch.no_grad():
+        for s in range(3):
+            runner.decode([1] * rows, [s] * rows)
+        return _host_syncs(lambda: runner.decode([1] * rows, [3] * rows), device)
 
 
 def main() -> None:
@@ -243,6 +309,7 @@ def main() -> None:
     ok = parity(device, 2 if quick else 8, 32 if quick else 256)
     layer_against_dense(device, [(4, 64)] if quick else [(32, 256), (64, 1024)], 3 if quick else 20)
     training_step(device, [4] if quick else [32, 256], 2 if quick else 10, peak)
+    gpu_preset(device, 2 if quick else 16, 64 if quick else 2048, 2 if quick else 10, peak, quick)
     decode(device, [1, 2] if quick else [1, 16], 8 if quick else 224)
     if not ok:
         raise SystemExit("parity failed: see section 1")

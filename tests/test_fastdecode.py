@@ -193,3 +193,26 @@ def test_a_decode_step_reads_no_tensor_back():
                 runner.decode([1, 2, 3, 4], [s] * 4)
             reads = host_reads(lambda r=runner: [r.decode([1, 2, 3, 4], [s] * 4) for s in range(3, 6)])
         assert [r for r in reads if not r.startswith(allowed)] == [], only
+
+
+@pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "softmax over the chosen, no shared expert",
+                                  "dense, unchunked, all RoPE"])
+def test_the_static_step_a_cuda_graph_records_computes_the_plain_step(name):
+    """The CPU dry run of the CUDA-graph decode step (`engine.graphs.StaticStep`): rows padded to their bucket,
+    full layers over the whole context, the graph-safe expert paths; the engine's tokens equal the plain
+    path's, and a step of it reads nothing back (what a capture needs). Whether a GPU captures it is
+    benchmarks/gpu.sh's to show."""
+    model = model_for(**VARIANTS[name])
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 5, 1)]
+    got = {}
+    for only in ("plain", "graph"):
+        events, engine = run_engine(model, prompts, 30, Sampling(temperature=0), only)
+        got[only] = {i: [e.token_id for e in ev if isinstance(e, TokenEvent)] for i, ev in events.items()}
+    assert got["graph"] == got["plain"]
+    assert set(engine.runner._static.graphs) == {4}  # the 3 rows padded to a batch of 4
+    runner = Runner(model, SlotCache(model.cfg, 4, torch.float32, torch.device("cpu")))
+    runner.only = "graph"
+    with torch.no_grad():
+        runner.decode([1, 2, 3], [0, 0, 0])
+        reads = host_reads(lambda: runner._static._forward(runner._static.graphs[4][1]))
+    assert reads == []

@@ -341,6 +341,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # all RoPE, unchunked; an FFN of 384 = the active width of top-1 + a shared expert of 192. A minute an arm.
     "experiments": dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, max_seq_len=128,
                         ffn_dim=384, n_experts=0, expert_dim=192, nope_interval=0, attention_chunk_size=None),
+    # Sized for one accelerator (an H100 or H200): width 1024, 12 layers of 16 query heads of 64 over 4 KV heads,
+    # iRoPE (chunks of 512 on the RoPE layers, NoPE every 4th with a temperature floor of 512) in a context of
+    # 2,048, and 8 experts of 2,048 top-1 + a shared expert: ~0.7 B parameters, ~0.19 B active per token with
+    # an 8K BPE vocabulary. Its dense twin (`--set n_experts=0 --set ffn_dim=4096`) has the same active size.
+    # Train it on your corpus with `--preset gpu --set tokenizer=bpe --set bf16=true --device cuda`.
+    "gpu": dict(vocab_size=8192, d_model=1024, n_layers=12, n_heads=16, n_kv_heads=4, head_dim=64,
+                max_seq_len=2048, attention_chunk_size=512, floor_scale=512, nope_interval=4, ffn_dim=4096,
+                n_experts=8, experts_per_token=1, expert_dim=2048, rope_theta=500000.0, bias_balance_rate=0.001),
     # The mission's arithmetic example: Llama-3-8B-like attention shapes, dense.
     "seed-example": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          head_dim=128, max_seq_len=8192, attention_chunk_size=None, nope_interval=0,

@@ -1,10 +1,11 @@
 """The engine's runner: the model's forward passes for a prefill and for one batched decode step.
 
 A prefill feeds one prompt into a fresh one-row cache. A decode step feeds every active row's newest
-token at its own position, attending to the row's slots of the shared `SlotCache`. Three ways compute a
+token at its own position, attending to the row's slots of the shared `SlotCache`. Four ways compute a
 decode step: the plain model (the reference), the C++ step (`ops.fastdecode`: the same math in one call,
-several times faster on a CPU where the plain step is bound by its count of operations), and, with
-`compile`, torch.compile where it stays one graph.
+several times faster on a CPU where the plain step is bound by its count of operations), on CUDA the
+step replayed as a CUDA graph (`engine.graphs`: the default there, where shapes stay static), and with
+`compile` torch.compile where it stays one graph.
 
 Which is faster, and with how many threads, depends on the machine: splitting each of a step's small
 operations over several threads can cost more than it saves. So the runner times its own first steps of
@@ -29,6 +30,7 @@ from ..model import Transformer
 from ..ops import fastdecode
 from ..ops.decode import EVERY_EXPERT_ROWS, few_assignments
 from .cache import SlotCache
+from .graphs import StaticStep, graphable
 
 log = logging.getLogger("nanollama4.engine")
 
@@ -40,7 +42,7 @@ Way = tuple[str, int]  # ("fast" or "plain", threads)
 class Runner:
     """Runs `model` over `cache` (the slot cache of the engine's rows)."""
 
-    only: str | None = None  # "fast" or "plain": decode that way alone (tests and benchmarks set it)
+    only: str | None = None  # "fast", "plain" or "graph": decode that way alone (tests and benchmarks set it)
 
     def __init__(self, model: Transformer, cache: SlotCache, compile: bool = False) -> None:
         self.model, self.cache, self.compile = model, cache, compile
@@ -48,6 +50,8 @@ class Runner:
         self.choice: dict[int, Way] = {}  # decode size (rows rounded up to a power of two) -> the way chosen
         self._trials: dict[int, dict[Way, list[float]]] = {}
         self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
+        self.graphs = self.device.type == "cuda" and not compile  # CUDA: decode steps replayed as graphs
+        self._static = StaticStep(model, cache)
 
     def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:
@@ -72,6 +76,12 @@ class Runner:
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Logits (rows, vocab) of each row's newest token at its position."""
         rows = len(tokens)
+        if self._graphs_apply(rows):
+            try:
+                return self._static(tokens, positions)
+            except Exception:  # a capture this device or model cannot make: decode as before, say why once
+                log.exception("decoding without CUDA graphs from now on: capturing a step failed")
+                self.graphs = False
         fast = self.fast_step() if self.device.type == "cpu" else None
         fast = fast if fast is not None and fast.usable(rows) else None
         most = torch.get_num_threads()
@@ -102,6 +112,12 @@ class Runner:
         if trial is not None:
             self._note(size, trial, way, elapsed)
         return logits
+
+    def _graphs_apply(self, rows: int) -> bool:
+        """Whether this step replays a graph: on CUDA (or where `only` asks for it: the CPU dry run), at a size
+        that keeps static shapes, with nothing watching the modules."""
+        wanted = self.only == "graph" or (self.graphs and self.only is None)
+        return wanted and graphable(self.model, rows) and not fastdecode.watched(self.model)
 
     def _note(self, size: int, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
         """Record a trial step's time; drop ways far slower than another; choose once the rest are all timed."""

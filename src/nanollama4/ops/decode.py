@@ -9,12 +9,34 @@ runner asks the same two limits which batches a compiled step can take (engine/r
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 from .linear import row_matmul
 
 EVERY_EXPERT_ROWS = 16  # compiled decoding: up to this many rows, every expert on every row (`every_expert`)
+_static = threading.local()
+
+
+@contextmanager
+def static_shapes() -> Iterator[None]:
+    """Inside, decode-sized batches take the paths a graph can hold, as while compiling: no host reads, shapes
+    that depend on the batch's size alone (the engine's CUDA-graph steps, `engine.graphs`, run in it)."""
+    before = getattr(_static, "on", False)
+    _static.on = True
+    try:
+        yield
+    finally:
+        _static.on = before
+
+
+def graph_safe() -> bool:
+    """Whether the code running now must keep to a graph's rules: compiling, or inside `static_shapes`."""
+    return torch.compiler.is_compiling() or getattr(_static, "on", False)
 
 
 def few_assignments(n_experts: int, compiling: bool) -> int:
@@ -39,7 +61,7 @@ def few_rows(x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, 
     experts' weights are gathered for one bmm.
     """
     weight_A = weight_A.to(dtype)
-    if x_TD.device.type == "cpu" and not torch.compiler.is_compiling():
+    if x_TD.device.type == "cpu" and not graph_safe():
         y_TD = torch.zeros_like(x_TD)
         for a, (t, e) in enumerate(zip(token_A.tolist(), expert_A.tolist(), strict=True)):
             x_1D = x_TD[t:t + 1].to(dtype)

@@ -37,7 +37,7 @@ from torch.autograd.function import once_differentiable
 
 from ..moe import Experts, per_expert_products
 from . import kernels
-from .decode import EVERY_EXPERT_ROWS, every_expert, few_assignments, few_rows
+from .decode import EVERY_EXPERT_ROWS, every_expert, few_assignments, few_rows, graph_safe
 from .kernel_swiglu import activate, activation_grad, kernel_backward, kernel_bf16_ok, kernel_forward, kernel_product
 from .products import (
     CASTS_WEIGHTS,
@@ -335,7 +335,7 @@ class FastExperts(Experts):
 
     def forward(self, x_TD: torch.Tensor, token_A: torch.Tensor, expert_A: torch.Tensor, weight_A: torch.Tensor,
                 scale_input: bool) -> torch.Tensor:
-        compiling = torch.compiler.is_compiling()
+        compiling = graph_safe()
         if expert_A.numel() <= few_assignments(self.n_experts, compiling):
             return few_rows(x_TD, token_A, expert_A, weight_A, *self.weights(), scale_input, compute_dtype(x_TD))
         if compiling and not torch.is_grad_enabled() and x_TD.shape[0] <= EVERY_EXPERT_ROWS:
