@@ -119,14 +119,17 @@ def test_greedy_generate_matches_the_plain_path_on_the_demo_shape():
     (its products are big enough to be split between them)."""
     from nanollama4.config import preset
 
-    torch.set_num_threads(2)  # the one_thread fixture puts it back
-    torch.manual_seed(0)
-    model = build_model(preset("shakespeare-char", vocab_size=96, max_seq_len=160)).eval()
-    randomize_(model, seed=1, gain=1.3)
-    tokens = {}
-    for only in ("plain", "fast"):
-        events, _ = run_engine(model, [[5, 6, 7]], 150, Sampling(temperature=0), only)
-        tokens[only] = [e.token_id for e in events[0] if isinstance(e, TokenEvent)]
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        model = build_model(preset("shakespeare-char", vocab_size=96, max_seq_len=160)).eval()
+        randomize_(model, seed=1, gain=1.3)
+        tokens = {}
+        for only in ("plain", "fast"):
+            events, _ = run_engine(model, [[5, 6, 7]], 150, Sampling(temperature=0), only)
+            tokens[only] = [e.token_id for e in events[0] if isinstance(e, TokenEvent)]
+    finally:
+        torch.set_num_threads(1)  # this file's threads (the one_thread fixture)
     assert tokens["fast"] == tokens["plain"] and len(tokens["fast"]) == 150
 
 
@@ -137,7 +140,8 @@ def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(mon
     engine.add(Request([1, 2, 3], 30, Sampling(temperature=0), emit=lambda e: None, id="a"))
     engine.run()
     chosen = engine.runner.choice
-    assert set(chosen) == {1} and chosen[1][0] in ("fast", "plain")  # the first steps decided, for one row
+    assert set(chosen) == {(1, 1)} and chosen[1, 1][0] in ("fast", "plain")  # the first steps decided, for one row
+    assert Engine(model).runner.choice is chosen  # and the next engine of this model takes that decision
     assert out and len(out[0]) == 30
 
     calls = []
@@ -145,7 +149,7 @@ def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(mon
     monkeypatch.setattr(fast, "_step", type("Spy", (), {"step": lambda self, t, p: calls.append(1)})())
     with observe(model):  # a traced step records the layers' insides: the plain path runs
         assert not fast.usable(1)
-        engine.runner.choice[1] = ("fast", 1)
+        engine.runner.choice[1, 1] = ("fast", 1)
         engine.runner.decode([4], [3])
     assert calls == []
     assert fast.usable(1)

@@ -21,6 +21,7 @@ import functools
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,7 @@ log = logging.getLogger("nanollama4.engine")
 TRIAL_STEPS = 4  # timed steps per way (C++ or plain, threads) before a size's choice is made
 FAR_SLOWER = 1.5  # a way whose best timed step is this much slower than another's is dropped
 Way = tuple[str, int]  # ("fast" or "plain", threads)
+_CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, threads): way}
 
 
 class Runner:
@@ -47,7 +49,9 @@ class Runner:
     def __init__(self, model: Transformer, cache: SlotCache, compile: bool = False) -> None:
         self.model, self.cache, self.compile = model, cache, compile
         self.device = next(model.parameters()).device
-        self.choice: dict[int, Way] = {}  # decode size (rows rounded up to a power of two) -> the way chosen
+        # (decode size (rows rounded up to a power of two), threads) -> the way chosen; shared by the runners of
+        # one model (one engine per `generate` call), so that a process measures once
+        self.choice: dict[tuple[int, int], Way] = _CHOICES.setdefault(model, {})
         self._trials: dict[int, dict[Way, list[float]]] = {}
         self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
         self.graphs = self.device.type == "cuda" and not compile  # CUDA: decode steps replayed as graphs
@@ -89,7 +93,7 @@ class Runner:
                 if (w[0] == "plain" or fast is not None) and self.only in (None, w[0])]
         ways = list(dict.fromkeys(ways)) or [("plain", most)]  # (only="fast" where it cannot run: plain)
         size = 1 << (rows - 1).bit_length()
-        way, trial = self.choice.get(size), None
+        way, trial = self.choice.get((size, most)), None
         if way is None and len(ways) > 1 and not self.compile:
             trial = self._trials.setdefault(size, {w: [] for w in ways})
             alive = [w for w in ways if w in trial]
@@ -122,13 +126,14 @@ class Runner:
     def _note(self, size: int, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
         """Record a trial step's time; drop ways far slower than another; choose once the rest are all timed."""
         trial[way].append(elapsed)
-        best = {w: min(t[1:]) for w, t in trial.items() if len(t) > 1}  # each way's first step warms it up
-        for w, b in best.items():
-            if b > FAR_SLOWER * min(best.values()):
-                del trial[w]
+        timed = [min(t[1:]) for t in trial.values() if len(t) > 1]  # each way's first step warms it up
+        if timed:  # a way far slower than another's best, even in its warm-up step, is tried no more
+            for w, times in list(trial.items()):
+                if min(times) > FAR_SLOWER * min(timed):
+                    del trial[w]
         if trial and all(len(t) > TRIAL_STEPS for t in trial.values()):
-            self.choice[size] = min(trial, key=lambda w: statistics.median(trial[w][1:]))
-            log.info("decode steps of up to %d rows: %s path, %d thread(s)", size, *self.choice[size])
+            self.choice[size, torch.get_num_threads()] = way = min(trial, key=lambda w: statistics.median(trial[w][1:]))
+            log.info("decode steps of up to %d rows: %s path, %d thread(s)", size, *way)
 
     def _plain(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """The model's own forward pass (compiled where `compile` asks and the step stays one graph)."""
