@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -296,7 +297,7 @@ class Engine:
         a row with +inf or only -inf has no finite maximum). Rows with equal greedy settings draw nothing,
         so they choose in one call (a greedy batch is one argmax); sampled rows draw one by one, each from
         its own generator, as each would alone."""
-        finite = logits.amax(-1).isfinite().tolist()
+        finite = [math.isfinite(v) for v in logits.amax(-1).tolist()]
         tokens: list[int | Exception | None] = [None] * len(rows)
         alike: dict[Sampling, list[int]] = {}
         for b, r in enumerate(rows):

@@ -95,11 +95,12 @@ def _plain_swiglu(m: nn.Module) -> bool:
     return type(m) is SwiGLU and all(type(getattr(m, n)) in LINEARS for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def watched(model: Transformer, hooks: list[dict] | None = None) -> bool:
+def watched(model: Transformer, hooks: list[dict] | None = None, parts: list | None = None) -> bool:
     """Whether something would miss the step's insides: an `observe` recorder (an attention backend or a route
-    of its own on a module) or a forward hook anywhere in the model (`hooks`: `hook_tables(model)`, kept)."""
-    for block in model.blocks:
-        if block.attn.attend not in ATTENDS or "route" in vars(block.ffn):
+    of its own on a module) or a forward hook anywhere in the model (`hooks`: `hook_tables(model)`; `parts`:
+    each block's attention and feed-forward modules; both listed once, for a check per step)."""
+    for attn, ffn in parts or [(b.attn, b.ffn) for b in model.blocks]:
+        if attn.attend not in ATTENDS or "route" in ffn.__dict__:
             return True
     return any(hook_tables(model) if hooks is None else hooks) or \
         bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
@@ -143,6 +144,7 @@ class FastStep:
                          kind, top_k, scales_input])
             floats.append([float(attn.floor_scale), float(attn.attn_scale)])
         self.model, self.context, self._hooks = model, context, hook_tables(model)
+        self._parts = [(b.attn, b.ffn) for b in model.blocks]
         self.capacity_competes = bool(cfg.n_experts and cfg.capacity_factor is not None and cfg.capacity_in_eval)
         self._step = load().DecodeStep(model.embed.weight.detach(), model.norm.weight.detach(),
                                        model.lm_head.weight.detach(), rope, cfg.norm_eps, cfg.n_heads,
@@ -151,7 +153,7 @@ class FastStep:
     def usable(self, rows: int) -> bool:
         """Whether this step computes what the plain one would now: nothing watching the modules, and no
         capacity that makes the rows of a batch compete for experts."""
-        return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks)
+        return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks, self._parts)
 
     def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         return self._step.step(tokens, positions)
