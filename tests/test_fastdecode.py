@@ -220,3 +220,15 @@ def test_the_static_step_a_cuda_graph_records_computes_the_plain_step(name):
         runner.decode([1, 2, 3], [0, 0, 0])
         reads = host_reads(lambda: runner._static._forward(runner._static.graphs[4][1]))
     assert reads == []
+
+
+def test_a_choice_made_among_some_ways_does_not_bind_the_default():
+    """An engine told to decode one way only (benchmarks, tests) leaves the model's default choice open."""
+    model = model_for()
+    for only in ("plain", None):
+        engine = Engine(model, max_batch=1)
+        engine.runner.only = only
+        engine.add(Request([1, 2, 3], 30, Sampling(temperature=0), emit=lambda e: None, id="a"))
+        engine.run()
+    chosen = engine.runner.choice
+    assert chosen[1, 1, "plain"][0] == "plain" and (1, 1) in chosen

@@ -51,8 +51,8 @@ class Runner:
         self.device = next(model.parameters()).device
         # (decode size (rows rounded up to a power of two), threads) -> the way chosen; shared by the runners of
         # one model (one engine per `generate` call), so that a process measures once
-        self.choice: dict[tuple[int, int], Way] = _CHOICES.setdefault(model, {})
-        self._trials: dict[int, dict[Way, list[float]]] = {}
+        self.choice: dict[tuple, Way] = _CHOICES.setdefault(model, {})
+        self._trials: dict[tuple, dict[Way, list[float]]] = {}
         self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
         self.graphs = self.device.type == "cuda" and not compile  # CUDA: decode steps replayed as graphs
         self._static = StaticStep(model, cache)
@@ -93,9 +93,10 @@ class Runner:
                 if (w[0] == "plain" or fast is not None) and self.only in (None, w[0])]
         ways = list(dict.fromkeys(ways)) or [("plain", most)]  # (only="fast" where it cannot run: plain)
         size = 1 << (rows - 1).bit_length()
-        way, trial = self.choice.get((size, most)), None
+        key = (size, most) if self.only is None else (size, most, self.only)  # (a choice among all ways, or some)
+        way, trial = self.choice.get(key), None
         if way is None and len(ways) > 1 and not self.compile:
-            trial = self._trials.setdefault(size, {w: [] for w in ways})
+            trial = self._trials.setdefault(key, {w: [] for w in ways})
             alive = [w for w in ways if w in trial]
             way = min(alive, key=lambda w: len(trial[w])) if alive else None  # the way tried least so far
         if way not in ways:  # the chosen way cannot run this step (the model is being watched): the first that can
@@ -114,7 +115,7 @@ class Runner:
         finally:
             torch.set_num_threads(most)
         if trial is not None:
-            self._note(size, trial, way, elapsed)
+            self._note(key, trial, way, elapsed)
         return logits
 
     def _graphs_apply(self, rows: int) -> bool:
@@ -123,7 +124,7 @@ class Runner:
         wanted = self.only == "graph" or (self.graphs and self.only is None)
         return wanted and graphable(self.model, rows) and not fastdecode.watched(self.model)
 
-    def _note(self, size: int, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
+    def _note(self, key: tuple, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
         """Record a trial step's time; drop ways far slower than another; choose once the rest are all timed."""
         trial[way].append(elapsed)
         timed = [min(t[1:]) for t in trial.values() if len(t) > 1]  # each way's first step warms it up
@@ -132,8 +133,8 @@ class Runner:
                 if min(times) > FAR_SLOWER * min(timed):
                     del trial[w]
         if trial and all(len(t) > TRIAL_STEPS for t in trial.values()):
-            self.choice[size, torch.get_num_threads()] = way = min(trial, key=lambda w: statistics.median(trial[w][1:]))
-            log.info("decode steps of up to %d rows: %s path, %d thread(s)", size, *way)
+            self.choice[key] = way = min(trial, key=lambda w: statistics.median(trial[w][1:]))
+            log.info("decode steps of up to %d rows: %s path, %d thread(s)", key[0], *way)
 
     def _plain(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """The model's own forward pass (compiled where `compile` asks and the step stays one graph)."""
