@@ -232,3 +232,36 @@ def test_a_choice_made_among_some_ways_does_not_bind_the_default():
         engine.run()
     chosen = engine.runner.choice
     assert (1, 1) in chosen and all(way[0] == "plain" for key, way in chosen.items() if "plain" in key)
+
+
+def test_a_patched_forward_keeps_the_plain_path():
+    """A forward replaced on a module instance would be skipped by the C++ step: the step is not usable then."""
+    model = model_for()
+    fast = fastdecode.FastStep(model, SlotCache(model.cfg, 1, torch.float32, torch.device("cpu")).layers, 48)
+    assert fast.usable(1)
+    model.blocks[2].ffn.forward = lambda x: x
+    assert not fast.usable(1)
+    del model.blocks[2].ffn.forward
+    assert fast.usable(1)
+
+
+@pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "dense, unchunked, all RoPE"])
+def test_a_prompt_prefilled_by_the_cpp_step_equals_the_plain_prefill(name):
+    """A 40-token prompt (five chunks of 8: the ring wraps within the prefill) in two pieces, every position's
+    logits, then the cache moved into an engine row: the same logits and the same next steps."""
+    model = model_for(**VARIANTS[name])
+    runner = Runner(model, SlotCache(model.cfg, 2, torch.float32, torch.device("cpu")))
+    ids = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(4))
+    fast, plain = runner.prefill_cache(40), runner.prefill_cache(40, plain=True)
+    assert type(fast).__name__ == "FastPrefill" and type(plain).__name__ == "KVCache"
+    with torch.no_grad():
+        got = torch.cat([runner.prefill(ids[:, :25], fast, last_only=False),
+                         runner.prefill(ids[:, 25:], fast, start=25, last_only=False)], 1)
+        want = torch.cat([runner.prefill(ids[:, :25], plain, last_only=False),
+                          runner.prefill(ids[:, 25:], plain, start=25, last_only=False)], 1)
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+        runner.cache.load(0, fast)
+        runner.cache.load(1, plain)
+        runner.only = "plain"
+        steps = runner.decode([7, 7], [40, 40])
+    torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=1e-5)

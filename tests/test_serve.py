@@ -439,15 +439,15 @@ def test_the_page_streams_tokens_and_shows_a_clicked_tokens_route(served, tmp_pa
 # ---------------------------------------------------------------------------------------------- the command
 def test_serve_command_logs_each_request_and_exits_0_on_sigterm(tiny_run, tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # each forward pass made 20 ms slower, so the streamed request is surely still decoding at the signal
+    # each decode step made 20 ms slower, so the streamed request is surely still decoding at the signal
     slow_server = ("import sys, time\n"
                    "from nanollama4.cli import main\n"
-                   "from nanollama4.model import Transformer\n"
-                   "forward = Transformer.forward\n"
+                   "from nanollama4.engine.runner import Runner\n"
+                   "decode = Runner.decode\n"
                    "def slow(self, *args, **kwargs):\n"
                    "    time.sleep(0.02)\n"
-                   "    return forward(self, *args, **kwargs)\n"
-                   "Transformer.forward = slow\n"
+                   "    return decode(self, *args, **kwargs)\n"
+                   "Runner.decode = slow\n"
                    "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.Popen([sys.executable, "-c", slow_server, "serve", str(tiny_run), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -171,9 +171,26 @@ class DecodeStep {
     }
   }
 
-  at::Tensor step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions) {
+  // rows: each entry's cache row (default: entry i in row i); entries of one row must come in position order
+  at::Tensor step(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                  std::vector<int64_t> rows) {
     const int64_t B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(B > 0 && static_cast<int64_t>(positions.size()) == B, "one position per token");
+    if (rows.empty())
+      for (int64_t b = 0; b < B; ++b) rows.push_back(b);
+    TORCH_CHECK(static_cast<int64_t>(rows.size()) == B, "one row per token");
+    const int64_t R = layers_.empty() ? 0 : layers_[0].k_cache.size(0);
+    distinct_ = true;
+    std::vector<int64_t> last(R, -1);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(rows[b] >= 0 && rows[b] < R, "row out of range");
+      if (last[rows[b]] >= 0) {
+        distinct_ = false;
+        TORCH_CHECK(positions[b] > last[rows[b]], "a row's tokens must come in position order");
+      }
+      last[rows[b]] = positions[b];
+    }
+    row_ = std::move(rows);
     const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_;
     x_.assign(B * D, 0.f);
     h_.resize(B * D);
@@ -238,43 +255,57 @@ class DecodeStep {
     const int64_t reach = L.window ? S : 0;
     int64_t longest = 1;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, (L.window ? S : positions[b]) + 1);
-    const int64_t grain = std::max<int64_t>(1, 8192 / (longest * Dh_));
-    at::parallel_for(0, B * H_, grain, [&](int64_t i0, int64_t i1) {
-      std::vector<const float*> keys, values;
-      std::vector<float> w;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H_, h = i % H_, g = h / rep, p = positions[b];
-        const int64_t candidates = L.window ? reach : p;
-        keys.clear(); values.clear();
-        for (int64_t s = 0; s < candidates; ++s) {
-          const int64_t kp = pc[b * S + s];
-          if (kp < 0 || kp > p || (L.chunk && kp / L.chunk != p / L.chunk)) continue;
-          keys.push_back(kc + ((b * S + s) * KV_ + g) * Dh_);
-          values.push_back(vc + ((b * S + s) * KV_ + g) * Dh_);
-        }
-        keys.push_back(&k_[b * KD + g * Dh_]);
-        values.push_back(&v_[b * KD + g * Dh_]);
-        const float* q = &q_[b * QD + h * Dh_];
-        const int64_t n = static_cast<int64_t>(keys.size());
-        w.resize(n);
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j] = dot(q, keys[j], Dh_) * scale);
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
-        float* out = &att_[b * QD + h * Dh_];
-        std::fill(out, out + Dh_, 0.f);
-        for (int64_t j = 0; j < n; ++j) {
-          const float a = w[j] / total;
-          for (int64_t d = 0; d < Dh_; ++d) out[d] += a * values[j][d];
-        }
+    auto attend = [&](int64_t b, int64_t h, std::vector<const float*>& keys, std::vector<const float*>& values,
+                      std::vector<float>& w) {
+      const int64_t r = row_[b], g = h / rep, p = positions[b];
+      const int64_t candidates = L.window ? reach : p;
+      keys.clear(); values.clear();
+      for (int64_t s = 0; s < candidates; ++s) {
+        const int64_t kp = pc[r * S + s];
+        if (kp < 0 || kp > p || (L.chunk && kp / L.chunk != p / L.chunk)) continue;
+        keys.push_back(kc + ((r * S + s) * KV_ + g) * Dh_);
+        values.push_back(vc + ((r * S + s) * KV_ + g) * Dh_);
       }
-    });
-    for (int64_t b = 0; b < B; ++b) {  // the new keys into their slots: the position, or its place in the ring
-      const int64_t p = positions[b], s = L.window ? p % S : p;
+      keys.push_back(&k_[b * KD + g * Dh_]);
+      values.push_back(&v_[b * KD + g * Dh_]);
+      const float* q = &q_[b * QD + h * Dh_];
+      const int64_t n = static_cast<int64_t>(keys.size());
+      w.resize(n);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j] = dot(q, keys[j], Dh_) * scale);
+      float total = 0.f;
+      for (int64_t j = 0; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
+      float* out = &att_[b * QD + h * Dh_];
+      std::fill(out, out + Dh_, 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float a = w[j] / total;
+        for (int64_t d = 0; d < Dh_; ++d) out[d] += a * values[j][d];
+      }
+    };
+    auto write = [&](int64_t b) {  // b's new key into its slot: the position, or its place in the ring
+      const int64_t r = row_[b], p = positions[b], s = L.window ? p % S : p;
       TORCH_CHECK(s < S, "position past the cache");
-      std::memcpy(kc + (b * S + s) * KD, &k_[b * KD], KD * 4);
-      std::memcpy(vc + (b * S + s) * KD, &v_[b * KD], KD * 4);
-      pc[b * S + s] = p;
+      std::memcpy(kc + (r * S + s) * KD, &k_[b * KD], KD * 4);
+      std::memcpy(vc + (r * S + s) * KD, &v_[b * KD], KD * 4);
+      pc[r * S + s] = p;
+    };
+    const int64_t grain = std::max<int64_t>(1, 8192 / (longest * Dh_));
+    if (distinct_) {  // rows of their own: every (row, head) at once, then the writes
+      at::parallel_for(0, B * H_, grain, [&](int64_t i0, int64_t i1) {
+        std::vector<const float*> keys, values;
+        std::vector<float> w;
+        for (int64_t i = i0; i < i1; ++i) attend(i / H_, i % H_, keys, values, w);
+      });
+      for (int64_t b = 0; b < B; ++b) write(b);
+    } else {  // a prompt's tokens in one row: in order, each seeing the keys written before it
+      for (int64_t b = 0; b < B; ++b) {
+        at::parallel_for(0, H_, grain, [&](int64_t h0, int64_t h1) {
+          std::vector<const float*> keys, values;
+          std::vector<float> w;
+          for (int64_t h = h0; h < h1; ++h) attend(b, h, keys, values, w);
+        });
+        write(b);
+      }
     }
     linear(att_.data(), B, QD, L.wo.data_ptr<float>(), D_, y_.data());
   }
@@ -346,6 +377,8 @@ class DecodeStep {
   float eps_;
   int64_t H_, KV_, Dh_, D_ = 0, V_ = 0;
   std::vector<Layer> layers_;
+  std::vector<int64_t> row_;  // this step's entries' cache rows
+  bool distinct_ = true;  // every entry in a row of its own
   // scratch, reused by every step (a step's buffers are sized by its rows)
   std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, he_, ae_, ye_;
 };
@@ -358,5 +391,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t,
                     std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>,
                     std::vector<std::vector<double>>>())
-      .def("step", &DecodeStep::step, "logits (B, vocab) of each row's token at its position", release());
+      .def("step", &DecodeStep::step, "logits (B, vocab) of each entry's token at its position, in its row",
+           py::arg("tokens"), py::arg("positions"), py::arg("rows") = std::vector<int64_t>{}, release());
 }

@@ -206,7 +206,7 @@ class Engine:
         r.generator = r.sampling.generator(self.device)
         r.text = TextStream(self.tokenizer, r.sampling)
         r.tokens = list(r.prompt_ids)
-        r.prefill_cache, r.prefilled = KVCache(self.cfg, 1, len(r.prompt_ids), dtype=self.dtype, device=self.device), 0
+        r.prefill_cache, r.prefilled = self.runner.prefill_cache(len(r.prompt_ids), plain=r.trace), 0
 
     def _prefill(self, r: Request) -> None:
         """The next chunk of r's prompt (`Scheduler.chunk`) into its one-row cache; after the last, its first

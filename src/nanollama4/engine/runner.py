@@ -23,6 +23,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +39,20 @@ log = logging.getLogger("nanollama4.engine")
 TRIAL_STEPS = 4  # timed steps per way (C++ or plain, threads) before a size's choice is made
 FAR_SLOWER = 1.5  # a way whose best timed step is this much slower than another's is dropped
 Way = tuple[str, int]  # ("fast" or "plain", threads)
+FAST_PREFILL_TOKENS = 256  # longer prompts are prefilled by the plain model (its attention is the faster there)
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, threads): way}
+
+
+@dataclass
+class FastPrefill:
+    """A prompt's one-row slot cache and the C++ step over it; `SlotCache.load` moves it into the engine's row."""
+
+    cache: SlotCache
+    step: fastdecode.FastStep
+
+    @property
+    def layers(self) -> list:
+        return self.cache.layers
 
 
 class Runner:
@@ -57,11 +71,26 @@ class Runner:
         self.graphs = self.device.type == "cuda" and not compile  # CUDA: decode steps replayed as graphs
         self._static = StaticStep(model, cache)
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache, start: int = 0, last_only: bool = True,
+    def prefill_cache(self, tokens: int, plain: bool = False) -> KVCache | FastPrefill:
+        """A one-row cache for a prompt of `tokens` tokens: for the C++ step (`FastPrefill`) where it decodes one
+        row here and the prompt is short enough for its attention loops, else the plain model's KVCache."""
+        cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
+        fast = None if plain or tokens > FAST_PREFILL_TOKENS or self.only == "plain" else self.fast_step()
+        chosen = self.choice.get((1, torch.get_num_threads()), ("fast", 0))[0]
+        if fast is not None and fast.usable(tokens) and chosen == "fast":  # (a prompt's tokens may compete)
+            cache = SlotCache(cfg, 1, dtype, self.device, tokens)
+            return FastPrefill(cache, fastdecode.FastStep(self.model, cache.layers, tokens))
+        return KVCache(cfg, 1, tokens, dtype=dtype, device=self.device)
+
+    def prefill(self, ids: torch.Tensor, cache: KVCache | FastPrefill, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:
         """Logits (1, T or 1, vocab) of one prompt's tokens ids (1, T) at positions start..start+T-1, their keys
         into `cache` (which holds positions 0..start-1 already); `head=False`: only the cache is wanted."""
-        positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+        T = ids.shape[1]
+        if isinstance(cache, FastPrefill):
+            logits = cache.step(ids[0].tolist(), list(range(start, start + T)), [0] * T)
+            return (logits[-1:] if last_only else logits)[None]
+        positions = torch.arange(start, start + T, device=ids.device)[None]
         return self.model(ids, cache=cache, positions=positions, last_only=last_only, head=head)
 
     def fast_step(self) -> fastdecode.FastStep | None:

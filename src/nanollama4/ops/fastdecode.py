@@ -102,14 +102,27 @@ def watched(model: Transformer, hooks: list[dict] | None = None, parts: list | N
     for attn, ffn in parts or [(b.attn, b.ffn) for b in model.blocks]:
         if attn.attend not in ATTENDS or "route" in ffn.__dict__:
             return True
-    return any(hook_tables(model) if hooks is None else hooks) or \
-        bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    tables = hook_tables(model) if hooks is None else hooks
+    return any(tables) or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 def hook_tables(model: nn.Module) -> list[dict]:
-    """Every module's forward hook and pre-hook tables: registering a hook adds to its module's table, so a
-    list made once shows later hooks too, and checking it is one `any` per step."""
-    return [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks)]
+    """Every module's forward hook and pre-hook tables, and its own attributes (where a `forward` patched onto
+    the instance lands): each is added to in place, so a list made once shows later hooks and patches too,
+    and checking it is one `any` per step."""
+    return [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks, _Patched(m))]
+
+
+class _Patched:
+    """True when a module has a `forward` of its own on the instance (a test's or a user's patch)."""
+
+    __slots__ = ("attributes",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.attributes = module.__dict__
+
+    def __bool__(self) -> bool:
+        return "forward" in self.attributes
 
 
 class FastStep:
@@ -155,5 +168,7 @@ class FastStep:
         capacity that makes the rows of a batch compete for experts."""
         return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks, self._parts)
 
-    def __call__(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        return self._step.step(tokens, positions)
+    def __call__(self, tokens: list[int], positions: list[int], rows: list[int] | None = None) -> torch.Tensor:
+        """Logits (entries, vocab); entry i in cache row `rows[i]` (default i). Several entries of one row (a
+        prompt's tokens) come in position order and each sees the keys of those before it."""
+        return self._step.step(tokens, positions, rows or [])
