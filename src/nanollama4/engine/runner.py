@@ -79,7 +79,7 @@ class Runner:
         chosen = self.choice.get((1, torch.get_num_threads()), ("fast", 0))[0]
         if fast is not None and fast.usable(tokens) and chosen == "fast":  # (a prompt's tokens may compete)
             cache = SlotCache(cfg, 1, dtype, self.device, tokens)
-            return FastPrefill(cache, fastdecode.FastStep(self.model, cache.layers, tokens))
+            return FastPrefill(cache, fastdecode.FastStep(self.model, cache.layers, tokens, checked=True))
         return KVCache(cfg, 1, tokens, dtype=dtype, device=self.device)
 
     def prefill(self, ids: torch.Tensor, cache: KVCache | FastPrefill, start: int = 0, last_only: bool = True,

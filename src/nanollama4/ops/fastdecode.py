@@ -130,8 +130,8 @@ class FastStep:
     for positions below `context`. Call it with each row's token and position (host ints, rows 0..B-1 of
     the cache) for the logits (B, vocab); it writes the new keys into the cache as the plain step does."""
 
-    def __init__(self, model: Transformer, layers: list, context: int) -> None:
-        reason = unsupported(model)
+    def __init__(self, model: Transformer, layers: list, context: int, checked: bool = False) -> None:
+        reason = None if checked else unsupported(model)  # (checked: the caller has asked `unsupported`)
         if reason is not None:
             raise ValueError(f"the C++ decode step cannot run this model: {reason}")
         cfg = model.cfg
