@@ -129,7 +129,7 @@ def test_the_faster_product_is_timed_once_per_shape(monkeypatch):
 def test_auto_in_bf16_on_the_cpu_pads_big_groups_and_groups_small_ones(monkeypatch):
     """bf16 CPU without AVX512_BF16: the bucketed loop from BUCKETED_ROWS rows per expert (the demo's 4096
     tokens over 8 experts), grouped_mm below it, or the padded bmm where grouped_mm cannot run
-    (benchmarks/RESULTS.md)."""
+    (measured 2026-12-01, see git history of benchmarks/RESULTS.md)."""
     from nanollama4.ops.experts import BUCKETED_ROWS, ROW_MULTIPLE, auto_product, chosen_product
 
     monkeypatch.setattr(kernels, "bf16_available", lambda: False)

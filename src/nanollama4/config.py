@@ -318,10 +318,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                  experts_per_token=2, expert_dim=64, floor_scale=4, attn_scale=0.1),
     # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU. 4 heads of 64
     # rather than 8 of 32: the CPU's attention kernels run the wider heads faster, and in 5 minutes the
-    # model reached a lower validation loss (benchmarks/RESULTS.md, runs q15 and q21). A miniature of
-    # Llama 4's attention: its RoPE layers attend in chunks of 8,192 and its NoPE layers' temperature
-    # steps every 8,192 positions (floor_scale), in contexts many chunks long; here chunks of 64 and a
-    # floor of 64 put 4 chunks and 4 temperature steps in the 256-token context, so both act in the demo.
+    # model reached a lower validation loss (runs q15 and q21, measured 2026-11-29, see git history of
+    # benchmarks/RESULTS.md). A miniature of Llama 4's attention: its RoPE layers attend in chunks of
+    # 8,192 and its NoPE layers' temperature steps every 8,192 positions (floor_scale), in contexts many
+    # chunks long; here chunks of 64 and a floor of 64 put 4 chunks and 4 temperature steps in the
+    # 256-token context, so both act in the demo.
     "shakespeare-char": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                              head_dim=64, max_seq_len=256, attention_chunk_size=64, floor_scale=64,
                              nope_interval=4,

@@ -144,7 +144,7 @@ class Router(nn.Module):
         choice_TE = scores_TE + self.expert_bias
         cap = self.capacity(x_TD.shape[0])
         zero = torch.zeros((), dtype=torch.long, device=x_TD.device)
-        if cap is None:  # (for the top-1, max is the quicker of the two: benchmarks/RESULTS.md)
+        if cap is None:  # (for the top-1, max is the quicker: 2026-12-01, git history of benchmarks/RESULTS.md)
             experts_TK = choice_TE.max(dim=-1, keepdim=True).indices if self.top_k == 1 \
                 else choice_TE.topk(self.top_k, dim=-1).indices
             valid_TK, rerouted = None, zero

@@ -8,8 +8,8 @@
 // straddles two shares is cut between them), and
 // every product runs through register-tiled loops that read each weight element once per six rows.
 // On the AMD EPYC we develop on they also beat torch's fp32 products on large groups, about 2x
-// (benchmarks/RESULTS.md). Written with GCC/Clang vector extensions (GCC >= 12 for the shuffles),
-// which compile to AVX-512, AVX2 or NEON as the flags allow.
+// (measured 2026-11-29, see git history of benchmarks/RESULTS.md). Written with GCC/Clang vector
+// extensions (GCC >= 12 for the shuffles), which compile to AVX-512, AVX2 or NEON as the flags allow.
 //
 // Three products per call, matching a linear layer's forward and its two gradients, for groups g whose
 // rows are consecutive (counts[g] rows each):
@@ -262,8 +262,9 @@ constexpr int64_t kMaxPanelRows = 2048;  // a panel's N rows of 64 floats: 512 K
 // Input gradient of one small group: dy (m x N) @ w (K x N)^T. Every 64 rows of w (then the 16, 32 or 48
 // left) are transposed into a panel in the core's cache and multiplied like the forward (tile_xw): dot
 // products along rows need a horizontal sum per output, which at N = 128 halved the rate
-// (benchmarks/RESULTS.md), and reading w once, in order, for the panel also fetches a cold weight at the
-// memory's streaming rate. The last K % 16 rows of w, and w longer than a panel holds, take dot products.
+// (measured 2026-12-01, see git history of benchmarks/RESULTS.md), and reading w once, in order, for
+// the panel also fetches a cold weight at the memory's streaming rate. The last K % 16 rows of w, and w
+// longer than a panel holds, take dot products.
 void small_dx(int64_t m, const float* dy, const float* w, float* dx, int64_t K, int64_t N) {
   if (m == 0) return;
   if (N > kMaxPanelRows) return dot_dx(m, dy, w, dx, K, N);

@@ -191,7 +191,8 @@ def compiled_decoder(model: Transformer) -> Callable[..., torch.Tensor]:
     global _compiled_forward
     if _compiled_forward is None:
         # inductor's C++ wrapper calls the generated kernels from C++ rather than Python: +11% tokens/s on
-        # the demo model at batch 1 (benchmarks/RESULTS.md); freezing the weights measured slower, so not
+        # the demo model at batch 1 (measured 2026-12-03, see git history of benchmarks/RESULTS.md);
+        # freezing the weights measured slower, so not
         _compiled_forward = torch.compile(Transformer.forward, dynamic=True, options={"cpp_wrapper": True})
     return functools.partial(_compiled_forward, model)
 

@@ -1,7 +1,7 @@
 """The built-in routed-expert products, the choice `auto` makes among all registered ones, and FastExperts.
 
 What a product is and how one registers: ops/products.py. The built-in ones, which register at the end
-of the products below (each with the rule that has `auto` take it, measured: benchmarks/RESULTS.md):
+of the products below (each with the rule that has `auto` take it, measured: benchmarks/RESULTS.md and its git history):
 
   loop     one matmul pair per expert (the readable one); anywhere, the fallback
   grouped  torch's F.grouped_mm over the contiguous groups; wherever its strides allow (not while compiling
@@ -103,7 +103,7 @@ def bucketed_product(x_AD: torch.Tensor, gate_up_EDH: torch.Tensor, down_EHD: to
     every new row count, and group sizes change every step; rounded, a few sizes recur and their kernels
     are reused, for fewer than BUCKETED_MULTIPLE rows of waste per expert where `padded` wastes the whole
     imbalance between the fullest expert and the rest (32 measured best of 16/32/64/128 training the demo
-    model, benchmarks/moe_cost.py in RESULTS.md)."""
+    model, benchmarks/moe_cost.py, 2026-12-01: see git history of benchmarks/RESULTS.md)."""
     return _BucketedSwiGLU.apply(x_AD, gate_up_EDH, down_EHD, counts_E.tolist())
 
 

@@ -1,24 +1,25 @@
 """Our one compiled kernel: the feed-forward layers' matrix products on the CPU, in float32, and in bf16
 where the CPU has AVX512_BF16 (`bf16_available()`).
 
-torch's CPU products are built for large matrices. An expert that sees a few dozen rows spends most of
-a product packing its weight, and both cores synchronise on every product, so an MoE layer with many
-experts ran several times slower than a dense layer of the same active size (benchmarks/RESULTS.md).
-`csrc/grouped.cpp` gives each core whole experts and multiplies with register-tiled loops that read
-every weight element once. It is compiled with torch's C++ extension tools on first use (about 20 s,
-cached afterwards under ~/.cache/torch_extensions, one build per source and flags); where that is
-impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False and the MoE layer
-keeps torch's `grouped_mm`. The float32 loops pay only with AVX-512 (`fp32_pays()`); elsewhere torch's
-products are the faster ones and `auto` keeps them.
+torch's CPU products are built for large matrices. An expert that sees a few dozen rows spends most of a
+product packing its weight, and both cores synchronise on every product, so an MoE layer with many experts
+ran several times slower than a dense layer of the same active size (measured 2026-11-29, see git history
+of benchmarks/RESULTS.md). `csrc/grouped.cpp` gives each core whole experts and multiplies with
+register-tiled loops that read every weight element once. It is compiled with torch's C++ extension tools
+on first use (about 20 s, cached afterwards under ~/.cache/torch_extensions, one build per source and
+flags); where that is impossible (no compiler), or with NANOLLAMA4_CPU_KERNELS=0, `available()` is False
+and the MoE layer keeps torch's `grouped_mm`. The float32 loops pay only with AVX-512 (`fp32_pays()`);
+elsewhere torch's products are the faster ones and `auto` keeps them.
 
 The bf16 products follow the same plan on the CPU's bf16 dot-product instruction, with float32 sums; they
 take float32 master weights as they are (each core casting the part it multiplies) and write float32 gradients, so
 an autocast MoE step has no cast of its experts and no bf16 round trip of their gradients. The same
 module holds the SwiGLU activation between the two products (AVX-512).
 
-The same loops also beat torch's fp32 products at dense sizes (benchmarks/RESULTS.md), so the dense SwiGLU
-(the dense FFN and the shared expert) uses them too, through `linear`: every feed-forward product
-then runs on the same code, and the MoE-vs-dense comparison measures routing, not kernels.
+The same loops also beat torch's fp32 products at dense sizes (measured 2026-11-29, see git history of
+benchmarks/RESULTS.md), so the dense SwiGLU (the dense FFN and the shared expert) uses them too, through
+`linear`: every feed-forward product then runs on the same code, and the MoE-vs-dense comparison
+measures routing, not kernels.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def available() -> bool:
 def fp32_pays() -> bool:
     """Whether the float32 products are worth choosing here: built, on a CPU with AVX-512. Their loops are
     written for 16-float vectors; compiled for AVX2 they ran 15x slower than torch's matmul on a Zen 3
-    (benchmarks/RESULTS.md, "The float32 kernel needs AVX-512"), so `auto` leaves them to AVX-512 CPUs.
+    (measured 2026-12-02, see git history of benchmarks/RESULTS.md), so `auto` leaves them to AVX-512 CPUs.
     NANOLLAMA4_CPU_KERNELS=force chooses them on any CPU (for tests and measurements)."""
     if not available():
         return False
