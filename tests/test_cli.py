@@ -136,6 +136,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("generate", "--top-k"): [["RUN", "--top-k", "-3"], ["RUN", "--top-k", "0"]],
     ("generate", "--top-p"): [["RUN", "--top-p", "1.5"], ["RUN", "--top-p", "0"], ["RUN", "--top-p", "nan"]],
     ("generate", "--min-p"): [["RUN", "--min-p", "1.5"], ["RUN", "--min-p", "-0.1"], ["RUN", "--min-p", "nan"]],
+    ("generate", "--repetition-penalty"): [["RUN", "--repetition-penalty", "0"], ["RUN", "--repetition-penalty", "2.5"],
+                                           ["RUN", "--repetition-penalty", "x"]],
     ("generate", "--seed"): [["RUN", "--seed", "1.5"], ["RUN", "--seed", str(2**64)], ["RUN", "--seed", "-1"]],
     ("generate", "--replace-unknown"): [["RUN", "--replace-unknown", "ab"], ["RUN", "--prompt", "THE",
                                                                             "--replace-unknown", "#"]],
@@ -290,6 +292,8 @@ SAMPLING = [(["generate", "RUN", "--top-p", "0"], "top_p (0.0) must be a number 
             (["generate", "RUN", "--temperature", "-1"], "temperature (-1.0) must be a number from 0 (greedy) to 2"),
             (["generate", "RUN", "--temperature", "2.5"], "temperature (2.5) must be a number from 0 (greedy) to 2"),
             (["generate", "RUN", "--min-p", "1.5"], "min_p (1.5) must be a number in [0, 1]"),
+            (["generate", "RUN", "--repetition-penalty", "3"],
+             "repetition_penalty (3.0) must be a number in (0, 2] (1: none; above 1 repeats less)"),
             (["generate", "RUN", "--seed", str(2**64)], f"seed ({2**64}) must be an integer from 0 to 2^63 - 1"),
             (["generate", "RUN", "--top-k", "0"], "top_k (0) must be a positive integer")]
 

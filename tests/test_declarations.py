@@ -21,14 +21,14 @@ from nanollama4.engine.sampling import Sampling, SamplingError
 from nanollama4.errors import ConfigError
 from nanollama4.fields import Rule, add_arguments, arguments_of, check, field_help
 
-Penalty = Annotated[float, Rule("a number from 1 to 2", lambda v: 1 <= v <= 2)]
+TypicalP = Annotated[float, Rule("a number from 0.1 to 1", lambda v: 0.1 <= v <= 1)]
 
 
 @dataclass(frozen=True)
-class WithPenalty(Sampling):
+class WithTypicalP(Sampling):
     """Sampling with one more option, declared the way Sampling's own are (a field line with a Rule)."""
 
-    repetition_penalty: Penalty | None = None  # divide repeated tokens' logits by this
+    typical_p: TypicalP | None = None  # keep the typical tokens
 
 
 def _generate_parser(cls: type = Sampling):
@@ -53,21 +53,21 @@ def test_every_sampling_field_is_a_generate_flag_with_its_declared_meaning():
 
 def test_a_new_sampling_option_reaches_the_flags_and_python_with_one_check():
     # the flag exists, typed and explained by the field's line
-    args = _generate_parser(WithPenalty).parse_args(["--repetition-penalty", "1.3", "--top-k", "5"])
-    values = arguments_of(args, WithPenalty, skip=("stop_ids",))
-    assert values["repetition_penalty"] == 1.3 and values["top_k"] == 5
-    assert WithPenalty(**values).repetition_penalty == 1.3
-    assert "divide repeated tokens' logits by this" in _generate_parser(WithPenalty).format_help()
+    args = _generate_parser(WithTypicalP).parse_args(["--typical-p", "0.3", "--top-k", "5"])
+    values = arguments_of(args, WithTypicalP, skip=("stop_ids",))
+    assert values["typical_p"] == 0.3 and values["top_k"] == 5
+    assert WithTypicalP(**values).typical_p == 0.3
+    assert "keep the typical tokens" in _generate_parser(WithTypicalP).format_help()
     # a bad value is refused by the same check whichever door it came through, naming the field
-    args = _generate_parser(WithPenalty).parse_args(["--repetition-penalty", "3"])
+    args = _generate_parser(WithTypicalP).parse_args(["--typical-p", "3"])
     with pytest.raises(SamplingError) as from_flags:
-        WithPenalty(**arguments_of(args, WithPenalty, skip=("stop_ids",)))
+        WithTypicalP(**arguments_of(args, WithTypicalP, skip=("stop_ids",)))
     with pytest.raises(SamplingError) as from_python:
-        WithPenalty(repetition_penalty=3.0)
-    assert str(from_flags.value) == str(from_python.value) == "repetition_penalty (3.0) must be a number from 1 to 2"
-    assert from_python.value.field == "repetition_penalty"
-    with pytest.raises(SamplingError, match=r"repetition_penalty \('x'\) must be a number from 1 to 2"):
-        WithPenalty(repetition_penalty="x")  # the wrong type, in the rule's words
+        WithTypicalP(typical_p=3.0)
+    assert str(from_flags.value) == str(from_python.value) == "typical_p (3.0) must be a number from 0.1 to 1"
+    assert from_python.value.field == "typical_p"
+    with pytest.raises(SamplingError, match=r"typical_p \('x'\) must be a number from 0.1 to 1"):
+        WithTypicalP(typical_p="x")  # the wrong type, in the rule's words
 
 
 @pytest.mark.parametrize(("cls", "key", "bad", "message"), [

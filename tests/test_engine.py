@@ -180,7 +180,7 @@ def test_characters_split_across_tokens_come_out_whole_in_generate_and_stream(bp
     never hold U+FFFD and join to the text of every id decoded at once. A stop string right after such a
     character used to be shown in part ("z" came out before "🙂" was whole, then the text was cut before it);
     a row that ends mid-character ends as decoding its ids does."""
-    from nanollama4.engine import core
+    from nanollama4.engine import sampling as sampling_module
     from nanollama4.generation import generate, stream
 
     torch.manual_seed(0)
@@ -190,8 +190,8 @@ def test_characters_split_across_tokens_come_out_whole_in_generate_and_stream(bp
 
     def scripted(n: int | None = None):
         queue = iter(script)
-        monkeypatch.setattr(core, "next_token", lambda logits, sampling, generator: torch.tensor(
-            [next(queue) for _ in range(logits.shape[0])]))
+        monkeypatch.setattr(sampling_module, "next_token", lambda logits, sampling, generator, history=None:
+                            torch.tensor([next(queue) for _ in range(logits.shape[0])]))
         return dict(max_new_tokens=n or len(script), temperature=0)
 
     pieces = list(stream(model, bpe, "café", **scripted()))

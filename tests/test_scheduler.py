@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nanollama4
-from nanollama4.engine import core
+from nanollama4.engine import sampling as sampling_module
 from nanollama4.engine.core import Engine
 from nanollama4.engine.request import Request, TokenEvent
 from nanollama4.engine.sampling import Sampling
@@ -141,8 +141,9 @@ def test_a_greedy_batch_chooses_through_next_token_in_one_call(monkeypatch):
     sampled row in a call of its own."""
     model, tok = _model()
     calls: list[int] = []
-    original = core.next_token
-    monkeypatch.setattr(core, "next_token", lambda logits, *a: (calls.append(logits.shape[0]), original(logits, *a))[1])
+    original = sampling_module.next_token
+    monkeypatch.setattr(sampling_module, "next_token",
+                        lambda logits, *a: (calls.append(logits.shape[0]), original(logits, *a))[1])
     engine = Engine(model, tok, max_batch=4)
     engine.add(*[Request(tok.encode(p), 5, GREEDY, lambda e: None) for p in ("But", "soft", "what", "light")])
     engine.run()
@@ -199,19 +200,19 @@ def test_a_row_whose_draw_fails_ends_alone_and_the_others_go_on(monkeypatch):
 
     import nanollama4
     from nanollama4.engine import Engine, Finished, Request, Sampling
-    from nanollama4.engine import core as core_mod
+    from nanollama4.engine import sampling as sampling_mod
 
     torch.manual_seed(0)
     model = nanollama4.Transformer(nanollama4.preset("tiny")).eval()
     engine = Engine(model, max_batch=2)
-    real = core_mod.next_token
+    real = sampling_mod.next_token
 
-    def failing(logits, sampling, generator):
+    def failing(logits, sampling, generator, history=None):
         if not sampling.greedy and engine.steps >= 2:
             raise RuntimeError("a draw that failed")
-        return real(logits, sampling, generator)
+        return real(logits, sampling, generator, history)
 
-    monkeypatch.setattr(core_mod, "next_token", failing)
+    monkeypatch.setattr(sampling_mod, "next_token", failing)
     ends = {}
     for name, sampling in (("greedy", Sampling(temperature=0)), ("sampled", Sampling(seed=1))):
         engine.add(Request([1, 2, 3], 6, sampling,

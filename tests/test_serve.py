@@ -225,7 +225,7 @@ def test_bad_requests_get_the_apis_error_object_and_the_server_goes_on(served, b
 
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", 0.0), ("min_p", 1.5), ("top_k", 0),
-                                             ("seed", -1)])
+                                             ("seed", -1), ("repetition_penalty", 0)])
 def test_the_api_refuses_a_sampling_value_with_the_limit_python_and_the_cli_use(served, field, value):
     """The error object's message is the Python API's SamplingError, word for word (tests/test_engine.py checks
     the command line prints it too)."""
@@ -245,6 +245,14 @@ def test_min_p_reaches_the_api(served):
     got = served.client.completions.create(**ask, temperature=1, seed=3, extra_body={"min_p": 1.0}).choices[0].text
     assert got == greedy
     assert served.client.completions.create(**ask, temperature=1, seed=3).choices[0].text != greedy
+
+
+def test_the_repetition_penalty_reaches_the_api(served):
+    """A greedy reply with the penalty equals offline `generate` with it, and differs from one without."""
+    ask = dict(model=NAME, prompt="But soft", max_tokens=24, temperature=0)
+    got = served.client.completions.create(**ask, extra_body={"repetition_penalty": 1.8}).choices[0].text
+    assert got == generate(served.offline, served.tok, "But soft", 24, temperature=0, repetition_penalty=1.8)
+    assert got != served.client.completions.create(**ask).choices[0].text
 
 
 def test_scoring_a_prompt_token_ids_a_tiny_temperature_and_the_model_card(served):

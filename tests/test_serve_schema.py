@@ -26,13 +26,13 @@ ASK = {"completions": {"model": NAME, "prompt": "But soft", "max_tokens": 4},
 class Wider(Sampling):
     """Sampling with one setting more, as a contributor would add it: its type, its default, its own check."""
 
-    repetition_penalty: float | None = None  # > 0; 1 = no penalty
+    typical_p: float | None = None  # > 0; 1 = no filter
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
-            raise SamplingError("repetition_penalty",
-                                f"repetition_penalty ({self.repetition_penalty!r}) must be a positive number")
+        if self.typical_p is not None and not self.typical_p > 0:
+            raise SamplingError("typical_p",
+                                f"typical_p ({self.typical_p!r}) must be a positive number")
 
 
 def refusal(body: dict, kind: str, bodies: dict = BODIES) -> ApiError:
@@ -44,25 +44,25 @@ def refusal(body: dict, kind: str, bodies: dict = BODIES) -> ApiError:
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_a_field_added_to_sampling_is_a_json_field_of_both_bodies_checked_and_passed_through(kind):
     wider = request_bodies(Wider)
-    assert "repetition_penalty" in wider[kind].model_fields and "repetition_penalty" not in BODIES[kind].model_fields
-    for value in (1.2, 2):  # JSON's 2 is a number too
-        params = parse_request({**ASK[kind], "repetition_penalty": value}, wider[kind], ENGINE, NAME)
-        assert type(params.sampling) is Wider and params.sampling.repetition_penalty == value
-    assert parse_request({**ASK[kind], "repetition_penalty": None}, wider[kind], ENGINE, NAME
-                         ).sampling.repetition_penalty is None
+    assert "typical_p" in wider[kind].model_fields and "typical_p" not in BODIES[kind].model_fields
+    for value in (0.9, 1):  # JSON's 2 is a number too
+        params = parse_request({**ASK[kind], "typical_p": value}, wider[kind], ENGINE, NAME)
+        assert type(params.sampling) is Wider and params.sampling.typical_p == value
+    assert parse_request({**ASK[kind], "typical_p": None}, wider[kind], ENGINE, NAME
+                         ).sampling.typical_p is None
 
-    for wrong in ("high", True, [1.2]):
-        error = refusal({**ASK[kind], "repetition_penalty": wrong}, kind, wider)
-        assert (error.status, error.param) == (400, "repetition_penalty")
-        assert error.message.startswith("repetition_penalty (") and error.message.endswith(") must be a number")
+    for wrong in ("high", True, [0.9]):
+        error = refusal({**ASK[kind], "typical_p": wrong}, kind, wider)
+        assert (error.status, error.param) == (400, "typical_p")
+        assert error.message.startswith("typical_p (") and error.message.endswith(") must be a number")
 
     with pytest.raises(SamplingError) as own:
-        Wider(repetition_penalty=0)
-    error = refusal({**ASK[kind], "repetition_penalty": 0}, kind, wider)
-    assert (error.status, error.param, error.message) == (400, "repetition_penalty", str(own.value))
+        Wider(typical_p=0)
+    error = refusal({**ASK[kind], "typical_p": 0}, kind, wider)
+    assert (error.status, error.param, error.message) == (400, "typical_p", str(own.value))
 
-    error = refusal({**ASK[kind], "repetition_penalty": 1.2}, kind)  # the real bodies do not know it
-    assert error.param == "repetition_penalty" and error.message.startswith("unknown field 'repetition_penalty'")
+    error = refusal({**ASK[kind], "typical_p": 0.9}, kind)  # the real bodies do not know it
+    assert error.param == "typical_p" and error.message.startswith("unknown field 'typical_p'")
 
 
 def test_every_sampling_field_but_stop_ids_is_a_field_of_both_bodies():

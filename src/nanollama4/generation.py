@@ -157,6 +157,6 @@ def sample(model: Transformer, ids: torch.Tensor, max_new_tokens: int, sampling:
     limit = model.cfg.max_seq_len
     for _ in range(max_new_tokens):
         logits = model(ids[:, -limit:], last_only=True)[:, -1, :].float()  # (B, vocab)
-        nxt = next_token(logits, sampling, generator)
+        nxt = next_token(logits, sampling, generator, ids.tolist())
         ids = torch.cat([ids, nxt[:, None].to(ids.device)], dim=1)
     return ids

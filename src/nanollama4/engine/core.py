@@ -6,7 +6,7 @@
     step():  1. scheduler  retire cancelled rows; admit waiting requests into free rows   (engine/scheduler.py)
              2. prefill    each new prompt alone into a one-row cache, a chunk per step, then into its row
              3. runner     every row's newest token through the model in one batched pass  (engine/runner.py)
-             4. sampler    each row's next token by its own Sampling (`next_token`); TextStream decides
+             4. sampler    each row's next token by its own Sampling and tokens (`sampling.choose`); TextStream decides
                            where it stops; a traced row's step is written by the StepObserver (engine/trace.py)
              5. retire     finished rows leave; the last row moves into the gap
        |
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -38,7 +37,7 @@ from ..tokenizer import Tokenizer, token_bytes, token_label
 from .cache import SlotCache, check_cache_fits, held
 from .request import Event, Finished, Request, TokenEvent
 from .runner import Runner
-from .sampling import Sampling, TextStream, next_token
+from .sampling import Sampling, TextStream, choose
 from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
 
@@ -231,7 +230,7 @@ class Engine:
         if r.max_tokens == 0:  # scoring the prompt only
             self._retire(r, "length")
             return
-        (token,) = self._choose(logits[-1:], [r])
+        (token,) = choose(logits[-1:], [r])
         if isinstance(token, Exception):
             raise token
         trace = None
@@ -267,7 +266,7 @@ class Engine:
             logits = self.runner.decode([r.last for r in rows], [r.position for r in rows])
         logits = logits[..., :self.vocab].float()
         self.steps += 1
-        tokens = self._choose(logits, rows)
+        tokens = choose(logits, rows)
         done = []
         for b, (r, token) in enumerate(zip(rows, tokens, strict=True)):
             r.position += 1
@@ -277,7 +276,8 @@ class Engine:
                 trace = None
                 if r.trace and token is not None:
                     trace = self.observer.decoded(seen, b, r.last, r.position - 1, logits[b],
-                                                  [held(layer, b) for layer in self.cache.layers], r.sampling, token)
+                                                  [held(layer, b) for layer in self.cache.layers], r.sampling, token,
+                                                  r.tokens)
                 going = self._emit(r, token, logits[b], trace)
             except Exception as e:  # choosing or sending failed for this row alone: it ends, the others go on
                 if self.fail_fast:
@@ -289,32 +289,6 @@ class Engine:
                 done.append(r)
         for r in done:
             self._retire(r, None)
-
-    # ------------------------------------------------------------------ the sampler
-    def _choose(self, logits: torch.Tensor, rows: list[Request]) -> list[int | Exception | None]:
-        """Each row's next token from logits (rows, vocab), each by its own Sampling through `next_token`,
-        the one place a token is chosen; None for a row whose logits are not finite (max propagates NaN, and
-        a row with +inf or only -inf has no finite maximum). Rows with equal greedy settings draw nothing,
-        so they choose in one call (a greedy batch is one argmax); sampled rows draw one by one, each from
-        its own generator, as each would alone."""
-        finite = [math.isfinite(v) for v in logits.amax(-1).tolist()]
-        tokens: list[int | Exception | None] = [None] * len(rows)
-        alike: dict[Sampling, list[int]] = {}
-        for b, r in enumerate(rows):
-            if not finite[b]:
-                continue
-            if r.sampling.greedy:
-                alike.setdefault(r.sampling, []).append(b)
-            else:
-                try:
-                    tokens[b] = int(next_token(logits[b:b + 1], r.sampling, r.generator)[0])
-                except Exception as e:  # noqa: BLE001 (handed to the row, which ends with it)
-                    tokens[b] = e
-        for sampling, batch in alike.items():
-            chosen = next_token(logits if len(batch) == len(rows) else logits[batch], sampling, None)
-            for b, token in zip(batch, chosen.tolist(), strict=True):
-                tokens[b] = token
-        return tokens
 
     def _emit(self, r: Request, token: int | None, logits: torch.Tensor, trace: StepTrace | None) -> bool:
         """Send r's next token, chosen from logits (vocab,); False when the request is over (None: its logits

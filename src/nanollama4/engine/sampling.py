@@ -5,9 +5,11 @@ and from that line come the command line's flags (`generate --top-p`), the HTTP 
 (`serve/schema.py`), the Python API's keywords (`generate(..., top_p=0.9)`) and the one check all three
 share (`fields.check`: the command line reports a bad value as one line, the API as an error object naming
 the field, the Python API raises the `SamplingError`). `next_token` is the one place a next token is chosen
-from logits, greedy or sampled; `TextStream` turns a row's tokens into text and decides where it stops,
-holding back what could still become a stop string. A new sampling option is a field here and its use in
-`next_token` (docs/reference.md, "Adding a sampling option").
+from logits, greedy or sampled; `choose` takes the batch's rows (each its Sampling, its tokens so
+far and its generator) and decides which may share a call; `TextStream` turns a row's tokens into text and
+decides where it stops, holding back what could still become a stop string. A new sampling option is a
+field here and its use in `next_token`, or in `Sampling.adjust` when it reads the row's tokens so far
+(docs/reference.md, "Adding a sampling option").
 
 torch is imported inside the functions that compute: the command line reads `Sampling` to build its parser
 before it needs torch.
@@ -17,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from ..errors import GenerationError
 from ..fields import Rule, Seed, check, integer
@@ -36,6 +39,7 @@ TopP = Annotated[float, Rule("a number in (0, 1]", lambda v: 0 < v <= 1)]
 MinP = Annotated[float, Rule("a number in [0, 1]", lambda v: 0 <= v <= 1)]
 Stops = Annotated[tuple[str, ...], Rule("non-empty strings", lambda v: all(v))]
 StopIds = Annotated[tuple[int, ...], Rule("token ids (integers >= 0)", lambda v: all(i >= 0 for i in v))]
+Penalty = Annotated[float, Rule("a number in (0, 2] (1: none; above 1 repeats less)", lambda v: 0 < v <= 2)]
 
 
 def _listlike(v: Any) -> bool:
@@ -62,6 +66,7 @@ class Sampling:
     top_k: TopK | None = None  # sample among the k most likely tokens only
     top_p: TopP | None = None  # sample among the most likely tokens holding this probability mass, in (0, 1]
     min_p: MinP | None = None  # drop tokens less likely than this share of the most likely one's probability, [0, 1]
+    repetition_penalty: Penalty | None = None  # the logits of tokens the row holds (prompt included) divided by this
     seed: Seed | None = None  # seeds the row's own generator; None = torch's global RNG
     stop: Stops = ()  # stop right before this text (not returned)
     stop_ids: StopIds = ()  # token ids: a row ends at the first of these
@@ -78,6 +83,29 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether `adjust` depends on a row's tokens so far: such rows choose one by one (`choose`)."""
+        return self.repetition_penalty not in (None, 1.0) or type(self).adjust is not Sampling.adjust
+
+    def adjust(self, logits: torch.Tensor, history: list[list[int]] | None) -> torch.Tensor:
+        """The logits (rows, vocab) as the options that read each row's tokens so far (`history`, one list per
+        row) change them, before the temperature and the filters; greedy rows too. A subclass with an option of
+        its own that reads the history overrides this (and calls it)."""
+        if self.repetition_penalty in (None, 1.0) or history is None:
+            return logits
+        import torch
+
+        logits = logits.clone()
+        for row, tokens in enumerate(history):  # as CTRL and transformers: positive logits divided, negative multiplied
+            if not tokens:
+                continue
+            seen = torch.tensor(sorted(set(tokens)), device=logits.device)
+            seen = seen[seen < logits.shape[-1]]
+            held = logits[row, seen]
+            logits[row, seen] = torch.where(held > 0, held / self.repetition_penalty, held * self.repetition_penalty)
+        return logits
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator of the row's own, seeded with `seed` (None: torch's global RNG draws)."""
@@ -127,21 +155,60 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
     return logits
 
 
-def distribution(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The probabilities a sampled token is drawn from (rows, vocab): the logits divided by the temperature,
-    filtered, softmaxed. The one place a sampling option changes them; the trace shows the same numbers."""
-    return filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p,
-                         sampling.min_p).softmax(-1)
+def distribution(logits: torch.Tensor, sampling: Sampling, history: list[list[int]] | None = None) -> torch.Tensor:
+    """The probabilities a sampled token is drawn from (rows, vocab): the logits adjusted by the rows' tokens so
+    far (`Sampling.adjust`), divided by the temperature, filtered, softmaxed. The one place a sampling option
+    changes them; the trace shows the same numbers."""
+    logits = sampling.adjust(logits.float(), history)
+    return filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p).softmax(-1)
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row from logits (B, vocab): argmax when greedy (temperature below GREEDY_BELOW,
-    where the sharpened distribution is the argmax's anyway), else draw from `distribution`."""
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None,
+               history: list[list[int]] | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, vocab), given each row's tokens so far (`history`, for the options
+    that read it): argmax when greedy (temperature below GREEDY_BELOW, where the sharpened distribution is the
+    argmax's anyway), else draw from `distribution`."""
     if sampling.greedy:
-        return logits.argmax(-1)
+        return sampling.adjust(logits, history).argmax(-1)
     import torch
 
-    return torch.multinomial(distribution(logits, sampling), 1, generator=generator).squeeze(-1)
+    return torch.multinomial(distribution(logits, sampling, history), 1, generator=generator).squeeze(-1)
+
+
+class Row(Protocol):
+    """What the sampler reads of a row: its options, its tokens so far (prompt included) and its generator."""
+
+    sampling: Sampling
+    tokens: list[int]
+    generator: torch.Generator | None
+
+
+def choose(logits: torch.Tensor, rows: Sequence[Row]) -> list[int | Exception | None]:
+    """Each row's next token from logits (rows, vocab), each by its own Sampling through `next_token`; None for
+    a row whose logits are not finite (max propagates NaN, and a row with +inf or only -inf has no finite
+    maximum), an exception for a row whose draw failed (the row ends with it, the others go on).
+
+    The sampler decides which rows share a call: greedy rows with equal settings that read no history draw
+    nothing and choose in one argmax; every other row chooses alone, from its own generator and its own
+    tokens, as it would alone."""
+    finite = [math.isfinite(v) for v in logits.amax(-1).tolist()]
+    tokens: list[int | Exception | None] = [None] * len(rows)
+    alike: dict[Sampling, list[int]] = {}
+    for b, r in enumerate(rows):
+        if not finite[b]:
+            continue
+        if r.sampling.greedy and not r.sampling.reads_history:
+            alike.setdefault(r.sampling, []).append(b)
+            continue
+        try:
+            tokens[b] = int(next_token(logits[b:b + 1], r.sampling, r.generator, [r.tokens])[0])
+        except Exception as e:  # noqa: BLE001 (handed to the row, which ends with it)
+            tokens[b] = e
+    for sampling, batch in alike.items():
+        chosen = next_token(logits if len(batch) == len(rows) else logits[batch], sampling, None)
+        for b, token in zip(batch, chosen.tolist(), strict=True):
+            tokens[b] = token
+    return tokens
 
 
 MAX_PENDING = 4  # ids held for an unfinished character: UTF-8's longest is 4 bytes, each token brings one or more

@@ -90,17 +90,18 @@ class StepObserver:
     def prefilled(self, seen: dict, prompt: list[int], logits: torch.Tensor, held: list[int], sampling: Sampling,
                   token: int) -> StepTrace:
         """A prompt fed whole into a one-row cache: its last token's step, and every prompt token's route."""
-        step = self._step(seen, "prefill", 0, prompt, len(prompt) - 1, logits, held, sampling, token)
+        step = self._step(seen, "prefill", 0, prompt, len(prompt) - 1, logits, held, sampling, token, prompt)
         step.prompt = [PromptToken(t, self.texts[i], self._routes(seen, t)) for t, i in enumerate(prompt)]
         return step
 
     def decoded(self, seen: dict, row: int, fed: int, position: int, logits: torch.Tensor, held: list[int],
-                sampling: Sampling, token: int) -> StepTrace:
-        """Row `row` of a batched decode pass, which fed token `fed` at `position`."""
-        return self._step(seen, "decode", row, [fed], position, logits, held, sampling, token)
+                sampling: Sampling, token: int, history: list[int]) -> StepTrace:
+        """Row `row` of a batched decode pass, which fed token `fed` at `position` after `history` (the row's
+        tokens so far, which options such as the repetition penalty read)."""
+        return self._step(seen, "decode", row, [fed], position, logits, held, sampling, token, history)
 
     def _step(self, seen: dict, kind: str, row: int, fed: list[int], position: int, logits: torch.Tensor,
-              held: list[int], sampling: Sampling, token: int) -> StepTrace:
+              held: list[int], sampling: Sampling, token: int, history: list[int]) -> StepTrace:
         """The last fed token (query len(fed) - 1 of batch row `row`; rows are flattened row-major for the
         routes) and the odds after it (logits (vocab,), float32). Values as computed: a page rounds them."""
         query = len(fed) - 1
@@ -113,7 +114,7 @@ class StepObserver:
                      if pp >= ATTENTION_FLOOR and kp >= 0]
             attention.append(Attended(i, "rope" if block.attn.use_rope else "nope", block.attn.chunk, sorted(shown)))
         t1 = logits.softmax(-1)
-        drawn = self._drawn_from(logits, sampling, token)
+        drawn = self._drawn_from(logits, sampling, token, history)
         top = t1.topk(min(TOP_ODDS, logits.numel()))
         odds = [(self.texts[i], float(p), float(drawn[i]))
                 for p, i in zip(top.values, top.indices.tolist(), strict=True)]
@@ -122,11 +123,12 @@ class StepObserver:
                          (float(t1[token]), float(drawn[token])))
 
     @staticmethod
-    def _drawn_from(logits: torch.Tensor, sampling: Sampling, token: int) -> torch.Tensor:
-        """The distribution `token` was drawn from: the filtered, tempered one, or all on it when greedy."""
+    def _drawn_from(logits: torch.Tensor, sampling: Sampling, token: int, history: list[int]) -> torch.Tensor:
+        """The distribution `token` was drawn from: the adjusted, filtered, tempered one (`sampling.distribution`,
+        given the row's tokens so far), or all on it when greedy."""
         if sampling.greedy:
             return torch.zeros_like(logits).index_fill_(0, torch.tensor([token], device=logits.device), 1.0)
-        return distribution(logits, sampling)
+        return distribution(logits[None], sampling, [history])[0]
 
     def _routes(self, seen: dict, token: int) -> list[Route]:
         """Token `token`'s route (its index in the pass, flattened) in every MoE layer."""
