@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn.parallel import DistributedDataParallel
 
 from ..config import TrainConfig
 from ..model import Loss, Transformer
-from .experts import expert_groups, parallelize_experts
 from .group import World
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+# FSDP2, DTensor, the device mesh and expert parallelism are imported where several processes use them:
+# importing them costs about half a second, which one process (every test, every command) need not pay.
 
 
 class Parallel:
@@ -88,6 +90,12 @@ class Distributed(Parallel):
 
     def __init__(self, model: Transformer, world: World, kind: str, expert_parallel: int, device: torch.device
                  ) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .experts import expert_groups, parallelize_experts
+
         super().__init__(model, world)
         self.kind, self.device = kind, device
         # in model order: every rank must reduce the same tensors in the same order (a set orders by address)
@@ -159,6 +167,8 @@ class Distributed(Parallel):
         """The norm over every gradient, wherever it lives: sharded (FSDP) parts are reduced by DTensor,
         the expert shards' squares summed over their group; then every gradient is scaled alike, by a factor
         computed on the device (nothing read back)."""
+        from torch.distributed.tensor import DTensor
+
         shared = [p.grad for p in self.model.parameters() if p.grad is not None and p not in self.expert_set]
         norm = _whole_norm(shared)
         if self.experts:
@@ -183,6 +193,8 @@ class Distributed(Parallel):
         return t.tolist()
 
     def whole(self, p: nn.Parameter | None, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         if isinstance(t, DTensor):
             return t.full_tensor().cpu()
         if p is not None and p in self.expert_set:
@@ -192,6 +204,8 @@ class Distributed(Parallel):
         return t
 
     def part(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
         if isinstance(p, DTensor):
             return distribute_tensor(t.to(self.device), p.device_mesh, p.placements)
         if p in self.expert_set:
@@ -203,6 +217,8 @@ class Distributed(Parallel):
 
 def _whole_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all of `grads` together, as a plain tensor (a DTensor's is reduced over its mesh)."""
+    from torch.distributed.tensor import DTensor
+
     norm = torch.nn.utils.get_total_norm(grads)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
