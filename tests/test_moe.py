@@ -270,7 +270,7 @@ def test_no_expert_exceeds_capacity(T, E, cf, router, seed, data):
         moe(x)
         r = moe.route(x[0])
     counts = moe.stats["counts"]
-    dropped = round(moe.stats["dropped_frac"].item() * T * k)
+    dropped = round(moe.stats["dropped"].item() * T * k)
     assert int(counts.max()) <= cap
     assert int(counts.sum()) == T * k - dropped == T * k - int(r.dropped)
     assert torch.equal(counts, torch.bincount(r.experts_TK[r.valid_TK], minlength=E))
@@ -312,8 +312,8 @@ def test_lowest_score_token_overflows_to_its_second_choice(order, router):
     assert r.experts_TK[:, 0].tolist() == [want[i] for i in order]
     assert r.valid_TK.all() and int(r.rerouted) == 1 and int(r.dropped) == 0
     assert moe.stats["counts"].tolist() == [2, 1, 0, 0]
-    assert moe.stats["rerouted_frac"].item() == pytest.approx(1 / 3)
-    assert moe.stats["dropped_frac"].item() == 0.0
+    assert moe.stats["rerouted"].item() == pytest.approx(1 / 3)
+    assert moe.stats["dropped"].item() == 0.0
     assert moe.stats["max_load"].item() == pytest.approx(2 / 0.75)
     assert moe.stats["min_load"].item() == 0.0
     # the rerouted token's output is expert 1 at its own (raw) second-choice weight, plus the shared expert
@@ -394,7 +394,7 @@ def test_token_with_no_room_gets_only_the_shared_expert(router, shared):
     assert moe.router.capacity(3) == 1
     xi = x.clone().requires_grad_(True)
     y = moe(xi)
-    assert moe.stats["dropped_frac"].item() == pytest.approx(1 / 3)
+    assert moe.stats["dropped"].item() == pytest.approx(1 / 3)
     assert moe.stats["counts"].tolist() == [1, 1]
     with torch.no_grad():
         if shared:
@@ -603,7 +603,7 @@ def test_stats_describe_the_routing():
     assert s["max_load"].item() == pytest.approx(counts.max().item() / mean)
     assert s["min_load"].item() == pytest.approx(counts.min().item() / mean)
     assert s["max_load"].item() > 1.0 > s["min_load"].item()
-    assert s["rerouted_frac"].item() == 0.0 and s["dropped_frac"].item() == 0.0
+    assert s["rerouted"].item() == 0.0 and s["dropped"].item() == 0.0
     # uniform router: entropy ln(E)
     with torch.no_grad():
         moe.router.weight.zero_()

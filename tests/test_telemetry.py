@@ -127,3 +127,39 @@ def test_tensorboard_events_hold_what_metrics_jsonl_holds(corpus, tmp_path):
     assert [e.step for e in board.Scalars("val/val_loss")] == [v["step"] for v in vals] == [2, 4, 6]
     entropy = [e.value for e in board.Scalars("routing/layer0/entropy")]
     assert entropy == pytest.approx([v["routing"]["entropy"][0] for v in vals], rel=1e-5)
+
+
+def test_a_statistic_declared_once_reaches_the_log_tensorboard_the_plots_and_compare(corpus, tmp_path, capsys):
+    """One `RoutingStatistic` declared here (the most loaded expert's share of the slots, read at each training
+    step) is in every validation line's routing block, among TensorBoard's scalars, in `plot`'s and
+    `compare`'s panels, and read back for the plots; a statistic read at validation ("now") too."""
+    from nanollama4.metrics import board_scalars
+    from nanollama4.moe import ROUTING_STATISTICS, RoutingStatistic, routing_statistic
+    from nanollama4.plots import plot_routing, routing_of, routing_panels
+    from tests.helpers import run_cli
+
+    declared = list(ROUTING_STATISTICS)
+    busiest = RoutingStatistic("busiest", "Busiest expert: its share of the slots", "share of slots",
+                               lambda moe: moe.counts.max().float() / moe.last.slots if moe.last else None)
+    experts = RoutingStatistic("expert_count", "Experts in the layer", "experts",
+                               lambda moe: torch.tensor(float(moe.n_experts)), pooled="now")
+    try:
+        routing_statistic(busiest)
+        routing_statistic(experts)
+        run = tmp_path / "run"
+        train(preset("tiny"), tc(max_steps=6), run, data=str(corpus), progress=False)
+        _, vals = lines(run)
+        for v in vals:
+            assert all(1 / 4 <= x <= 1 for x in v["routing"]["busiest"])  # 4 experts: at least a fair share
+            assert v["routing"]["expert_count"] == [4.0] * len(v["routing"]["load"])
+            tags = dict(board_scalars(v))
+            assert "routing/layer0/busiest" in tags and tags["routing/layer0/expert_count"] == 4.0
+        assert routing_of(vals).has("busiest", "expert_count")
+        titles = [title for title, *_ in routing_panels()]
+        assert "Busiest expert: its share of the slots" in titles and "Experts in the layer" in titles
+        assert plot_routing(run).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        rc, out, err = run_cli(["compare", str(run), "--out", str(tmp_path / "cmp")], capsys)
+        assert rc == 0, err
+        assert (tmp_path / "cmp" / "routing.png").is_file()
+    finally:
+        ROUTING_STATISTICS[:] = declared

@@ -38,7 +38,6 @@ from .evaluation import EVALUATION_FILE, read_full_validation
 from .files import atomic_write, own_folder, read_bytes, write_failed
 from .memory import ParamCounts, active_size_note, format_count, param_counts
 from .plots import (
-    ROUTING_PANELS,
     Routing,
     draw_load_heatmap,
     expert_load_of,
@@ -48,6 +47,7 @@ from .plots import (
     parse_metrics,
     routing_axes,
     routing_of,
+    routing_panels,
     save_png,
 )
 
@@ -380,7 +380,7 @@ def plot_routing(runs: Sequence[RunRecord], colours: list, out: Path) -> Path | 
         if (routing := routing_of(run.val)) is not None]
     if not found:
         return None
-    panels = [p for p in ROUTING_PANELS if any(r.has(*p[2]) for _, _, r in found)]
+    panels = [p for p in routing_panels() if any(r.has(*p[2]) for _, _, r in found)]
     if not panels:  # load shares alone: expert_load.png shows them
         return None
     fig = Figure(figsize=(14, 3.3 * -(-len(panels) // 3) + 1.4), layout="constrained")
@@ -389,8 +389,8 @@ def plot_routing(runs: Sequence[RunRecord], colours: list, out: Path) -> Path | 
         for _, colour, routing in found:
             if not routing.has(*keys):
                 continue
-            if keys == ("bias_min", "bias_max"):
-                per_layer = routing.values["bias_max"] - routing.values["bias_min"]
+            if len(keys) > 1:  # a range (the balancing bias's lowest and highest): its width
+                per_layer = routing.values[keys[-1]] - routing.values[keys[0]]
             else:
                 per_layer = routing.values[keys[0]] * factor
             with np.errstate(all="ignore"):

@@ -2,8 +2,9 @@
 
 Each training step writes one line (`train.log_step`): losses, lr, gradient norm, throughput and, for an MoE,
 each layer's expert load in that step (`expert_load`). Each validation writes one line with the validation
-loss and a "routing" block: the load shares and `ROUTING` means over the steps since the last validation,
-and the balancing bias's range (`Telemetry`). With log=tensorboard the same numbers go to TensorBoard too
+loss and a "routing" block: the load shares and every declared routing statistic
+(`moe.ROUTING_STATISTICS`: the per-step ones as means over the steps since the last validation, the
+balancing bias's range as it is then; `Telemetry`). With log=tensorboard the same numbers go to TensorBoard too
 (`board_scalars`). metrics.jsonl is the record `plots`, `compare` and the experiments read: its names
 and rounding are a format.
 """
@@ -11,6 +12,7 @@ and rounding are a format.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from .config import TrainConfig
 from .errors import TrainingError
 from .files import open_owned, own_folder, write_failed
 from .model import Transformer
+from .moe import ROUTING_STATISTICS, RoutingStatistic
 
 
 class MetricsFile:
@@ -79,7 +82,7 @@ class StepResult:
     aux: float  # mean MoE auxiliary loss
     grad_norm: float  # before clipping
     counts: torch.Tensor | None  # (layers, experts) assignments in the last micro-batch, summed over ranks
-    routing: torch.Tensor | None = None  # (layers, ROUTING) the last micro-batch's `routing_stats`, rank mean
+    routing: torch.Tensor | None = None  # (layers, statistics) the last micro-batch's `routing_stats`, rank mean
 
 
 def expert_counts(model: Transformer) -> torch.Tensor | None:
@@ -88,14 +91,25 @@ def expert_counts(model: Transformer) -> torch.Tensor | None:
     return torch.stack(counts).float() if counts else None
 
 
-ROUTING = ("rerouted_frac", "dropped_frac", "entropy", "balance_loss", "z_loss")  # `MoE.stats` a step logs
-ROUTING_NAMES = ("rerouted", "dropped", "entropy", "balance_loss", "z_loss")  # ... as metrics.jsonl names them
+def pooled(kind: str) -> list[RoutingStatistic]:
+    """The declared routing statistics (`moe.ROUTING_STATISTICS`) pooled as `kind`: "mean" (each training
+    step's value, averaged between validations) or "now" (read at the validation)."""
+    return [s for s in ROUTING_STATISTICS if s.pooled == kind]
 
 
 def routing_stats(model: Transformer) -> torch.Tensor | None:
-    """(layers, ROUTING): each MoE layer's rerouted and dropped shares, router entropy, balancing loss and
-    z-loss in the last training pass (`MoE.stats`), None without MoE."""
-    rows = [torch.stack([s[k].float() for k in ROUTING]) for s in (m.stats for m in model.moe_layers()) if s]
+    """(layers, per-step statistics): each MoE layer's `pooled("mean")` statistics in the last training pass
+    (NaN for one without a value then), None without MoE."""
+    stats = pooled("mean")
+    if not stats:
+        return None
+    rows = []
+    for moe in model.moe_layers():
+        if moe.last is None:
+            continue
+        values = [s.read(moe) for s in stats]
+        nan = moe.router.expert_bias.new_full((), float("nan"))
+        rows.append(torch.stack([(nan if v is None else v).float().reshape(()) for v in values]))
     return torch.stack(rows) if rows else None
 
 
@@ -105,7 +119,7 @@ class Telemetry:
     line's "routing" block (means over those steps) and starts again."""
 
     counts: torch.Tensor | None = None  # (layers, experts) assignments
-    sums: torch.Tensor | None = None  # (layers, ROUTING)
+    sums: torch.Tensor | None = None  # (layers, the per-step statistics: `pooled("mean")`)
     steps: int = 0
 
     def add(self, result: StepResult) -> None:
@@ -117,17 +131,20 @@ class Telemetry:
         self.steps += 1
 
     def take(self, model: Transformer) -> dict | None:
-        """Per MoE layer: the expert-load shares, the ROUTING means over the steps taken, and the balancing
-        bias's range now; None when no step was counted (or no MoE)."""
+        """Per MoE layer: the expert-load shares, each per-step statistic's mean over the steps taken, and the
+        statistics read now (the balancing bias's range); None when no step was counted (or no MoE)."""
         if not self.steps:
             return None
         block = {"load": [[round(v, 4) for v in row] for row in expert_load(self.counts)]}
-        means = (self.sums / self.steps).T.tolist()  # (ROUTING, layers)
-        for name, values in zip(ROUTING_NAMES, means, strict=True):
-            block[name] = [round(v, 6) for v in values]
-        bias = [m.router.expert_bias.detach().float().cpu() for m in model.moe_layers()]
-        block["bias_min"] = [round(b.min().item(), 6) for b in bias]
-        block["bias_max"] = [round(b.max().item(), 6) for b in bias]
+        means = (self.sums / self.steps).T.tolist()  # (statistics, layers)
+        for stat, values in zip(pooled("mean"), means, strict=True):
+            if all(math.isfinite(v) for v in values):
+                block[stat.name] = [round(v, 6) for v in values]
+        with torch.no_grad():
+            for stat in pooled("now"):
+                values = [stat.read(m) for m in model.moe_layers()]
+                if all(v is not None for v in values):
+                    block[stat.name] = [round(float(v), 6) for v in values]
         self.counts, self.sums, self.steps = None, None, 0
         return block
 

@@ -23,7 +23,9 @@ tokens' input, experts_TK each token's chosen experts, counts_E the rows per exp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -129,24 +131,79 @@ class MoE(nn.Module):
     @property
     def stats(self) -> dict[str, torch.Tensor]:
         """The last forward pass's routing, as tensors (reading them is the caller's sync): assignments per
-        expert (`counts`), the most and least loaded expert over a uniform share, and in training also the
-        rerouted and dropped fractions, the router entropy (nats), and the balancing loss and z-loss without
-        their coefficients (`Router.auxiliary_loss`'s terms, whether or not the run trains on them);
-        {} before the first pass."""
+        expert (`counts`), the most and least loaded expert over a uniform share, and every declared
+        `ROUTING_STATISTICS` entry that has a value now (the per-step ones after a training pass: the
+        rerouted and dropped shares, the router entropy, the balancing loss and z-loss without their
+        coefficients, whether or not the run trains on them); {} before the first pass."""
         counts_E = self.counts
         if counts_E is None:
             return {}
-        last, extra = self.last, {}
-        if last.logits_TE is not None:
-            probs_TE = last.logits_TE.softmax(-1)
-            extra = {"rerouted_frac": last.rerouted.float() / last.slots,
-                     "dropped_frac": last.dropped.float() / last.slots,
-                     "entropy": -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean(),
-                     "balance_loss": self.n_experts * (counts_E.float() / last.slots * probs_TE.mean(0)).sum(),
-                     "z_loss": torch.logsumexp(last.logits_TE, dim=-1).pow(2).mean()}
-        mean_load = last.slots / self.n_experts
-        return {"counts": counts_E, **extra, "max_load": counts_E.max().float() / mean_load,
-                "min_load": counts_E.min().float() / mean_load}
+        mean_load = self.last.slots / self.n_experts
+        out = {"counts": counts_E, "max_load": counts_E.max().float() / mean_load,
+               "min_load": counts_E.min().float() / mean_load}
+        for stat in ROUTING_STATISTICS:
+            value = stat.read(self)
+            if value is not None:
+                out[stat.name] = value
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+@dataclass(frozen=True)
+class RoutingStatistic:
+    """One routing statistic, declared once beside what it reads: metrics.jsonl's routing block, TensorBoard
+    (routing/layerN/NAME), `plot`'s and `compare`'s routing panels all take it from `ROUTING_STATISTICS`."""
+
+    name: str  # its key in the validation line's "routing" block and in `MoE.stats`
+    meaning: str  # the title of its plot panel
+    unit: str  # the panel's y label
+    read: Callable[[MoE], torch.Tensor | None]  # its value for one MoE layer now (None: none now)
+    pooled: Literal["mean", "now"] = "mean"  # each training step's value averaged between validations, or
+    # the value read at the validation itself
+    factor: float = 1.0  # shown at this factor (a share as a percentage: 100)
+    panel: str | None = None  # drawn in the panel of this other statistic (a range's low and high)
+
+
+def _in_training(read: Callable[[LastPass], torch.Tensor]) -> Callable[[MoE], torch.Tensor | None]:
+    """A statistic of the last pass when it was a training pass (rerouting, drops and the logits are kept then)."""
+    return lambda moe: read(moe.last) if moe.last is not None and moe.last.logits_TE is not None else None
+
+
+def _probs(last: LastPass) -> torch.Tensor:
+    return last.logits_TE.softmax(-1)
+
+
+ROUTING_STATISTICS: list[RoutingStatistic] = [
+    RoutingStatistic("rerouted", "Rerouted: slots sent to the next-best expert", "% of top-k slots",
+                     _in_training(lambda last: last.rerouted.float() / last.slots), factor=100.0),
+    RoutingStatistic("dropped", "Dropped: slots no expert had room for", "% of top-k slots",
+                     _in_training(lambda last: last.dropped.float() / last.slots), factor=100.0),
+    RoutingStatistic("entropy", "Router entropy (dashed: the maximum, ln E)", "nats",
+                     _in_training(lambda last: -(_probs(last) * _probs(last).clamp_min(1e-12).log()).sum(-1).mean())),
+    RoutingStatistic("bias_min", "Balancing bias: lowest and highest (router.expert_bias)", "bias",
+                     lambda moe: moe.router.expert_bias.min().float(), pooled="now"),
+    RoutingStatistic("bias_max", "", "", lambda moe: moe.router.expert_bias.max().float(), pooled="now",
+                     panel="bias_min"),
+    RoutingStatistic("balance_loss", "Balance loss N·Σ f·p (1 = balanced)", "without its coefficient",
+                     lambda moe: _balance(moe)),
+    RoutingStatistic("z_loss", "Router z-loss: mean squared log-sum-exp", "without its coefficient",
+                     _in_training(lambda last: torch.logsumexp(last.logits_TE, dim=-1).pow(2).mean())),
+]
+
+
+def _balance(moe: MoE) -> torch.Tensor | None:
+    """N · Σ_e f_e · p_e of the last training pass (`Router.auxiliary_loss`'s balancing term)."""
+    last = moe.last
+    if last is None or last.logits_TE is None:
+        return None
+    return moe.n_experts * (moe.counts.float() / last.slots * _probs(last).mean(0)).sum()
+
+
+def routing_statistic(stat: RoutingStatistic) -> RoutingStatistic:
+    """Declare a routing statistic (or replace the one of its name): from then on it is logged, sent to
+    TensorBoard, plotted and compared with the others. Returns it."""
+    ROUTING_STATISTICS[:] = [s for s in ROUTING_STATISTICS if s.name != stat.name] + [stat]
+    return stat
 
 
 # ---------------------------------------------------------------------------------------------- 3. experts

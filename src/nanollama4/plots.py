@@ -24,6 +24,7 @@ from matplotlib.lines import Line2D
 
 from .errors import MissingRunFile
 from .files import atomic_write, json_lines, own_folder, write_failed
+from .moe import ROUTING_STATISTICS
 
 MAX_COLUMNS = 200  # heatmap columns; more than this is wider than the image in pixels anyway
 
@@ -62,8 +63,10 @@ def _load_table(load: object) -> bool:
         and all(_number(v) for v in row) for row in load)
 
 
-# A val line's "routing": one number per MoE layer for each of these, averaged since the previous validation.
-ROUTING_KEYS = ("rerouted", "dropped", "entropy", "bias_min", "bias_max", "balance_loss", "z_loss")
+def routing_keys() -> tuple[str, ...]:
+    """A val line's "routing" entries besides the load: one number per MoE layer for each declared statistic
+    (`moe.ROUTING_STATISTICS`)."""
+    return tuple(s.name for s in ROUTING_STATISTICS)
 
 
 def _routing_ok(routing: object) -> bool:
@@ -76,7 +79,7 @@ def _routing_ok(routing: object) -> bool:
         if not _load_table(routing["load"]):
             return False
         lengths.add(len(routing["load"]))
-    for key in ROUTING_KEYS:
+    for key in routing_keys():
         if key in routing:
             values = routing[key]
             if not (isinstance(values, list) and 0 < len(values) <= MAX_LAYERS and all(_number(v) for v in values)):
@@ -235,7 +238,7 @@ class Routing:
     """The routing telemetry of a run's val lines, as arrays against step."""
 
     steps: np.ndarray  # (V,) the validations' steps
-    values: dict[str, np.ndarray]  # ROUTING_KEYS entry -> (V, layers); NaN where a line lacks it
+    values: dict[str, np.ndarray]  # statistic -> (V, layers); NaN where a line lacks it
     n_layers: int  # MoE layers
     n_experts: int | None  # from the load table: the entropy's maximum is ln(n_experts)
 
@@ -245,7 +248,7 @@ class Routing:
 
 def _layers(block: dict) -> int:
     """The number of MoE layers a (validated, `_routing_ok`) routing block describes."""
-    return len(next(v for k, v in block.items() if k in ("load", *ROUTING_KEYS)))
+    return len(next(v for k, v in block.items() if k in ("load", *routing_keys())))
 
 
 def routing_of(val: list[dict]) -> Routing | None:
@@ -256,7 +259,7 @@ def routing_of(val: list[dict]) -> Routing | None:
     n_layers = _layers(rows[0]["routing"])
     rows = [r for r in rows if _layers(r["routing"]) == n_layers]
     values = {}
-    for key in ROUTING_KEYS:
+    for key in routing_keys():
         if any(key in r["routing"] for r in rows):
             values[key] = np.array([r["routing"].get(key, [np.nan] * n_layers) for r in rows], dtype=float)
     loads = [r["routing"]["load"] for r in rows if "load" in r["routing"]]
@@ -264,15 +267,15 @@ def routing_of(val: list[dict]) -> Routing | None:
                    len(loads[0][0]) if loads else None)
 
 
-# The routing panels: (title, y label, the keys drawn, the factor they are shown at)
-ROUTING_PANELS = (
-    ("Rerouted: slots sent to the next-best expert", "% of top-k slots", ("rerouted",), 100.0),
-    ("Dropped: slots no expert had room for", "% of top-k slots", ("dropped",), 100.0),
-    ("Router entropy (dashed: the maximum, ln E)", "nats", ("entropy",), 1.0),
-    ("Balancing bias: lowest and highest (router.expert_bias)", "bias", ("bias_min", "bias_max"), 1.0),
-    ("Balance loss N·Σ f·p (1 = balanced)", "without its coefficient", ("balance_loss",), 1.0),
-    ("Router z-loss: mean squared log-sum-exp", "without its coefficient", ("z_loss",), 1.0),
-)
+def routing_panels() -> list[tuple[str, str, tuple[str, ...], float]]:
+    """The routing panels, one per declared statistic (`moe.ROUTING_STATISTICS`) and the statistics drawn in
+    it (its `panel`): (title, y label, the keys drawn, the factor they are shown at)."""
+    panels = []
+    for stat in ROUTING_STATISTICS:
+        if stat.panel is None:
+            keys = (stat.name, *(s.name for s in ROUTING_STATISTICS if s.panel == stat.name))
+            panels.append((stat.meaning, stat.unit, keys, stat.factor))
+    return panels
 
 
 def routing_axes(fig: Figure, panels: int) -> list[Axes]:
@@ -311,7 +314,7 @@ def plot_routing(run_dir: str | os.PathLike) -> Path | None:
     losses. None when the val lines carry no routing (a dense run, or one from before the telemetry)."""
     _, val, _ = parse_metrics(_metrics_path(run_dir))
     routing = routing_of(val)
-    panels = [p for p in ROUTING_PANELS if routing is not None and routing.has(*p[2])]
+    panels = [p for p in routing_panels() if routing is not None and routing.has(*p[2])]
     if not panels:
         return None
     n_layers = routing.n_layers
