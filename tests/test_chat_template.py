@@ -88,14 +88,14 @@ def test_the_prompt_is_transformers_rendering_token_for_token(tmp_path):
 
 def test_a_served_chat_uses_the_template_and_ends_at_the_end_of_turn_id(tmp_path):
     openai = pytest.importorskip("openai")
-    from nanollama4.serve.engine import Engine
+    from nanollama4.serve.engine import BackgroundEngine
     from nanollama4.serve.schema import chat_prompt
     from tests.test_serve import running
 
     folder = checkpoint(tmp_path / "hf", end_on_eot=True)
     model, tokenizer = load_any(folder)
     chat = chat_format_of(folder, tokenizer)
-    engine = Engine(model, tokenizer, max_batch=2, max_queue=2).start()
+    engine = BackgroundEngine(model, tokenizer, max_batch=2, max_queue=2).start()
     try:
         with running(engine, "llama4-like", {"chat": chat}) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -162,7 +162,7 @@ def test_a_template_that_builds_too_much_is_refused_when_the_checkpoint_loads(so
 def test_a_slow_template_holds_up_neither_the_server_nor_its_other_requests(tmp_path):
     import httpx
 
-    from nanollama4.serve.engine import Engine
+    from nanollama4.serve.engine import BackgroundEngine
     from tests.test_serve import running
 
     folder = checkpoint(tmp_path / "hf")
@@ -170,7 +170,7 @@ def test_a_slow_template_holds_up_neither_the_server_nor_its_other_requests(tmp_
     model, tokenizer = load_any(folder)
     chat = chat_format_of(folder, tokenizer)
     chat.process.seconds = 2.5
-    engine = Engine(model, tokenizer, max_batch=2, max_queue=2).start()
+    engine = BackgroundEngine(model, tokenizer, max_batch=2, max_queue=2).start()
     try:
         with running(engine, "slow", {"chat": chat}) as url, httpx.Client(base_url=url, timeout=30) as http:
             answers: list[httpx.Response] = []

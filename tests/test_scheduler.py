@@ -116,7 +116,7 @@ def test_every_caller_queues_through_engine_add(monkeypatch):
     hands the scheduler the requests): none appends to the queue itself."""
     from nanollama4.explain import trace_generation
     from nanollama4.generation import generate
-    from nanollama4.serve.engine import Engine as ServeEngine
+    from nanollama4.serve.engine import BackgroundEngine
 
     model, tok = _model()
     added: list[int] = []
@@ -124,7 +124,7 @@ def test_every_caller_queues_through_engine_add(monkeypatch):
     monkeypatch.setattr(Engine, "add", lambda self, *rs: (added.append(len(rs)), original(self, *rs))[1])
     generate(model, tok, ["But", "soft"], 3, temperature=0)
     trace_generation(model, tok, "But", 3)
-    ServeEngine(model, tok, max_batch=1).submit_all([Request(tok.encode("But"), 3, GREEDY, lambda e: None)])
+    BackgroundEngine(model, tok, max_batch=1).submit_all([Request(tok.encode("But"), 3, GREEDY, lambda e: None)])
     assert added == [2, 1, 1]
 
 

@@ -28,7 +28,7 @@ import nanollama4
 from nanollama4.generation import generate
 from nanollama4.serve.api import create_app
 from nanollama4.serve.chat import END_OF_TURN
-from nanollama4.serve.engine import Engine, Finished, QueueFull, Request, TokenEvent
+from nanollama4.serve.engine import BackgroundEngine, Finished, QueueFull, Request, TokenEvent
 from nanollama4.serve.schema import chat_prompt
 from nanollama4.serve.server import bind
 from nanollama4.tokenizer import CharTokenizer
@@ -41,7 +41,7 @@ JSON = {"Content-Type": "application/json"}  # the server refuses bodies not dec
 
 
 @contextmanager
-def running(engine: Engine, name: str = NAME, app_options: dict | None = None, **config):
+def running(engine: BackgroundEngine, name: str = NAME, app_options: dict | None = None, **config):
     """The app over `engine` on uvicorn, on a free local port, in a thread; yields its base URL."""
     import uvicorn
 
@@ -75,7 +75,7 @@ def served():
     """A tiny model (chunks of 8, top-2 of 4 experts) behind the real server, and an identical copy offline."""
     model, tok = _model()
     offline = copy.deepcopy(model)
-    engine = Engine(model, tok, max_batch=8, max_queue=8).start()
+    engine = BackgroundEngine(model, tok, max_batch=8, max_queue=8).start()
     with running(engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         yield SimpleNamespace(url=url, engine=engine, client=client, offline=offline, tok=tok)
@@ -293,7 +293,7 @@ def test_the_openai_client_raises_on_a_bad_field(served):
 
 def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1)  # not started: requests wait
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1)  # not started: requests wait
     with running(engine) as url:
         ok = json.dumps(OK).encode()
         with httpx.Client(timeout=60) as http:
@@ -316,7 +316,7 @@ def test_a_full_queue_is_429_with_retry_after_and_the_server_recovers():
 
 def test_a_closing_server_answers_503_and_says_so_on_health():
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=2, max_queue=2).start()
+    engine = BackgroundEngine(model, tok, max_batch=2, max_queue=2).start()
     with running(engine) as url:
         engine.stop_accepting()
         r = httpx.post(f"{url}/v1/completions", json=OK)
@@ -329,7 +329,7 @@ def test_a_closing_server_answers_503_and_says_so_on_health():
 def test_clients_that_hang_up_free_their_rows_at_once():
     """8 streams dropped after their first token leave the batch; a new request then completes at once."""
     model, tok = _model(max_seq_len=2048)
-    engine = Engine(model, tok, max_batch=8, max_queue=0).start()
+    engine = BackgroundEngine(model, tok, max_batch=8, max_queue=0).start()
     with running(engine) as url, httpx.Client(timeout=60) as http:
         body = json.dumps({**OK, "max_tokens": 2000, "stream": True})
         with ExitStack() as streams:
@@ -359,7 +359,7 @@ def test_clients_that_hang_up_free_their_rows_at_once():
 # ---------------------------------------------------------------------------------------------- the engine alone
 def test_the_engine_refuses_past_its_queue_and_admits_in_order():
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=2, max_queue=1)
+    engine = BackgroundEngine(model, tok, max_batch=2, max_queue=1)
     events: list = []
     requests = [Request(tok.encode("But"), 3, nanollama4.Sampling(temperature=0), events.append) for _ in range(3)]
     engine.submit_all(requests)
@@ -513,7 +513,7 @@ def test_an_allowed_host_is_answered():
     from nanollama4.serve.guard import HostRule
 
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1).start()
     with running(engine, app_options={"hosts": HostRule("127.0.0.1", ["my-box.lan"])}) as url:
         assert httpx.post(f"{url}/v1/completions", json=OK, headers={"Host": "my-box.lan:80"}).status_code == 200
         assert httpx.get(f"{url}/health", headers={"Host": "other.lan"}).status_code == 400
@@ -546,7 +546,7 @@ def test_a_foreign_origin_is_refused_and_only_an_allowed_one_gets_cors(served):
     assert r.status_code == 200
 
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1).start()
     with running(engine, app_options={"origins": ["http://localhost:3000"]}) as url:
         pre = httpx.options(f"{url}/v1/chat/completions", headers={
             "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
@@ -568,7 +568,7 @@ def test_half_sent_requests_are_closed_in_bounded_time_and_connections_are_bound
     from nanollama4.serve.guard import guarded_protocol
 
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1).start()
     with running(engine, http=guarded_protocol(request_timeout=1.0, max_connections=24)) as url:
         port = int(url.rsplit(":", 1)[1])
         stalled = []
@@ -622,7 +622,7 @@ def test_a_pipelined_request_has_the_same_deadline_as_any():
     from nanollama4.serve.guard import guarded_protocol
 
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1).start()
     with running(engine, http=guarded_protocol(request_timeout=1.0, max_connections=24)) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as s:
@@ -655,7 +655,7 @@ def test_a_repeated_host_origin_or_content_type_is_refused():
     from nanollama4.serve.guard import guarded_protocol
 
     model, tok = _model()
-    engine = Engine(model, tok, max_batch=1, max_queue=1).start()
+    engine = BackgroundEngine(model, tok, max_batch=1, max_queue=1).start()
     with running(engine, http=guarded_protocol(request_timeout=5.0, max_connections=24)) as url:
         port = int(url.rsplit(":", 1)[1])
         body = json.dumps(OK).encode()
@@ -731,8 +731,8 @@ def test_a_cache_that_cannot_fit_is_one_line_and_max_context_bounds_it(tmp_path,
     with pytest.raises(ConfigError, match=r"^the KV cache for 16 rows of 134,217,728 tokens needs [\d,.]+ GiB and "
                                           r"[\d,.]+ GiB is free; pass --max-context [\d,]+ or less \(or a smaller "
                                           r"--max-batch\)$"):
-        Engine(model, tok, max_batch=16)
-    engine = Engine(model, tok, max_batch=2, max_context=128).start()
+        BackgroundEngine(model, tok, max_batch=16)
+    engine = BackgroundEngine(model, tok, max_batch=2, max_context=128).start()
     with running(engine) as url:
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert card["max_model_len"] == 128
@@ -757,7 +757,7 @@ def test_a_padded_vocabulary_is_served_and_generated_without_its_padding():
     assert len(text) == 12
     assert "".join(nanollama4.generation.stream(model, tok, "But soft", max_new_tokens=12, temperature=0.9,
                                                 seed=1))
-    engine = Engine(model, tok, max_batch=8, max_queue=8).start()
+    engine = BackgroundEngine(model, tok, max_batch=8, max_queue=8).start()
     with running(engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         results = {}
@@ -807,7 +807,7 @@ def test_byte_level_tokens_carry_their_own_bytes_and_alternatives_do_not_collide
     torch.manual_seed(0)
     model = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=tok.vocab_size, max_seq_len=64)).eval()
     randomize_(model, seed=3)
-    engine = Engine(model, tok, max_batch=2, max_queue=2).start()
+    engine = BackgroundEngine(model, tok, max_batch=2, max_queue=2).start()
     with running(engine) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model=NAME, prompt="café", max_tokens=20, temperature=0, logprobs=5)

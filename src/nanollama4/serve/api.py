@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from ..explain import palette
 from .chat import ChatFormat, TemplateFormat
-from .engine import Closing, Engine, Event, Finished, QueueFull, Request, TokenEvent, log
+from .engine import BackgroundEngine, Closing, Event, Finished, QueueFull, Request, TokenEvent, log
 from .guard import Guard, HostRule
 from .reply import ChatReply, CompletionReply, Reply, failed
 from .schema import BODIES, ApiError, Body, Params, parse_request
@@ -45,7 +45,7 @@ class Session:
     stream that the loop reads more slowly than the engine writes it is read in batches (one wake-up and
     one write to the socket for all the tokens that arrived meanwhile), not a task switch per token."""
 
-    def __init__(self, engine: Engine, params: Params) -> None:
+    def __init__(self, engine: BackgroundEngine, params: Params) -> None:
         loop = asyncio.get_running_loop()
         self.pending: deque[tuple[int, Event]] = deque()  # appended by the engine's thread, taken by the loop
         self.ready = asyncio.Event()
@@ -104,7 +104,7 @@ class Session:
             r.cancel()
 
 
-def create_app(engine: Engine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = (),
+def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = (),
                chat: ChatFormat | None = None) -> Starlette:
     """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /. Chat
     messages are put in `chat`'s format (`chat.chat_format_of`; default the play template).
@@ -267,7 +267,7 @@ async def _stream(session: Session, reply: Reply) -> Response:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _page(engine: Engine, model_name: str) -> str:
+def _page(engine: BackgroundEngine, model_name: str) -> str:
     """The page with this model's layout written into it (the page fetches nothing but the API)."""
     cfg = engine.cfg
     info = {"model": model_name, "max_seq_len": engine.context, "experts_per_token": cfg.experts_per_token,

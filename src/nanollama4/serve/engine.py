@@ -14,8 +14,7 @@ import threading
 
 import torch
 
-from ..engine.cache import CACHE_SHARE, SlotCache, SlotLayer, check_cache_fits
-from ..engine.core import Engine as StepEngine
+from ..engine.core import Engine
 from ..engine.request import Event, Finished, Request, TokenEvent
 from ..engine.scheduler import QueueFull
 from ..errors import Nanollama4Error
@@ -24,15 +23,14 @@ from ..tokenizer import Tokenizer
 
 log = logging.getLogger("nanollama4.serve")
 
-__all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event", "QueueFull", "Closing", "SlotCache", "SlotLayer",
-           "check_cache_fits", "CACHE_SHARE", "log"]
+__all__ = ["BackgroundEngine", "Request", "TokenEvent", "Finished", "Event", "QueueFull", "Closing", "log"]
 
 
 class Closing(Nanollama4Error):
     """The server is shutting down and takes no new requests."""
 
 
-class Engine(StepEngine):
+class BackgroundEngine(Engine):
     """The engine with a bounded queue and a loop on its own thread. `submit` from any thread; the loop
     takes the requests that start from the queue under its lock and steps with exactly those
     (`step(new)`), so the queue is touched under the lock only."""
@@ -46,7 +44,7 @@ class Engine(StepEngine):
         self._thread = threading.Thread(target=self._loop, name="nanollama4-engine", daemon=True)
 
     # ------------------------------------------------------------------ control
-    def start(self) -> Engine:
+    def start(self) -> BackgroundEngine:
         self._thread.start()
         return self
 

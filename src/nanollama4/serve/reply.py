@@ -5,7 +5,7 @@ code that waits for the engine's events is the same for both.
 Completions answer with `text` (the prompt first when it is echoed) and the legacy logprobs object
 (tokens, their log-probabilities, the top alternatives by name, offsets into the text); chat answers
 with a `message` (a `delta` when streamed, the first one naming the role) and one logprobs entry per
-token with its bytes. Log-probabilities name tokens by `Engine.token_label`, which differs for tokens
+token with its bytes. Log-probabilities name tokens by `engine.Engine.token_label`, which differs for tokens
 of different bytes, so no alternative is lost to a colliding key.
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .schema import ApiError, Params
 
 if TYPE_CHECKING:
-    from .engine import Engine, Finished, TokenEvent
+    from .engine import BackgroundEngine, Finished, TokenEvent
 
 
 def failed(end: Finished) -> ApiError:
@@ -39,7 +39,7 @@ class Reply:
     CHUNK: ClassVar[str]  # a streamed chunk's
     PREFIX: ClassVar[str]  # of the response's id
 
-    def __init__(self, engine: Engine, params: Params, model_name: str) -> None:
+    def __init__(self, engine: BackgroundEngine, params: Params, model_name: str) -> None:
         self.engine, self.params, self.model_name = engine, params, model_name
         self.id = f"{self.PREFIX}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -98,7 +98,7 @@ class CompletionReply(Reply):
     OBJECT = CHUNK = "text_completion"
     PREFIX = "cmpl"
 
-    def __init__(self, engine: Engine, params: Params, model_name: str) -> None:
+    def __init__(self, engine: BackgroundEngine, params: Params, model_name: str) -> None:
         super().__init__(engine, params, model_name)
         self.offsets = [len(t) if params.echo else 0 for t in params.prompt_texts]  # where a streamed token starts
 

@@ -33,7 +33,7 @@ from ..tokenizer import UnknownCharacters, prompt_ids, replacing_unknown
 from .chat import ChatFormat, ChatTemplateError, PlayFormat
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .engine import BackgroundEngine
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_PROMPTS = 64  # prompts in one completions request
@@ -162,7 +162,7 @@ class Body(BaseModel):
     nanollama4_trace: StrictBool | None = None  # ours: each streamed token with the step that chose it
     replace_unknown: StrictStr | None = None  # ours: a character put for each one the vocabulary lacks
 
-    def asked(self, body: dict, engine: Engine, chat: ChatFormat, trace: bool) -> _Asked:
+    def asked(self, body: dict, engine: BackgroundEngine, chat: ChatFormat, trace: bool) -> _Asked:
         raise NotImplementedError
 
 
@@ -177,7 +177,7 @@ class CompletionFields(Body):
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
-    def asked(self, body: dict, engine: Engine, chat: ChatFormat, trace: bool) -> _Asked:
+    def asked(self, body: dict, engine: BackgroundEngine, chat: ChatFormat, trace: bool) -> _Asked:
         texts, prompts = _prompts(self.prompt, engine, self.replace_unknown)
         if trace and len(prompts) > 1:
             raise _bad("nanollama4_trace", "takes one prompt at a time", True)
@@ -216,7 +216,7 @@ class ChatFields(Body):
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
 
-    def asked(self, body: dict, engine: Engine, chat: ChatFormat, trace: bool) -> _Asked:
+    def asked(self, body: dict, engine: BackgroundEngine, chat: ChatFormat, trace: bool) -> _Asked:
         if not self.messages:
             raise _bad("messages", MESSAGES_RULE, body.get("messages"))
         text = chat_prompt([m.model_dump(exclude_none=True) for m in self.messages], chat)
@@ -298,7 +298,7 @@ _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "best_o
             "logit_bias": ({},), "suffix": ("",)}  # accepted at their no-op values only
 
 
-def parse_request(body: Any, schema: type[Body], engine: Engine, model_name: str,
+def parse_request(body: Any, schema: type[Body], engine: BackgroundEngine, model_name: str,
                   chat: ChatFormat | None = None) -> Params:
     """The fields of a request body for `schema` (`CompletionBody` or `ChatBody`), checked; chat messages
     become a prompt in `chat`'s format (default: the play template) and end where it says."""
@@ -358,7 +358,7 @@ def _sampling(req: Body, stop: tuple[str, ...], stop_ids: tuple[int, ...]) -> Sa
         raise ApiError(400, str(e), param=e.field) from None
 
 
-def _prompts(prompt: Any, engine: Engine, replace: str | None = None) -> tuple[list[str], list[list[int]]]:
+def _prompts(prompt: Any, engine: BackgroundEngine, replace: str | None = None) -> tuple[list[str], list[list[int]]]:
     """A completions prompt (its JSON type already checked): a string, a list of strings, a list of token
     ids or a list of such lists."""
     vocab = engine.tokenizer.vocab_size
@@ -374,7 +374,7 @@ def _prompts(prompt: Any, engine: Engine, replace: str | None = None) -> tuple[l
                f"[0, {vocab}) (a list, or a list of lists)", prompt)
 
 
-def _encode(text: str, engine: Engine, param: str, replace: str | None = None) -> list[int]:
+def _encode(text: str, engine: BackgroundEngine, param: str, replace: str | None = None) -> list[int]:
     """The ids of a prompt's text; a character the vocabulary lacks is a 400 that names it and the request
     field that substitutes one (`replace_unknown`), which an HTTP client can send."""
     tokenizer = engine.tokenizer

@@ -70,7 +70,7 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     except ImportError as e:
         raise ConfigError(f"nanollama4 serve needs starlette and uvicorn ({e.name} is missing): "
                           "pip install 'nanollama4[serve]'") from None
-    from .engine import Engine, log
+    from .engine import BackgroundEngine, log
 
     allow_origins = [check_origin(o) for o in allow_origins]
     if max_context is not None and max_context > model.cfg.max_seq_len:
@@ -84,7 +84,8 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     if max_connections is None:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         max_connections = MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS, soft - 64))
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, max_context=max_context).start()
+    engine = BackgroundEngine(model, tokenizer, max_batch=max_batch, max_queue=max_queue,
+                              max_context=max_context).start()
     app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins, chat)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
                             access_log=False, http=guarded_protocol(request_timeout, max_connections))
