@@ -25,7 +25,8 @@ import torch
 
 import nanollama4
 from nanollama4.config import preset
-from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files
+from nanollama4.corpus import find_corpus_files
+from nanollama4.data import TokenDataset, default_cache_dir
 from nanollama4.generation import generate
 from nanollama4.memory import param_counts
 from nanollama4.plots import save_png
@@ -83,7 +84,7 @@ def main() -> None:
     built, data = {}, None
     for name, cfg in configs.items():
         if tokenizer is None:
-            from nanollama4.data import corpus_characters
+            from nanollama4.corpus import corpus_characters
 
             tokenizer = CharTokenizer.from_text(corpus_characters(files))
             data = TokenDataset.build(files, tokenizer, default_cache_dir())

@@ -35,7 +35,8 @@ import torch
 import nanollama4
 from moe_scaling import timed  # (this folder is on the path when a benchmark runs as a script)
 from nanollama4.config import ModelConfig, preset
-from nanollama4.data import TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from nanollama4.corpus import find_corpus_files, read_corpus
+from nanollama4.data import TokenDataset, default_cache_dir
 from nanollama4.moe import count_per_expert
 from nanollama4.ops import kernels
 from nanollama4.ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups

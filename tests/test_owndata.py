@@ -125,7 +125,7 @@ def test_the_corpus_encodes_in_pieces_to_the_ids_of_the_whole_text(kind, monkeyp
     (which a byte-level pre-tokenizer splits differently at the end of a text) never end a piece."""
     import random
 
-    from nanollama4 import data
+    from nanollama4 import corpus
     from nanollama4.tokenizer import BPETokenizer, CharTokenizer
 
     rng = random.Random(5)
@@ -133,11 +133,11 @@ def test_the_corpus_encodes_in_pieces_to_the_ids_of_the_whole_text(kind, monkeyp
     text = "".join(rng.choice(["To be", "or not", "42 ways", "x", "Ay me", "¿qué?"]) + rng.choice(endings)
                    for _ in range(4000))
     tokenizer = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
-    monkeypatch.setattr(data, "ENCODE_PIECE", 64)
-    monkeypatch.setattr(data, "ENCODE_GROUP", 5)
-    monkeypatch.setattr(data, "READ_BYTES", 64)
+    monkeypatch.setattr(corpus, "ENCODE_PIECE", 64)
+    monkeypatch.setattr(corpus, "ENCODE_GROUP", 5)
+    monkeypatch.setattr(corpus, "READ_BYTES", 64)
     read = [text[i:i + 97] for i in range(0, len(text), 97)]  # as iter_corpus hands the text over
-    pieces = list(data.encoded_pieces(read, tokenizer))
+    pieces = list(corpus.encoded_pieces(read, tokenizer))
     assert "".join(p for p, _ in pieces) == text and len(pieces) > 20
     assert [i for _, ids in pieces for i in ids] == tokenizer.encode(text)
     assert all(len(p) >= 64 and p.endswith("\n") and not p[-2].isspace() for p, _ in pieces[:-1])

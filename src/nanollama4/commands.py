@@ -406,7 +406,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .data import find_corpus_files
+    from .corpus import find_corpus_files
     from .experiments.sweep import data_path, read_sweep, run_sweep, with_command_line
     from .experiments.sweep_report import paired_lines
 
@@ -429,7 +429,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from .data import find_corpus_files
+    from .corpus import find_corpus_files
     from .experiments import run_experiment
     from .experiments.common import Setting
     from .runtime import tune_allocator

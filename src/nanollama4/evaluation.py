@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from .checkpoint import LINKS, STEP_NAME, load_run, load_train_state, resolve_checkpoint
-from .data import default_cache_dir, find_corpus_files, windows
+from .corpus import find_corpus_files
+from .data import default_cache_dir, windows
 from .errors import CheckpointError, TrainingError
 from .files import atomic_write, read_json
 from .model import Transformer

@@ -212,7 +212,7 @@ def corpus_of(run_dir: str | Path, state: dict[str, Any], data: str | None) -> s
 
 def _glob_matches(data: str) -> bool:
     """Whether a recorded corpus that is a glob (`'src/**/*.py'`) still matches files."""
-    from .data import find_corpus_files
+    from .corpus import find_corpus_files
 
     if not any(c in data for c in "*?["):
         return False

@@ -28,15 +28,8 @@ from .checkpoint import (
     resolve_checkpoint,
 )
 from .config import ModelConfig, TrainConfig
-from .data import (
-    Batch,
-    TokenDataset,
-    check_disk_for,
-    corpus_characters,
-    default_cache_dir,
-    find_corpus_files,
-    vocabulary_pieces,
-)
+from .corpus import corpus_characters, find_corpus_files, vocabulary_pieces
+from .data import Batch, TokenDataset, check_disk_for, default_cache_dir
 from .distributed import Parallel, World
 from .errors import CheckpointError, TrainingError
 from .files import read_json, read_safetensors

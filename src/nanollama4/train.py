@@ -37,7 +37,7 @@ from . import distributed, lora
 from .checkpoint import model_tensors, optimizer_tensors, read_model_config, resolve_checkpoint, save_checkpoint
 from .config import ModelConfig, TrainConfig
 from .configfile import run_config_toml
-from .data import find_corpus_files
+from .corpus import find_corpus_files
 from .distributed import World
 from .errors import TrainingError
 from .evaluation import autocast, evaluate

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..attention import attention_mask
 from ..checkpoint import load_run
-from ..data import TokenDataset, default_cache_dir, find_corpus_files
+from ..corpus import find_corpus_files
+from ..data import TokenDataset, default_cache_dir
 from ..errors import DataError
 from ..model import Transformer
 from ..ops import build_model

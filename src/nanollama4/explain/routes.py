@@ -121,7 +121,7 @@ def model_and_text(path: str | Path, data: str | Path | None = None, max_tokens:
     """The model at `path` (a run, a checkpoint folder or a transformers folder, as `generate` loads it), the
     ids of the text to route (the first `max_tokens`) and where that text came from: `data` (a file, a folder
     or a glob, read whole) when given, else a run's validation text; a folder with no run needs `data`."""
-    from ..data import find_corpus_files, read_corpus
+    from ..corpus import find_corpus_files, read_corpus
     from ..evaluation import validation_of_run
     from ..hf import load_any
     from ..runs import is_run_dir
