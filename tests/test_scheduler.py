@@ -133,7 +133,7 @@ def test_a_refused_request_queues_none_of_those_added_with_it():
     engine = Engine(model, tok, max_batch=2)
     with pytest.raises(nanollama4.errors.GenerationError):
         engine.add(Request(tok.encode("But"), 3, GREEDY, lambda e: None), Request([], 3, GREEDY, lambda e: None))
-    assert not engine.waiting and not engine.has_work
+    assert not engine.scheduler.waiting and not engine.has_work
 
 
 def test_a_greedy_batch_chooses_through_next_token_in_one_call(monkeypatch):

@@ -365,8 +365,8 @@ def test_the_engine_refuses_past_its_queue_and_admits_in_order():
     engine.submit_all(requests)
     with pytest.raises(QueueFull):
         engine.submit(Request(tok.encode("But"), 3, nanollama4.Sampling(temperature=0), events.append))
-    engine.step([engine.waiting.popleft(), engine.waiting.popleft()])
-    assert len(engine.rows) == 2 and len(engine.waiting) == 1
+    engine.step([engine.scheduler.waiting.popleft(), engine.scheduler.waiting.popleft()])
+    assert len(engine.rows) == 2 and len(engine.scheduler.waiting) == 1
     while engine.rows:
         engine.step()
     ends = [e for e in events if isinstance(e, Finished)]

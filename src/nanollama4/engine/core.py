@@ -3,12 +3,12 @@
     caller (generate, stream, explain --generate, the server's thread)
        | add(Request, ...)                     each Request: prompt ids, max_tokens, Sampling, emit
        v
-    step():  1. scheduler  retire cancelled rows; admit waiting requests into free rows   (engine/scheduler.py)
-             2. prefill    each new prompt alone into a one-row cache, a chunk per step, then into its row
-             3. runner     every row's newest token through the model in one batched pass  (engine/runner.py)
-             4. sampler    each row's next token by its own Sampling and tokens (`sampling.choose`); TextStream decides
-                           where it stops; a traced row's step is written by the StepObserver (engine/trace.py)
-             5. retire     finished rows leave; the last row moves into the gap
+    step():  _schedule     retire cancelled rows; admit waiting requests into free rows (engine/scheduler.py);
+                           each new prompt alone into a one-row cache, a chunk per step, then into its row
+             _run          every row's newest token through the model in one batched pass  (engine/runner.py)
+             _postprocess  each row's next token by its own Sampling and tokens (`sampling.choose`);
+                           TextStream decides where it stops; a traced row's step is written by the
+                           StepObserver (engine/trace.py); finished rows leave, the last row moving into the gap
        |
        v  emit(TokenEvent) per new token, emit(Finished) once per request
 
@@ -42,7 +42,7 @@ from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
 
 if TYPE_CHECKING:
-    from collections import deque
+    pass
 
 __all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event"]
 
@@ -139,18 +139,6 @@ class Engine:
         return self.scheduler.rows
 
     @property
-    def prefilling(self) -> list[Request]:
-        return self.scheduler.prefilling
-
-    @property
-    def waiting(self) -> deque[Request]:
-        return self.scheduler.waiting
-
-    @property
-    def free_rows(self) -> int:
-        return self.scheduler.free_rows
-
-    @property
     def has_work(self) -> bool:
         """Whether any request is waiting, admitted or decoding."""
         return self.scheduler.has_work
@@ -172,12 +160,21 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.no_grad()
     def step(self, new: list[Request] | None = None) -> None:
-        """One step: admit `new` (default: the scheduler takes waiting requests, as many as rows are free),
-        advance every prompt being prefilled by one chunk (a prompt that is done samples its first token and
-        takes its row), then decode every row by one token.
+        """One step, in three parts: `_schedule` (admit `new`, default the waiting requests the free rows take;
+        advance every prompt being prefilled by one chunk, a prompt that is done choosing its first token and
+        taking its row), `_run` (every row's newest token through the model in one batched pass) and
+        `_postprocess` (each row's next token chosen, traced, sent; finished rows retired).
 
         Prefilling long prompts a chunk per step (`prefill_chunk` tokens) keeps a long prompt admitted
         mid-stream from stalling the rows that are decoding for its whole length."""
+        rows = self._schedule(new)
+        if rows:
+            logits, seen = self._run(rows)
+            self._postprocess(rows, logits, seen)
+
+    def _schedule(self, new: list[Request] | None) -> list[Request]:
+        """Retire cancelled requests, admit new ones, prefill a chunk of each admitted prompt, slide the rows
+        whose context is full; the rows to decode this step."""
         for r in self.scheduler.cancelled():
             self._retire(r, "cancelled")
         for r in self.scheduler.take() if new is None else new:
@@ -194,8 +191,12 @@ class Engine:
                     raise
                 log.exception("%s: the prefill failed", r.id)
                 self._retire(r, "error", error=f"{type(e).__name__}: {e}")
-        if self.rows:
-            self._decode()
+        rows = self.rows
+        if self.slide:  # a row predicts from at most context - 1 tokens; at context it slides
+            for b, r in enumerate(rows):
+                if r.position >= self.context - 1:
+                    self._slide(b, r)
+        return rows
 
     # ------------------------------------------------------------------ prefill
     def _start(self, r: Request) -> None:
@@ -256,16 +257,16 @@ class Engine:
         r.position = len(keep) - 1
 
     # ------------------------------------------------------------------ decode
-    def _decode(self) -> None:
-        rows = self.rows
-        if self.slide:  # a row predicts from at most context - 1 tokens; at context it slides
-            for b, r in enumerate(rows):
-                if r.position >= self.context - 1:
-                    self._slide(b, r)
+    def _run(self, rows: list[Request]) -> tuple[torch.Tensor, dict]:
+        """The rows' logits (rows, vocab) in float32, the ids past the tokenizer's cut off, from one batched
+        pass (observed when a row is traced: `seen`)."""
         with observe(self.model) if any(r.trace for r in rows) else nullcontext({}) as seen:
             logits = self.runner.decode([r.last for r in rows], [r.position for r in rows])
-        logits = logits[..., :self.vocab].float()
         self.steps += 1
+        return logits[..., :self.vocab].float(), seen
+
+    def _postprocess(self, rows: list[Request], logits: torch.Tensor, seen: dict) -> None:
+        """Each row's next token (`sampling.choose`), its trace, its event; rows that finished leave."""
         tokens = choose(logits, rows)
         done = []
         for b, (r, token) in enumerate(zip(rows, tokens, strict=True)):

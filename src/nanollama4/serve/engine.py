@@ -73,7 +73,7 @@ class BackgroundEngine(Engine):
         with self._lock:
             self._closing = True
             if cancel:
-                for r in (*self.rows, *self.prefilling, *self.scheduler.admitting, *self.waiting):
+                for r in (*self.rows, *self.scheduler.prefilling, *self.scheduler.admitting, *self.scheduler.waiting):
                     r.cancel()
             self._lock.notify()
         if self._thread.is_alive():
@@ -83,7 +83,7 @@ class BackgroundEngine(Engine):
     def busy(self) -> tuple[int, int]:
         """(requests admitted: decoding or being prefilled, requests waiting)."""
         with self._lock:
-            return self.scheduler.admitted, len(self.waiting)
+            return self.scheduler.admitted, len(self.scheduler.waiting)
 
     @property
     def closing(self) -> bool:
