@@ -5,9 +5,6 @@ reading are in docs/experiments.md."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import pytest
 from nanollama4.experiments import EXPERIMENTS
 from nanollama4.experiments.common import EFFECT, Setting, loss_at, paired_test
 from nanollama4.experiments.router_tricks import starved
-from tests.helpers import stop_the_third_training, write_corpus
+from tests.helpers import run_cli, stop_the_third_training, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -24,19 +21,18 @@ def corpus(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
-def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path):
-    """`nanollama4 experiment NAME`, as a user runs it, in a process of its own."""
+def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path, capsys, monkeypatch):
+    """`nanollama4 experiment NAME --tiny`, as a user runs it (the command line, in this process)."""
     out = tmp_path / name
-    command = [sys.executable, "-m", "nanollama4", "experiment", name, "--tiny", "--quiet", "--data", str(corpus),
-               "--out", str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "NANOLLAMA4_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
+    command = ["experiment", name, "--tiny", "--quiet", "--data", str(corpus), "--out", str(out)]
+    rc, stdout, err = run_cli(command, capsys)
+    assert rc == 0, err[-2000:]
     doc = json.loads((out / "results.json").read_text())
     assert doc["experiment"] == name and doc["arms"]
     for arm in doc["arms"]:
         assert arm["steps"] == 3 and arm["full_val_loss"] > 0 and arm["val_curve"]
-    plots = [line.split(": ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("plot: ")]
+    plots = [line.split(": ", 1)[1] for line in stdout.splitlines() if line.startswith("plot: ")]
     assert plots
     for plot in plots:
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -45,8 +41,8 @@ def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path):
     assert "95% t-interval" in table  # every experiment is read by paired intervals (docs/experiments.md)
     if name == next(iter(EXPERIMENTS)):  # the sweep machinery's refusal, the same for every experiment
         # a second run into the same folder is refused rather than overwriting it
-        again = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        assert again.returncode == 2 and "already holds results" in again.stderr
+        rc, _, err = run_cli(command, capsys)
+        assert rc == 2 and "already holds results" in err
 
 
 def test_the_helpers_behind_the_readings():
