@@ -5,6 +5,7 @@ reading are in docs/experiments.md."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,15 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path, capsys, monkeypatch):
-    """`nanollama4 experiment NAME --tiny`, as a user runs it (the command line, in this process)."""
+    """`nanollama4 experiment NAME --tiny`, as a user runs it (the command line, in this process), in the
+    seconds `--tiny` promises (under a minute for the slowest, router_tricks: ten arms x three seeds)."""
     out = tmp_path / name
     monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
     command = ["experiment", name, "--tiny", "--quiet", "--data", str(corpus), "--out", str(out)]
+    started = time.perf_counter()
     rc, stdout, err = run_cli(command, capsys)
     assert rc == 0, err[-2000:]
+    assert time.perf_counter() - started < 60
     doc = json.loads((out / "results.json").read_text())
     assert doc["experiment"] == name and doc["arms"]
     for arm in doc["arms"]:
