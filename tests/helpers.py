@@ -30,6 +30,18 @@ def randomize_(module: torch.nn.Module, seed: int = 1234, gain: float = 1.0) -> 
                 p.copy_(torch.randn(p.shape, generator=g) * gain * fan_in ** -0.5)
 
 
+def random_model(cfg: dict, seed: int, gain: float = 1.5) -> torch.nn.Module:
+    """The fast model of ModelConfig(**cfg) in eval mode with `randomize_`'s weights (trained-like: routers and
+    norms that are not uniform)."""
+    from nanollama4.config import ModelConfig
+    from nanollama4.ops import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**cfg)).eval()
+    randomize_(model, seed=seed, gain=gain)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------- runs and the CLI
 WORDS = ("the a cat dog sat on mat and ran to house tree big small red blue quick brown fox jumps over lazy "
          "king queen said went old new light dark night day river stone bird sings slowly").split()

@@ -10,7 +10,7 @@ from nanollama4.config import ModelConfig
 from nanollama4.engine import Engine, Finished, Request, Sampling, SamplingError, TokenEvent, filter_logits
 from nanollama4.generation import generate_ids, sample
 from nanollama4.ops import build_model
-from tests.helpers import assert_cli_error, randomize_, run_cli
+from tests.helpers import assert_cli_error, random_model, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,10 +22,7 @@ CFG = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = build_model(ModelConfig(**CFG)).eval()
-    randomize_(m, seed=3, gain=1.5)
-    return m
+    return random_model(CFG, seed=3)
 
 
 def ids(n: int, seed: int) -> list[int]:

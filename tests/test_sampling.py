@@ -9,13 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanollama4.config import ModelConfig
 from nanollama4.engine import Engine, Request, Sampling, TokenEvent
 from nanollama4.engine.sampling import choose, distribution
 from nanollama4.generation import generate_ids, sample
-from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer
-from tests.helpers import randomize_, run_cli
+from tests.helpers import random_model, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,10 +33,7 @@ def penalised(logits: torch.Tensor, history: list[int], penalty: float) -> torch
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = build_model(ModelConfig(**CFG)).eval()
-    randomize_(m, seed=5, gain=1.5)
-    return m
+    return random_model(CFG, seed=5)
 
 
 def test_adjust_is_the_reference_penalty_on_each_rows_own_history():

@@ -16,7 +16,6 @@ The plots are drawn by compareplots.py from the same per-run records.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .checkpoint import LINKS, STEP_NAME, read_model_config, resolve_checkpoint
-from .compareplots import plot_expert_load, plot_losses, plot_routing, run_colours, seconds
+from .compareplots import finite_number, plot_expert_load, plot_losses, plot_routing, run_colours, seconds
 from .configfile import read_config_file
 from .errors import CheckpointError, ConfigError, MissingRunFile, Nanollama4Error, shown
 from .evaluation import EVALUATION_FILE, read_full_validation
@@ -132,10 +131,6 @@ def _unique_names(paths: list[Path]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- the table
-def _number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _value(v: Any) -> str:
     """A setting as config.toml spells it, without the quotes."""
     if v is None:
@@ -162,7 +157,7 @@ def _loss_cell(loss: float, step: int | None = None) -> str:
 def _row(run: RunRecord, keys: list[str]) -> list[str]:
     last = run.train[-1] if run.train else None
     tokens = run.tokens
-    rates = [r["tokens_per_s"] for r in run.train if _number(r.get("tokens_per_s"))]
+    rates = [r["tokens_per_s"] for r in run.train if finite_number(r.get("tokens_per_s"))]
     if not rates and tokens is not None and last is not None and seconds(last) > 0:
         rates = [tokens[-1] / seconds(last)]
     best = min(run.val, key=lambda r: r["val_loss"]) if run.val else None

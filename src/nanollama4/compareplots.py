@@ -45,7 +45,8 @@ class RunRecord(Protocol):
     def tokens(self) -> np.ndarray | None: ...
 
 
-def _number(v: object) -> bool:
+def finite_number(v: object) -> bool:
+    """A finite JSON number (not a bool)."""
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -79,7 +80,7 @@ def _smooth(loss: np.ndarray) -> np.ndarray:
 
 
 def seconds(line: dict) -> float:
-    return float(line["time"]) if _number(line.get("time")) else math.nan
+    return float(line["time"]) if finite_number(line.get("time")) else math.nan
 
 
 def _x_axes(run: RunRecord, time_scale: float) -> tuple[list, list]:

@@ -198,6 +198,12 @@ class ModelConfig(_JsonConfig):
         """Chunked local attention applies to RoPE layers only; NoPE layers see the whole past."""
         return self.attention_chunk_size if self.uses_rope(layer) else None
 
+    @property
+    def capacity_at_inference(self) -> bool:
+        """Whether expert capacity also acts in eval mode: the tokens of a batch then compete for expert slots,
+        so a row's output can depend on the others."""
+        return bool(self.n_experts and self.capacity_factor is not None and self.capacity_in_eval)
+
     def is_moe(self, layer: int) -> bool:
         """MoE layers are every moe_every-th, counting from 1 (the reference's interleave rule)."""
         return self.n_experts > 0 and (layer + 1) % self.moe_every == 0

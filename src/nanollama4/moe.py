@@ -173,22 +173,10 @@ def _probs(last: LastPass) -> torch.Tensor:
     return last.logits_TE.softmax(-1)
 
 
-ROUTING_STATISTICS: list[RoutingStatistic] = [
-    RoutingStatistic("rerouted", "Rerouted: slots sent to the next-best expert", "% of top-k slots",
-                     _in_training(lambda last: last.rerouted.float() / last.slots), factor=100.0),
-    RoutingStatistic("dropped", "Dropped: slots no expert had room for", "% of top-k slots",
-                     _in_training(lambda last: last.dropped.float() / last.slots), factor=100.0),
-    RoutingStatistic("entropy", "Router entropy (dashed: the maximum, ln E)", "nats",
-                     _in_training(lambda last: -(_probs(last) * _probs(last).clamp_min(1e-12).log()).sum(-1).mean())),
-    RoutingStatistic("bias_min", "Balancing bias: lowest and highest (router.expert_bias)", "bias",
-                     lambda moe: moe.router.expert_bias.min().float(), pooled="now"),
-    RoutingStatistic("bias_max", "", "", lambda moe: moe.router.expert_bias.max().float(), pooled="now",
-                     panel="bias_min"),
-    RoutingStatistic("balance_loss", "Balance loss N·Σ f·p (1 = balanced)", "without its coefficient",
-                     lambda moe: _balance(moe)),
-    RoutingStatistic("z_loss", "Router z-loss: mean squared log-sum-exp", "without its coefficient",
-                     _in_training(lambda last: torch.logsumexp(last.logits_TE, dim=-1).pow(2).mean())),
-]
+def _entropy(last: LastPass) -> torch.Tensor:
+    """The router's mean entropy over the tokens, in nats."""
+    probs_TE = _probs(last)
+    return -(probs_TE * probs_TE.clamp_min(1e-12).log()).sum(-1).mean()
 
 
 def _balance(moe: MoE) -> torch.Tensor | None:
@@ -197,6 +185,23 @@ def _balance(moe: MoE) -> torch.Tensor | None:
     if last is None or last.logits_TE is None:
         return None
     return moe.n_experts * (moe.counts.float() / last.slots * _probs(last).mean(0)).sum()
+
+
+ROUTING_STATISTICS: list[RoutingStatistic] = [
+    RoutingStatistic("rerouted", "Rerouted: slots sent to the next-best expert", "% of top-k slots",
+                     _in_training(lambda last: last.rerouted.float() / last.slots), factor=100.0),
+    RoutingStatistic("dropped", "Dropped: slots no expert had room for", "% of top-k slots",
+                     _in_training(lambda last: last.dropped.float() / last.slots), factor=100.0),
+    RoutingStatistic("entropy", "Router entropy (dashed: the maximum, ln E)", "nats", _in_training(_entropy)),
+    RoutingStatistic("bias_min", "Balancing bias: lowest and highest (router.expert_bias)", "bias",
+                     lambda moe: moe.router.expert_bias.min().float(), pooled="now"),
+    RoutingStatistic("bias_max", "", "", lambda moe: moe.router.expert_bias.max().float(), pooled="now",
+                     panel="bias_min"),
+    RoutingStatistic("balance_loss", "Balance loss N·Σ f·p (1 = balanced)", "without its coefficient",
+                     _balance),
+    RoutingStatistic("z_loss", "Router z-loss: mean squared log-sum-exp", "without its coefficient",
+                     _in_training(lambda last: torch.logsumexp(last.logits_TE, dim=-1).pow(2).mean())),
+]
 
 
 def routing_statistic(stat: RoutingStatistic) -> RoutingStatistic:

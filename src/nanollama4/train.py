@@ -68,7 +68,7 @@ def train_step(run: Run, scale: float) -> StepTensors:
     """One optimizer step at `scale` of the peak learning rates (`schedule.lr_scale`): this rank's grad_accum of the
     step's R x grad_accum micro-batches (all of them drawn, to keep the ranks' samplers alike), clipping, the
     update, the balancing bias. Nothing in it reads a tensor's value back to the host, so that a GPU runs the
-    whole step without waiting for it (tests/test_train_step.py); `read_step` reads what it left."""
+    whole step without waiting for it (tests/test_train.py, `host_reads`); `read_step` reads what it left."""
     tc, model, world = run.tc, run.model, run.world
     set_lr(run.optimizer, tc, scale)
     noisy = any(m.router.noise_kind != "none" for m in model.moe_layers())
@@ -112,7 +112,7 @@ def read_step(run: Run, t: StepTensors) -> StepResult:
     run if the loss or the gradient norm is not finite: the update has then been applied, and the run stops
     before any checkpoint holds it."""
     tc, world = run.tc, run.world
-    values = torch.cat([t.sums.double(), t.grad_norm.reshape(1).double()]).cpu()
+    values = torch.cat([t.sums, t.grad_norm.reshape(1).to(t.sums.dtype)]).cpu().double()  # (MPS: float32)
     values[:2] = run.parallel.sum_over_ranks(values[:2]) / (tc.grad_accum * world.size)
     lm, aux, grad_norm = values.tolist()
     counts, routing = t.counts, t.routing

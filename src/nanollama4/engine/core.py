@@ -25,7 +25,6 @@ import logging
 import time
 from collections import Counter
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,9 +39,6 @@ from .runner import Runner
 from .sampling import Sampling, TextStream, choose
 from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event"]
 
@@ -83,7 +79,7 @@ class Engine:
         self.steps = 0  # batched decode steps run
         self.finished: Counter[str] = Counter()  # requests ended, by reason
         self.fail_fast = False  # True: an exception in a request's prefill or sampling propagates (offline use)
-        if self.cfg.n_experts and self.cfg.capacity_factor is not None and self.cfg.capacity_in_eval:
+        if self.cfg.capacity_at_inference:
             log.warning("this model limits expert capacity at inference (capacity_in_eval): the tokens of a "
                         "batch compete for expert slots, so a request's output can depend on the others")
 

@@ -18,24 +18,19 @@ import logging
 import torch
 
 from ..model import Transformer
-from ..ops.decode import EVERY_EXPERT_ROWS, few_assignments, static_shapes
+from ..ops.decode import EVERY_EXPERT_ROWS, static_shapes
 from .cache import SlotCache
 
 log = logging.getLogger("nanollama4.engine")
 
-BUCKETS = (1, 2, 4, 8, 16)  # batch sizes with a graph of their own; a step pads its rows up to the next one
+BUCKETS = (1, 2, 4, 8, EVERY_EXPERT_ROWS)  # batch sizes with a graph of their own; rows are padded up to one
 
 
 def graphable(model: Transformer, rows: int) -> bool:
     """Whether a decode step of `rows` rows keeps static shapes and reads nothing back: up to the last bucket,
-    and with routed experts either gathered (one assignment per expert at most) or all run on every row;
-    not where capacity at inference makes rows compete (its assignment drops rows by their values)."""
-    cfg = model.cfg
-    if rows > BUCKETS[-1] or (cfg.n_experts and cfg.capacity_factor is not None and cfg.capacity_in_eval):
-        return False
-    bucket = next(b for b in BUCKETS if b >= rows)
-    return cfg.n_experts == 0 or bucket * cfg.experts_per_token <= few_assignments(cfg.n_experts, True) \
-        or bucket <= EVERY_EXPERT_ROWS
+    where the routed experts are gathered or all run on every row (`FastExperts.forward` under
+    `static_shapes`); not where capacity at inference makes rows compete (it drops rows by their values)."""
+    return rows <= BUCKETS[-1] and not model.cfg.capacity_at_inference
 
 
 class StaticStep:

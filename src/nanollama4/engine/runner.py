@@ -70,6 +70,7 @@ class Runner:
         self._fast: fastdecode.FastStep | None | bool = None  # built at the first decode step; False: cannot
         self.graphs = self.device.type == "cuda" and not compile  # CUDA: decode steps replayed as graphs
         self._static = StaticStep(model, cache)
+        self._hooks, self._parts = fastdecode.hook_tables(model), [(b.attn, b.ffn) for b in model.blocks]
 
     def prefill_cache(self, tokens: int, plain: bool = False) -> KVCache | FastPrefill:
         """A one-row cache for a prompt of `tokens` tokens: for the C++ step (`FastPrefill`) where it decodes one
@@ -151,7 +152,7 @@ class Runner:
         """Whether this step replays a graph: on CUDA (or where `only` asks for it: the CPU dry run), at a size
         that keeps static shapes, with nothing watching the modules."""
         wanted = self.only == "graph" or (self.graphs and self.only is None)
-        return wanted and graphable(self.model, rows) and not fastdecode.watched(self.model)
+        return wanted and graphable(self.model, rows) and not fastdecode.watched(self.model, self._hooks, self._parts)
 
     def _note(self, key: tuple, trial: dict[Way, list[float]], way: Way, elapsed: float) -> None:
         """Record a trial step's time; drop ways far slower than another; choose once the rest are all timed."""

@@ -158,7 +158,7 @@ class FastStep:
             floats.append([float(attn.floor_scale), float(attn.attn_scale)])
         self.model, self.context, self._hooks = model, context, hook_tables(model)
         self._parts = [(b.attn, b.ffn) for b in model.blocks]
-        self.capacity_competes = bool(cfg.n_experts and cfg.capacity_factor is not None and cfg.capacity_in_eval)
+        self.capacity_competes = cfg.capacity_at_inference
         self._step = load().DecodeStep(model.embed.weight.detach(), model.norm.weight.detach(),
                                        model.lm_head.weight.detach(), rope, cfg.norm_eps, cfg.n_heads,
                                        cfg.n_kv_heads, cfg.head_dim, tensors, ints, floats)
