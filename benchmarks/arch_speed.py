@@ -28,7 +28,7 @@ from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
 
 DEMO = dict(bf16="auto", seq_len=256, batch_size=32, optimizer="muon", lr=2e-3, min_lr=2e-4,
-            muon_experts_per_step=2, eval_interval=10_000)
+            eval_interval=10_000, settings={"muon": {"experts_per_step": 2}})
 
 
 def training_tokens_per_s(steps: int) -> tuple[float, int, float]:

@@ -29,7 +29,7 @@ from nanollama4.train import train
 
 DEMO = dict(bf16=True, seq_len=256, batch_size=16)
 DENSE = dict(n_experts=0, ffn_dim=768)  # the dense twin: its FFN as wide as the routed expert + the shared one
-MUON = dict(optimizer="muon", muon_lr=0.02)
+MUON = {"optimizer": "muon", "muon.lr": 0.02}
 
 # name: (model changes, train changes)
 ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -37,8 +37,8 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "adamw-warm5": ({}, dict(warmup_frac=0.05)),
     "adamw-lr1.5e-3": ({}, dict(lr=1.5e-3, min_lr=1.5e-4, warmup_frac=0.05)),
     "muon": ({}, dict(MUON)),
-    "muon-lr0.04": ({}, dict(MUON, muon_lr=0.04)),
-    "muon-lr0.01": ({}, dict(MUON, muon_lr=0.01)),
+    "muon-lr0.04": ({}, {**MUON, "muon.lr": 0.04}),
+    "muon-lr0.01": ({}, {**MUON, "muon.lr": 0.01}),
     "muon-adam2e-3": ({}, dict(MUON, lr=2e-3, min_lr=2e-4)),
     "muon-warm0": ({}, dict(MUON, warmup_frac=0.0)),
     "muon-b32x128": ({}, dict(MUON, batch_size=32, seq_len=128)),
@@ -59,7 +59,7 @@ ARMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 def run_arm(name: str, out: Path, budget: float) -> dict[str, Any]:
     model_changes, train_changes = ARMS[name]
     cfg = preset("shakespeare-char", **model_changes)
-    tc = TrainConfig(**{**DEMO, **train_changes}, max_time=budget)
+    tc = TrainConfig.from_dict({**DEMO, **train_changes, "max_time": budget})
     run = out / "runs" / f"{name}-{time.strftime('%H%M%S')}"
     result = train(cfg, tc, run, progress=False)
     loss, n_tokens, _ = full_validation_loss_of_run(run, prefer="last")

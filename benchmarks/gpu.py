@@ -203,7 +203,8 @@ def training_step(device: torch.device, batches: list[int], reps: int, peak: flo
     for name, cfg, muon_experts in arms:
         torch.manual_seed(0)
         model = install(Transformer(cfg)).to(device).train()
-        opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4, muon_experts=muon_experts))
+        opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4,
+                                                       settings={"muon": {"experts": muon_experts}}))
         counts = param_counts(cfg)
         active = counts.active - counts.embedding  # the embedding is a lookup, not a product
         for batch in batches:

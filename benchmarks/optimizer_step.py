@@ -1,5 +1,5 @@
 """One optimizer step of the demo's models: what Muon costs an MoE as N grows, and what AdamW for the routed
-experts (`muon_experts=False`) or orthogonalising a few experts per step in turn (`muon_experts_per_step`)
+experts (`muon.experts=False`) or orthogonalising a few experts per step in turn (`muon.experts_per_step`)
 saves. `--before`: also each Muon arm with one Newton-Schulz loop per parameter, as the step was before it
 stacked the matrices of one shape (`optim.orthogonalize_all`).
 
@@ -36,14 +36,14 @@ def setup(cfg, **train) -> tuple[torch.optim.Optimizer, int]:
     model = build_model(cfg)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
-    return make_optimizer(model, TrainConfig(**{**DEMO, **train})), param_counts(cfg).total
+    return make_optimizer(model, TrainConfig.from_dict({**DEMO, **train})), param_counts(cfg).total
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", default="8,16,32")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--per-step", default="1,2", help="muon_experts_per_step values to time (experts in turn)")
+    ap.add_argument("--per-step", default="1,2", help="muon.experts_per_step values to time (experts in turn)")
     ap.add_argument("--before", action="store_true", help="also one Newton-Schulz loop per parameter")
     args = ap.parse_args()
     tune_allocator()
@@ -51,9 +51,9 @@ def main() -> None:
     arms = {"dense twin, Muon": setup(moe.replace(n_experts=0, ffn_dim=2 * moe.expert_dim))}
     for n in (int(x) for x in args.experts.split(",")):
         arms[f"N={n}, Muon (experts too)"] = setup(moe.replace(n_experts=n))
-        arms[f"N={n}, Muon, AdamW experts"] = setup(moe.replace(n_experts=n), muon_experts=False)
+        arms[f"N={n}, Muon, AdamW experts"] = setup(moe.replace(n_experts=n), **{"muon.experts": False})
         for k in (int(x) for x in args.per_step.split(",") if x):
-            arms[f"N={n}, Muon, {k} experts per step"] = setup(moe.replace(n_experts=n), muon_experts_per_step=k)
+            arms[f"N={n}, Muon, {k} experts per step"] = setup(moe.replace(n_experts=n), **{"muon.experts_per_step": k})
     if args.before:
         for name in [n for n in arms if "AdamW experts" not in n]:
             opt, params = arms[name]

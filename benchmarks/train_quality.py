@@ -7,8 +7,8 @@ Each model trains for --time on Shakespeare's works with each recipe named (`--r
 step, with the AdamW part at 2e-3 decaying to 2e-4;
 `today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256; `muon16`
 is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps; `demo-adamx` is `demo`
-with the routed experts on AdamW, `muon_experts=False`; `demo-turn2` is `demo` with two of each layer's experts
-orthogonalised per step in turn, `muon_experts_per_step=2`: `make demo`'s settings now), plus
+with the routed experts on AdamW, `muon.experts=False`; `demo-turn2` is `demo` with two of each layer's experts
+orthogonalised per step in turn, `muon.experts_per_step=2`: `make demo`'s settings now), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -48,9 +48,9 @@ RECIPES = {  # TrainConfig settings; `demo-turn2` repeats the Makefile's `make d
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
     "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
     "demo-adamx": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                   "muon_experts": False},
+                   "muon.experts": False},
     "demo-turn2": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                   "muon_experts_per_step": 2},
+                   "muon.experts_per_step": 2},
 }
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     extra = parse_overrides(args.set, TrainConfig)
     limit = {"max_steps": args.steps} if args.steps else {"max_time": budget}
-    recipes = {r: TrainConfig(**{**RECIPES[r], **extra}, **limit) for r in args.recipes.split(",")}
+    recipes = {r: TrainConfig.from_dict({**RECIPES[r], **extra, **limit}) for r in args.recipes.split(",")}
     arms = [(m, r) for r in recipes for m in models if not args.arms or f"{m}@{r}" in args.arms.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,9 @@ INVALID = {
     "chunk_zero": ("attention_chunk_size", dict(attention_chunk_size=0)),
     "chunk_negative": ("attention_chunk_size", dict(attention_chunk_size=-8)),
     "bad_router": ("router", dict(router="topk")),
-    "noise_on_sigmoid": ("router_noise", dict(router="sigmoid", router_noise="fixed")),
-    "bad_noise": ("router_noise", dict(router="softmax", router_noise="gumbel")),
+    "bad_noise": ("softmax.noise", dict(router="softmax", settings={"softmax": {"noise": "gumbel"}})),
+    "noise_not_a_setting": ("softmax.nois", dict(router="softmax", settings={"softmax": {"nois": "fixed"}})),
+    "no_such_kind": ("softmaxx", dict(settings={"softmaxx": {"noise": "fixed"}})),
     "capacity_zero": ("capacity_factor", dict(capacity_factor=0.0)),
     "capacity_negative": ("capacity_factor", dict(capacity_factor=-1.25)),
     "low_above_high": ("rope_low_freq_factor", dict(rope_scaling=8.0, rope_low_freq_factor=4.0,
@@ -92,7 +93,8 @@ def test_from_dict_rejects_unknown_keys():
 def test_to_dict_from_dict_round_trip(name):
     cfg = preset(name)
     data = cfg.to_dict()
-    assert set(data) == set(ModelConfig.__dataclass_fields__)
+    assert set(data) == set(ModelConfig.__dataclass_fields__) - {"settings"} | {"softmax.noise", "softmax.noise_std",
+                                                                                "softmax.over"}
     assert ModelConfig.from_dict(data) == cfg
     assert ModelConfig.from_dict(json.loads(json.dumps(data))) == cfg  # survives a JSON file
     changed = cfg.replace(rope_scaling=8.0, capacity_factor=1.25, attention_chunk_size=None)

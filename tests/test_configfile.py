@@ -13,7 +13,10 @@ import pytest
 from nanollama4.config import ModelConfig, TrainConfig, preset
 from nanollama4.configfile import defaults_toml, field_help, read_config_file, resolve, tomllib
 from nanollama4.errors import ConfigError
+from nanollama4.fields import plain_fields
 from nanollama4.memory import format_count, param_counts
+from nanollama4.optim import MuonSettings
+from nanollama4.router import SoftmaxSettings
 from tests.helpers import assert_cli_error, assert_one_line, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -30,7 +33,7 @@ def test_every_field_has_its_meaning_in_the_one_declaration():
         helps = field_help(cls)
         assert set(helps) == {f.name for f in dataclasses.fields(cls)}, cls
         assert all(len(h) > 5 for h in helps.values())
-    assert field_help(TrainConfig)["muon_experts_per_step"].startswith("optimizer=muon: experts per layer")
+    assert field_help(MuonSettings)["experts_per_step"].startswith("experts per layer")
 
 
 def test_the_default_file_lists_every_field_and_reads_back_as_the_defaults(tmp_path, capsys):
@@ -38,8 +41,10 @@ def test_the_default_file_lists_every_field_and_reads_back_as_the_defaults(tmp_p
     assert rc == 0 and not err
     raw = tomllib.loads(out)
     assert set(raw) == {"model", "train"}
-    assert set(raw["model"]) == {f.name for f in dataclasses.fields(ModelConfig)} - {"vocab_size"} | {"preset"}
-    assert set(raw["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(raw["model"]) == {f.name for f in plain_fields(ModelConfig)} - {"vocab_size"} | {"preset", "softmax"}
+    assert set(raw["train"]) == {f.name for f in plain_fields(TrainConfig)} | {"muon"}  # and the kinds' tables
+    assert set(raw["train"]["muon"]) == {f.name for f in dataclasses.fields(MuonSettings)}
+    assert set(raw["model"]["softmax"]) == {f.name for f in dataclasses.fields(SoftmaxSettings)}
     body = [line for line in out.splitlines() if "=" in line and not line.startswith("#")]
     assert all("  # " in line for line in body)  # each field with its meaning
     file = read_config_file(write(tmp_path, out))
@@ -116,7 +121,7 @@ def test_a_file_trains_and_the_runs_config_toml_trains_the_same_run_again(tmp_pa
     monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
     path = write(tmp_path, f'data = "{corpus}"\n\n[model]\npreset = "tiny"\nn_experts = 2\n\n[train]\n'
                            "seq_len = 32\nbatch_size = 4\neval_batches = 2\nwarmup_steps = 2\nthreads = 1\n"
-                           "lr = 0.003\nmax_steps = 6\noptimizer = \"muon\"\nmuon_experts_per_step = 1\n")
+                           "lr = 0.003\nmax_steps = 6\noptimizer = \"muon\"\n\n[train.muon]\nexperts_per_step = 1\n")
     first, again = tmp_path / "first", tmp_path / "again"
     rc, out, err = run_cli(["train", "--config", str(path), "--out", str(first), "--quiet"], capsys)
     assert rc == 0, err

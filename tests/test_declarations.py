@@ -19,7 +19,10 @@ from nanollama4.config import ModelConfig, TrainConfig, parse_overrides
 from nanollama4.configfile import read_config_file, resolve
 from nanollama4.engine.sampling import Sampling, SamplingError
 from nanollama4.errors import ConfigError
-from nanollama4.fields import Rule, add_arguments, arguments_of, check, field_help
+from nanollama4.fields import Rule, add_arguments, arguments_of, check, field_help, plain_fields
+from nanollama4.optim import MuonSettings
+from nanollama4.parts import OPTIMIZERS, ROUTERS, own_fields
+from nanollama4.router import SoftmaxSettings
 
 TypicalP = Annotated[float, Rule("a number from 0.1 to 1", lambda v: 0.1 <= v <= 1)]
 
@@ -72,7 +75,8 @@ def test_a_new_sampling_option_reaches_the_flags_and_python_with_one_check():
 
 @pytest.mark.parametrize(("cls", "key", "bad", "message"), [
     (TrainConfig, "warmup_frac", "1.5", "warmup_frac (1.5) must be a share of the time budget in [0, 1)"),
-    (TrainConfig, "muon_momentum", "1.0", "muon_momentum (1.0) must be in [0, 1)"),
+    (TrainConfig, "muon.momentum", "1.0", "muon.momentum (1.0) must be in [0, 1)"),
+    (ModelConfig, "softmax.noise", "gumbel", "softmax.noise ('gumbel') must be 'none', 'fixed' or 'learned'"),
     (TrainConfig, "tokenizer", "words", "tokenizer ('words') must be 'char' or 'bpe'"),
     (TrainConfig, "log", "csv", "log ('csv') must be 'jsonl' (metrics.jsonl) or 'tensorboard' (TensorBoard events "
                                 "as well)"),
@@ -85,15 +89,16 @@ def test_a_new_sampling_option_reaches_the_flags_and_python_with_one_check():
 def test_a_bad_value_reads_the_same_from_python_set_and_a_config_file(cls, key, bad, message, tmp_path):
     value = parse_overrides([f"{key}={bad}"], cls)[key]
     with pytest.raises(ConfigError) as from_python:
-        cls(**{key: value})
+        cls.from_dict({key: value})  # a kind's own ("muon.momentum") as a key; the others as cls(key=value) too
     assert str(from_python.value) == message
     base = {"n_experts": 4} if key == "experts_per_token" else {}
     with pytest.raises(ConfigError) as from_set:
-        cls(**base, **parse_overrides([f"{key}={bad}"], cls))
+        cls.from_dict({**base, **parse_overrides([f"{key}={bad}"], cls)})
     assert str(from_set.value) == message
     table = "model" if cls is ModelConfig else "train"
     toml_value = f'"{bad}"' if isinstance(value, str) else bad
-    (tmp_path / "c.toml").write_text(f"[{table}]\n{key} = {toml_value}\n")
+    kind, _, own = key.rpartition(".")  # a kind's own key in its table: [train.muon] momentum = ...
+    (tmp_path / "c.toml").write_text(f"[{table}{'.' + kind if kind else ''}]\n{own} = {toml_value}\n")
     file = read_config_file(tmp_path / "c.toml")  # read as TOML's types; judged where the configs are built
     with pytest.raises(ConfigError) as from_file:
         resolve(file, None, {}, {}, "tiny")
@@ -101,16 +106,20 @@ def test_a_bad_value_reads_the_same_from_python_set_and_a_config_file(cls, key, 
 
 
 def test_every_config_field_has_a_meaning_and_a_check_the_type_alone_cannot_pass():
-    """Each field's line carries its comment; a value of another type is refused for every field."""
-    for cls in (ModelConfig, TrainConfig, Sampling):
+    """Each field's line carries its comment, a kind's own settings' too; a value of another type is refused
+    for every field."""
+    kinds = [kind.Settings for registry in (ROUTERS, OPTIMIZERS) for kind in registry.values() if own_fields(kind)]
+    assert {MuonSettings, SoftmaxSettings} <= set(kinds)
+    for cls in (ModelConfig, TrainConfig, Sampling, *kinds):
         helps = field_help(cls)
         for f in dataclasses.fields(cls):
             assert helps.get(f.name), f"{cls.__name__}.{f.name} has no comment on its line"
-    for f in dataclasses.fields(TrainConfig):
-        obj = TrainConfig()
-        object.__setattr__(obj, f.name, object())
-        with pytest.raises(ConfigError, match=f"^{f.name} "):
-            check(obj)
+    for cls in (TrainConfig, *kinds):
+        for f in plain_fields(cls):
+            obj = cls()
+            object.__setattr__(obj, f.name, object())
+            with pytest.raises(ConfigError, match=f"^{f.name} "):
+                check(obj)
 
 
 def test_the_declared_rules_are_the_only_range_checks_left_in_the_configs():
@@ -166,5 +175,5 @@ def test_a_value_of_no_list_is_refused_in_words_and_a_huge_one_is_quoted_short()
 
 def test_an_optimizers_own_fields_are_ignored_by_the_others_not_refused():
     """A sweep may switch one arm to AdamW while its [train] table sets Muon's fields; a run saved so loads."""
-    tc = TrainConfig(optimizer="adamw", muon_lr=0.05, muon_experts_per_step=2)
-    assert tc.muon_lr == 0.05
+    tc = TrainConfig.from_dict({"optimizer": "adamw", "muon.lr": 0.05, "muon.experts_per_step": 2})
+    assert tc.settings["muon"].lr == 0.05 and tc.to_dict()["muon.experts_per_step"] == 2

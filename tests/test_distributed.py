@@ -25,7 +25,7 @@ COMMON = ["--quiet", "--set", "batch_size=4", "--set", "seq_len=32", "--set", "e
           "eval_batches=3", "--set", "warmup_steps=2", "--set", "threads=1"]
 # the tutorial's routing: softmax top-2 over 4 experts, learned noise, capacity with overflow, bias balancing
 MOE = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "capacity_factor=1.0", "--set",
-       "bias_balance_rate=0.01", "--set", "router=softmax", "--set", "router_noise=learned"]
+       "bias_balance_rate=0.01", "--set", "router=softmax", "--set", "softmax.noise=learned"]
 
 
 @pytest.fixture(scope="module")

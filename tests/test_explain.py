@@ -293,7 +293,7 @@ def test_the_trace_tells_each_routing_decision_as_an_independent_recomputation_f
     if case == "sigmoid+bias":
         cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, bias_balance_rate=0.01)
     else:
-        cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned",
+        cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", **{"softmax.noise": "learned"},
                                 capacity_factor=0.5)
     torch.manual_seed(0)
     model = nanollama4.build_model(cfg)
@@ -360,7 +360,7 @@ def test_the_page_shows_every_slot_and_marks_rerouted_and_dropped_ones(tmp_path)
     """A train-mode trace of the tutorial's router with capacity acting: every cell holds all K slots, and
     the rerouted and dropped ones are marked; chunk boundaries are drawn on a chunked layer's map."""
     tok = CharTokenizer.from_text(TEXT)
-    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned",
+    cfg = nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax", **{"softmax.noise": "learned"},
                             capacity_factor=0.5)
     torch.manual_seed(0)
     model = nanollama4.build_model(cfg)
@@ -496,7 +496,7 @@ def test_train_mode_names_exactly_what_acts_and_prints_the_capacity_it_computed(
 
     torch.manual_seed(0)
     roomy = nanollama4.build_model(nanollama4.preset("tiny", vocab_size=tok.vocab_size, router="softmax",
-                                                     router_noise="learned", capacity_factor=1.5)).eval()
+                                                     **{"softmax.noise": "learned"}, capacity_factor=1.5)).eval()
     t = trace(roomy, tok, "Facebook was", mode="train", seed=0)
     text = _shown(t)
     T, k, n = len(t.tokens), roomy.cfg.experts_per_token, roomy.cfg.n_experts

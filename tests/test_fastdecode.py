@@ -30,8 +30,8 @@ BASE = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head
 VARIANTS = {
     "sigmoid, shared expert, every feature": {},
     "softmax over the chosen, no shared expert": dict(router="softmax", shared_expert=False),
-    "softmax over all, capacity at inference": dict(router="softmax", softmax_over="all", capacity_factor=1.0,
-                                                    capacity_in_eval=True),
+    "softmax over all, capacity at inference": dict(router="softmax", settings={"softmax": {"over": "all"}},
+                                                    capacity_factor=1.0, capacity_in_eval=True),
     "top-1, no QK-norm, one MoE layer in two": dict(experts_per_token=1, use_qk_norm=False, moe_every=2),
     "dense, unchunked, all RoPE": dict(n_experts=0, attention_chunk_size=None, nope_interval=0),
     "chunk as long as the context (no ring)": dict(attention_chunk_size=48),

@@ -80,9 +80,9 @@ def test_active_scales_routed_experts_only():
 
 
 def test_learned_noise_counted():
-    cfg = preset("tiny", router="softmax", router_noise="learned")
+    cfg = preset("tiny", router="softmax", **{"softmax.noise": "learned"})
     assert param_counts(cfg).noise == cfg.n_experts * cfg.d_model * cfg.n_layers
-    assert param_counts(preset("tiny", router="softmax", router_noise="fixed")).noise == 0
+    assert param_counts(preset("tiny", router="softmax", **{"softmax.noise": "fixed"})).noise == 0
 
 
 def test_params_table_text():

@@ -77,8 +77,8 @@ def test_every_dispatch_matches_reference_with_gradients(T, B, d, E, hidden, rou
     noise = data.draw(st.sampled_from(["none", "fixed", "learned"]), label="noise") if router == "softmax" else "none"
     over = data.draw(st.sampled_from(["chosen", "all"]), label="softmax_over") if router == "softmax" else "chosen"
     overflow = data.draw(st.sampled_from(["next", "drop"]), label="capacity_overflow")
-    moe = make_moe(d, E, k, hidden, seed=seed, router=router, router_noise=noise, capacity_factor=cf,
-                   shared_expert=shared, softmax_over=over, capacity_overflow=overflow).train()
+    moe = make_moe(d, E, k, hidden, seed=seed, router=router, settings={"softmax": {"noise": noise, "over": over}},
+                   capacity_factor=cf, shared_expert=shared, capacity_overflow=overflow).train()
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(B, T, d, generator=g)
     w = torch.randn(B, T, d, generator=g)  # random cotangent: every output element matters
@@ -137,7 +137,7 @@ def test_auto_dispatch_takes_grouped_only_when_every_stride_is_aligned(d, hidden
 
 @pytest.mark.parametrize("noise", ["fixed", "learned"])
 def test_router_noise_only_in_training(noise):
-    moe = make_moe(16, 8, 2, 8, seed=5, router="softmax", router_noise=noise, router_noise_std=1.0)
+    moe = make_moe(16, 8, 2, 8, seed=5, router="softmax", settings={"softmax": {"noise": noise, "noise_std": 1.0}})
     x = torch.randn(1, 32, 16, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         moe.eval()
@@ -364,7 +364,7 @@ def test_capacity_without_overflow_drops_a_full_choice():
 def test_softmax_over_all_logits_keeps_the_chosen_probabilities():
     torch.manual_seed(0)
     chosen = make_moe(8, 4, 2, 8, seed=3, router="softmax").train()
-    every = make_moe(8, 4, 2, 8, seed=3, router="softmax", softmax_over="all").train()
+    every = make_moe(8, 4, 2, 8, seed=3, router="softmax", settings={"softmax": {"over": "all"}}).train()
     x = torch.randn(10, 8)
     r_chosen, r_all = chosen.route(x), every.route(x)
     assert torch.equal(r_chosen.experts_TK, r_all.experts_TK)
@@ -375,8 +375,8 @@ def test_softmax_over_all_logits_keeps_the_chosen_probabilities():
     # and the sparse dispatch still equals the plain reference (the dispatch test above checks gradients too)
     y = torch.randn(1, 10, 8)
     torch.testing.assert_close(every(y), moe_reference(every, y), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="softmax_over applies to the softmax router only"):
-        ModelConfig(softmax_over="all")
+    with pytest.raises(ValueError, match=r"softmax.over \('every'\) must be 'chosen'"):
+        ModelConfig(settings={"softmax": {"over": "every"}})
 
 
 # ------------------------------------------------------------------------------------------- 6. dropped tokens
@@ -570,7 +570,7 @@ def test_bias_balancing_evens_a_skewed_router_without_touching_the_weights():
 @pytest.mark.parametrize("router", ["sigmoid", "softmax"])
 def test_router_math_is_float32_in_a_bf16_moe(router):
     noise = "fixed" if router == "softmax" else "none"
-    moe = make_moe(16, 4, 2, 8, seed=23, router=router, router_noise=noise, capacity_factor=1.0)
+    moe = make_moe(16, 4, 2, 8, seed=23, router=router, settings={"softmax": {"noise": noise}}, capacity_factor=1.0)
     moe = moe.to(torch.bfloat16).train()
     x = torch.randn(1, 10, 16, generator=torch.Generator().manual_seed(24)).bfloat16()
     r = moe.route(x[0])

@@ -93,7 +93,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
 def test_muon_experts_false_hands_the_routed_experts_to_adamw_with_decay():
     """The option behind a Muon step that does not grow with N: the experts' 3-D matrices leave Muon."""
     model = build_model(preset("tutorial", vocab_size=64))
-    opt = make_optimizer(model, TrainConfig(optimizer="muon", muon_experts=False, weight_decay=0.1))
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", weight_decay=0.1, settings={"muon": {"experts": False}}))
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
     decayed = {names[id(p)] for g in opt.param_groups if not g["muon"] and g["weight_decay"] == 0.1
@@ -104,7 +104,7 @@ def test_muon_experts_false_hands_the_routed_experts_to_adamw_with_decay():
 
 
 def test_experts_in_turn_refresh_n_experts_a_step_and_reuse_the_rest():
-    """muon_experts_per_step: step 1 orthogonalises every expert (the same as plain Muon); from then on
+    """muon.experts_per_step: step 1 orthogonalises every expert (the same as plain Muon); from then on
     experts (t·n .. t·n + n - 1) mod N get a fresh orthogonalised update at turn t, and every other expert
     steps along the one it got last, so each step's Newton-Schulz work is n experts' whatever N is."""
     n_exp, d, h, lr, n = 4, 32, 48, 0.02, 3
@@ -157,7 +157,7 @@ def test_one_newton_schulz_loop_per_shape_steps_as_one_per_parameter(monkeypatch
     import nanollama4.optim as optim
 
     cfg = preset("tiny")
-    tc = TrainConfig(optimizer="muon", muon_experts_per_step=1)
+    tc = TrainConfig(optimizer="muon", settings={"muon": {"experts_per_step": 1}})
     models, optimizers = [], []
     for _ in range(2):
         torch.manual_seed(0)

@@ -1,12 +1,13 @@
-"""The optimizer kinds: what each one answers (options, groups' peak learning rates, refusals, state size),
-and that a new optimizer is one registration: SGD with momentum, defined here as a user's --import module
-would define it, trains through `train` like the built-in ones."""
+"""The optimizer kinds: what each one answers (own settings, groups' peak learning rates, refusals, state
+size), and that a new optimizer is one registration: SGD with a momentum setting of its own, defined here
+and in a module passed to --import, trains, saves its setting and resumes like the built-in ones."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -14,15 +15,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanollama4.config import TrainConfig, preset
+from nanollama4.config import Decay, TrainConfig, preset
+from nanollama4.configfile import tomllib
 from nanollama4.distributed import World, check
 from nanollama4.errors import ConfigError
 from nanollama4.memory import param_counts, training_memory
 from nanollama4.ops import build_model
-from nanollama4.optim import OPTIMIZERS, OptimizerKind, make_optimizer, optimizer_kind, trainable_parameters
+from nanollama4.optim import OptimizerKind, make_optimizer, optimizer_kind, trainable_parameters
+from nanollama4.parts import OPTIMIZERS, own_fields
 from nanollama4.runs import resume_config
 from nanollama4.schedule import lr_at, lr_scale, peak_lrs, set_lr
 from nanollama4.train import train
+from tests.helpers import run_cli
 
 SGD_NAME = "sgd-momentum"
 
@@ -31,33 +35,52 @@ SGD_NAME = "sgd-momentum"
 def sgd() -> Iterator[type[OptimizerKind]]:
     """SGD with momentum 0.9, registered for one test (a module passed to --import registers for good)."""
 
-    class SGD(OptimizerKind, name=SGD_NAME, about="SGD with momentum 0.9"):
+    @dataclasses.dataclass
+    class SGDSettings:
+        momentum: Decay = 0.9  # the momentum of every weight
+
+    class SGD(OptimizerKind, name=SGD_NAME, about="SGD with momentum"):
+        Settings = SGDSettings
+
         @classmethod
         def build(cls, model, tc):
-            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=0.9)
+            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=cls.settings(tc).momentum)
 
         @classmethod
         def state_count(cls, counts):
             return counts.total  # one momentum per weight
 
     yield SGD
-    del OPTIMIZERS[SGD_NAME]
+    OPTIMIZERS.remove(SGD_NAME)
 
 
 def settings(**changes) -> SimpleNamespace:
     """TrainConfig's fields with some changed and not validated: what a kind is asked about, whether or not the
     config would let those settings through (it refuses LoRA without --init-from, say)."""
-    return SimpleNamespace(**{**TrainConfig().to_dict(), **changes})
+    tc = TrainConfig()
+    return SimpleNamespace(**{**{f.name: getattr(tc, f.name) for f in dataclasses.fields(tc)}, **changes})
 
 
 def test_the_built_in_kinds_and_what_they_read():
-    assert OPTIMIZERS["adamw"].options == ()
-    assert OPTIMIZERS["muon"].options == ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_experts",
-                                          "muon_experts_per_step")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert own_fields(OPTIMIZERS["adamw"]) == ()
+    assert [f.name for f in own_fields(OPTIMIZERS["muon"])] == ["lr", "momentum", "weight_decay", "experts",
+                                                               "experts_per_step"]
     for kind in OPTIMIZERS.values():
-        assert set(kind.options) <= fields and set(kind.keeps) <= set(kind.options), kind.name
+        assert set(kind.keeps) <= {f.name for f in own_fields(kind)}, kind.name
     assert optimizer_kind("muon") is OPTIMIZERS["muon"]
+
+
+def test_old_runs_flat_keys_load_as_the_kinds_own():
+    """train_config.json of runs saved before Muon owned its settings: muon_lr and the rest at the top."""
+    old = {"optimizer": "muon", "muon_lr": 0.05, "muon_momentum": 0.9, "muon_weight_decay": 0.01,
+           "muon_experts": False, "muon_experts_per_step": 2}
+    tc = TrainConfig.from_dict(old)
+    assert dataclasses.asdict(tc.settings["muon"]) == {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01,
+                                                       "experts": False, "experts_per_step": 2}
+    assert "muon_lr" not in tc.to_dict() and tc.to_dict()["muon.lr"] == 0.05
+    assert TrainConfig.from_dict({**old, "muon.lr": 0.07}).settings["muon"].lr == 0.07  # today's key wins
+    with pytest.raises(ConfigError, match=r"muon.momentum \(1.5\) must be in \[0, 1\)"):
+        TrainConfig.from_dict({**old, "muon_momentum": 1.5})
 
 
 def test_an_unknown_optimizer_names_the_kinds_there_are():
@@ -69,9 +92,10 @@ def test_an_unknown_optimizer_names_the_kinds_there_are():
 
 
 def test_the_schedule_scales_each_group_s_own_peak():
-    """Muon's groups peak at muon_lr, AdamW's at lr, both at the schedule's one share of it."""
+    """Muon's groups peak at muon.lr, AdamW's at lr, both at the schedule's one share of it."""
     model = build_model(preset("tiny", vocab_size=64))
-    tc = TrainConfig(optimizer="muon", lr=3e-3, min_lr=3e-4, muon_lr=0.05, max_steps=20, warmup_steps=4)
+    tc = TrainConfig(optimizer="muon", lr=3e-3, min_lr=3e-4, max_steps=20, warmup_steps=4,
+                     settings={"muon": {"lr": 0.05}})
     opt = make_optimizer(model, tc)
     peaks = peak_lrs(opt, tc)
     assert peaks == [0.05 if g.get("muon") else 3e-3 for g in opt.param_groups] and 0.05 in peaks and 3e-3 in peaks
@@ -95,9 +119,9 @@ def test_muon_refuses_what_it_cannot_do():
 def test_a_registered_optimizer_answers_every_question(sgd):
     """Build, peaks, refusals and state size come from the one class: nothing else names it."""
     assert optimizer_kind(SGD_NAME) is sgd
-    with pytest.raises(ConfigError, match="'sgd-momentum' \\(SGD with momentum 0.9\\)"):
+    with pytest.raises(ConfigError, match="'sgd-momentum' \\(SGD with momentum\\)"):
         optimizer_kind("x")
-    tc = settings(optimizer=SGD_NAME, lr=0.1, max_steps=10, warmup_steps=0)
+    tc = TrainConfig(optimizer=SGD_NAME, lr=0.1, max_steps=10, warmup_steps=0)
     model = build_model(preset("tiny", vocab_size=64))
     opt = make_optimizer(model, tc)
     assert isinstance(opt, torch.optim.SGD)
@@ -115,7 +139,7 @@ def test_a_registered_optimizer_trains_and_resumes_through_train(sgd, corpus, tm
     state with the checkpoint and resumes from it, as AdamW and Muon do."""
     settings = dict(seq_len=32, batch_size=4, eval_batches=2, eval_interval=2, warmup_steps=1, lr=0.05,
                     min_lr=0.005, max_steps=3)
-    tc = TrainConfig(optimizer=SGD_NAME, **settings)  # config asks optim's registry for the name
+    tc = TrainConfig(optimizer=SGD_NAME, **settings, settings={SGD_NAME: {"momentum": 0.5}})  # asks the registry
     run = tmp_path / "run"
     result = train(preset("tiny"), tc, run, data=str(corpus), progress=False, summary=True)
     assert result.step == 3 and math.isfinite(result.val_loss)
@@ -123,7 +147,67 @@ def test_a_registered_optimizer_trains_and_resumes_through_train(sgd, corpus, tm
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "lm_loss" in x]
     assert [x["step"] for x in steps] == [1, 2, 3] and steps[0]["lr"] == pytest.approx(0.05)  # warmup: 1 step
-    assert json.loads((run / "last" / "train_config.json").read_text())["optimizer"] == SGD_NAME
+    saved = json.loads((run / "last" / "train_config.json").read_text())
+    assert saved["optimizer"] == SGD_NAME and saved[f"{SGD_NAME}.momentum"] == 0.5
+    assert f"[train.{SGD_NAME}]" in (run / "config.toml").read_text()
     assert any(k.endswith(".momentum_buffer") for k in load_file(run / "last" / "optimizer.safetensors"))
     resumed = train(None, resume_config(run, max_steps=5), run, resume=True, progress=False)
     assert resumed.step == 5 and math.isfinite(resumed.val_loss)
+
+
+IMPORTED = '''
+"""A user's optimizer with a setting of its own: SGD whose momentum is [train.plain-sgd] momentum."""
+from dataclasses import dataclass
+
+import torch
+
+from nanollama4.config import Decay
+from nanollama4.optim import OptimizerKind, trainable_parameters
+
+
+@dataclass
+class PlainSGDSettings:
+    momentum: Decay = 0.9  # the momentum of every weight
+
+
+class PlainSGD(OptimizerKind, name="plain-sgd", about="a user's SGD"):
+    Settings = PlainSGDSettings
+
+    @classmethod
+    def build(cls, model, tc):
+        return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=cls.settings(tc).momentum)
+
+    @classmethod
+    def describe(cls, tc, n_experts):
+        return f"SGD with momentum {cls.settings(tc).momentum} at {tc.lr:g}"
+'''
+
+
+def test_an_imported_optimizer_with_a_setting_of_its_own_trains_saves_it_and_resumes(corpus, tmp_path, capsys):
+    """The thought experiment through the command line: `--import` a module that defines an optimizer and its
+    setting, set it with --set, find it in config.toml and train_config.json, and resume with it."""
+    code = tmp_path / "my_sgd.py"
+    code.write_text(IMPORTED)
+    run = tmp_path / "run"
+    base = ["--import", str(code), "--preset", "tiny", "--data", str(corpus), "--quiet"]
+    try:
+        rc, out, err = run_cli(["train", *base, "--out", str(run), "--max-steps", "2", "--set", "optimizer=plain-sgd",
+                                "--set", "plain-sgd.momentum=0.5", "--set", "seq_len=32", "--set", "batch_size=4",
+                                "--set", "eval_batches=1", "--set", "threads=1"], capsys)
+        assert rc == 0, err
+        toml = tomllib.loads((run / "config.toml").read_text())
+        assert toml["train"]["optimizer"] == "plain-sgd" and toml["train"]["plain-sgd"] == {"momentum": 0.5}
+        saved = json.loads((run / "last" / "train_config.json").read_text())
+        assert saved["plain-sgd.momentum"] == 0.5 and saved["optimizer_imports"] == str(code.resolve())
+        rc, out, err = run_cli(["train", "--resume", str(run), "--import", str(code), "--max-steps", "4"], capsys)
+        assert rc == 0, err
+        assert "SGD with momentum 0.5" in out  # the resumed run's summary: its kind read the saved setting
+        assert json.loads((run / "last" / "train_config.json").read_text())["plain-sgd.momentum"] == 0.5
+        assert [x["step"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if "lm_loss" in x] == [1, 2, 3, 4]
+        rc, out, err = run_cli(["train", "--resume", str(run), "--import", str(code), "--max-steps", "5",
+                                "--set", "plain-sgd.momentum=1.5"], capsys)
+        assert rc == 2 and "plain-sgd.momentum (1.5) must be in [0, 1)" in err
+    finally:
+        OPTIMIZERS.remove("plain-sgd")
+        sys.modules.pop("my_sgd", None)

@@ -58,9 +58,8 @@ ROOT = Path(nanollama4.__file__).parent
 PACKAGE = "nanollama4"
 MODEL_FILES = ("model", "attention", "router", "moe", "rope", "config")
 # what the model files may reach, directly or through each other: the model itself, its config, errors, the
-# plain-Python field declarations the config is written in, and the optimizer kinds TrainConfig asks for its
-# names (optim.py: torch and errors only)
-MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields", "optim")}
+# plain-Python field declarations the config is written in, and the registries the config asks for kinds
+MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields", "parts")}
 
 
 def module_names() -> dict[str, Path]:
@@ -147,6 +146,18 @@ def test_the_model_files_are_plain_pytorch():
                 seen.add(module)
                 todo.extend(graph[module])
         assert seen <= MODEL_WORLD, f"{start}.py reaches {sorted(seen - MODEL_WORLD)}"
+
+
+def test_the_config_sits_below_the_parts_it_names():
+    """The router and optimizer kinds declare their settings in the config's words, so they import config.py;
+    config.py asks the registries (parts.py, torch-free) and imports neither of them, nor torch."""
+    graph = import_graph()
+    assert graph[f"{PACKAGE}.config"] <= {f"{PACKAGE}.{m}" for m in ("errors", "fields", "parts")}
+    assert f"{PACKAGE}.config" in graph[f"{PACKAGE}.router"] and f"{PACKAGE}.config" in graph[f"{PACKAGE}.optim"]
+    assert graph[f"{PACKAGE}.parts"] == {f"{PACKAGE}.errors"}
+    source = (ROOT / "config.py").read_text() + (ROOT / "parts.py").read_text()
+    assert "import torch" not in source
+    assert source.count("__nanollama4_import__") == 1 and "__nanollama4_import__" not in (ROOT / "plugins.py").read_text()
 
 
 def test_no_import_runs_back_up_between_rooms():

@@ -18,7 +18,7 @@ import torch
 from nanollama4.config import preset
 from nanollama4.moe import MoE
 from nanollama4.ops import build_model
-from nanollama4.router import ROUTERS
+from nanollama4.parts import ROUTERS
 from tests.helpers import TINY, assert_cli_error, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -31,7 +31,7 @@ USER_CODE = textwrap.dedent(f'''
     from nanollama4.router import Router, chosen_scores
 
 
-    class Halved(Router, kind="{KIND}", scales_input=True, about="a user's"):
+    class Halved(Router, name="{KIND}", scales_input=True, about="a user's"):
         def weigh(self, scores_TE, experts_TK, valid_TK):
             return 0.5 * torch.sigmoid(chosen_scores(scores_TE, experts_TK, valid_TK))
 ''')
@@ -49,7 +49,7 @@ def user_run(tmp_path_factory, corpus):
     proc = subprocess.run([sys.executable, "-m", "nanollama4", *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     yield {"code": code, "run": run, "corpus": corpus, "printed": proc.stdout}
-    ROUTERS.pop(KIND, None)
+    ROUTERS.remove(KIND)
 
 
 def test_the_run_trained_with_the_users_router_and_recorded_it(user_run):

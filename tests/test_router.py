@@ -11,11 +11,12 @@ from nanollama4.checkpoint import load_model
 from nanollama4.config import TrainConfig
 from nanollama4.errors import ConfigError
 from nanollama4.moe import moe_reference
-from nanollama4.router import ROUTERS, Router, SigmoidRouter, chosen_scores
+from nanollama4.parts import ROUTERS
+from nanollama4.router import Router, SigmoidRouter, chosen_scores
 from nanollama4.train import train
 
 
-class NormalisedSigmoid(Router, kind="sigmoid-normalised", scales_input=True, about="a test's"):
+class NormalisedSigmoid(Router, name="sigmoid-normalised", scales_input=True, about="a test's"):
     """Sigmoid scores of the chosen experts, normalised to sum to 1 per token (DeepSeek-V3's weights)."""
 
     def weigh(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor, valid_TK: torch.Tensor | None
@@ -50,8 +51,8 @@ def test_a_router_kind_added_in_a_test_module_routes_and_trains(corpus, tmp_path
 def test_an_unknown_router_kind_is_one_line_naming_the_kinds():
     with pytest.raises(ConfigError, match=r"router \('topk'\) must be one of: 'sigmoid' \(Llama 4\), 'softmax'"):
         nanollama4.preset("tiny", router="topk")
-    with pytest.raises(ConfigError, match="router_noise applies to the softmax router only"):
-        nanollama4.preset("tiny", router="sigmoid", router_noise="fixed")
+    with pytest.raises(ConfigError, match=r"softmax.nois is not a setting of the softmax router; its settings: noise"):
+        nanollama4.preset("tiny", router="softmax", **{"softmax.nois": "fixed"})
 
 
 def test_a_checkpoint_saved_under_the_old_names_still_loads(run_copy):

@@ -305,7 +305,7 @@ def test_two_trainings_racing_for_fresh_folders_never_remove_the_winners(tmp_pat
     ("lr=-1", "lr (-1.0) must be a non-negative number"),  # shown as parsed: lr=-1.0
     ("eval_interval=0", "eval_interval (0) must be a positive integer"),
     ("grad_accum=0", "grad_accum (0) must be a positive integer"),
-    ("muon_momentum=1.5", "muon_momentum (1.5) must be in [0, 1)"),
+    ("muon.momentum=1.5", "muon.momentum (1.5) must be in [0, 1)"),
     ("warmup_frac=1", "warmup_frac (1.0) must be a share of the time budget in [0, 1)"),
 ])
 def test_a_bad_value_on_resume_is_blamed_on_the_command_line_not_the_file(value, reason, run_copy, capsys):
@@ -313,7 +313,7 @@ def test_a_bad_value_on_resume_is_blamed_on_the_command_line_not_the_file(value,
     line = assert_refused(capsys, ["train", "--resume", str(run_copy), "--max-steps", "8", "--quiet",
                                    "--set", value], run_copy)
     key, _, raw = value.partition("=")
-    shown = f"{key}={float(raw)}" if key in ("lr", "warmup_frac", "muon_momentum") else value
+    shown = f"{key}={float(raw)}" if key in ("lr", "warmup_frac", "muon.momentum") else value
     assert line == (f"nanollama4 train: error: --set {shown} given on the command line: {reason} (the run's "
                     "train_config.json is fine; pass another value)"), line
 

@@ -45,7 +45,7 @@ from tests.helpers import (
 
 def cfg(**changes) -> TrainConfig:
     base = dict(seq_len=32, batch_size=4, eval_batches=2, eval_interval=3, warmup_steps=2, lr=3e-3, min_lr=3e-4)
-    return TrainConfig(**{**base, **changes})
+    return TrainConfig.from_dict({**base, **changes})
 
 
 def run_train(run_dir: Path, tc: TrainConfig, corpus: Path, cache: Path, model: dict | None = None, **kw):
@@ -55,7 +55,7 @@ def run_train(run_dir: Path, tc: TrainConfig, corpus: Path, cache: Path, model: 
 
 # The tutorial's routing, as the demo trains (bias balancing) and more: learned noise draws from the global
 # torch RNG, capacity reroutes, the bias is state outside the optimizer. Exact resume must restore all three.
-TUTORIAL_ROUTING = dict(router="softmax", router_noise="learned", capacity_factor=1.0, bias_balance_rate=0.05)
+TUTORIAL_ROUTING = dict(router="softmax", capacity_factor=1.0, bias_balance_rate=0.05, **{"softmax.noise": "learned"})
 ROUTINGS = {"default": {}, "tutorial": TUTORIAL_ROUTING}
 
 
@@ -98,13 +98,13 @@ def cache_env(work, monkeypatch):
 def test_resume_is_exact(routing, optimizer, work, tmp_path):
     """Stopped at step k and resumed, a run logs the same losses and ends with the same weights as one that
     never stopped: with AdamW, with the tutorial's routing state, with Muon's momentum, and with Muon
-    beside AdamW for the experts (muon_experts=False), and with the experts orthogonalised in turn (their last
+    beside AdamW for the experts (muon.experts=False), and with the experts orthogonalised in turn (their last
     updates and the turn saved)."""
     k = 6
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
-    chosen = {"muon, AdamW experts": dict(optimizer="muon", muon_experts=False),
-              "muon, experts in turn": dict(optimizer="muon", muon_experts_per_step=1)}.get(optimizer,
+    chosen = {"muon, AdamW experts": {"optimizer": "muon", "muon.experts": False},
+              "muon, experts in turn": {"optimizer": "muon", "muon.experts_per_step": 1}}.get(optimizer,
                                                                                          dict(optimizer=optimizer))
     run_train(a, cfg(max_steps=2 * k, **chosen), corpus, cache, model=model)
     first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, **chosen), corpus, cache, model=model)
@@ -145,10 +145,10 @@ def test_resume_refuses_another_optimizer(work, tmp_path):
     muon = tmp_path / "muon"
     run_train(muon, cfg(max_steps=2, optimizer="muon"), work["corpus"], work["cache"])
     before = snapshot(muon)
-    with pytest.raises(TrainingError, match="trained with muon_experts=True, whose expert state"):
-        resume(muon, work["cache"], max_steps=4, muon_experts=False)
-    with pytest.raises(TrainingError, match="trained with muon_experts_per_step=0; a resume keeps it"):
-        resume(muon, work["cache"], max_steps=4, muon_experts_per_step=1)
+    with pytest.raises(TrainingError, match="trained with muon.experts=True, whose expert state"):
+        resume(muon, work["cache"], max_steps=4, **{"muon.experts": False})
+    with pytest.raises(TrainingError, match="trained with muon.experts_per_step=0; a resume keeps it"):
+        resume(muon, work["cache"], max_steps=4, **{"muon.experts_per_step": 1})
     assert snapshot(muon) == before
 
 
@@ -698,13 +698,13 @@ def test_the_summary_names_the_router_and_the_tokenizer_the_weights_came_with():
     from nanollama4.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train("naïve café, déjà vu " * 50, vocab_size=260)
-    cfg = preset("tiny", vocab_size=tok.vocab_size, router="softmax", router_noise="learned")
+    cfg = preset("tiny", vocab_size=tok.vocab_size, router="softmax", **{"softmax.noise": "learned"})
     tc = TrainConfig(init_from="runs/bpe", lora_rank=2, max_steps=3, seq_len=32)
     run = SimpleNamespace(model=Transformer(cfg), tc=tc, dataset=SimpleNamespace(n_train=900, n_val=100),
                           data="/corpus.txt", tokenizer=tok, dir=Path("runs/x"), step=0)
     text = train_mod.run_summary(run, World())
     assert f"; bpe vocabulary of {tok.vocab_size:,};" in text and "char vocabulary" not in text
-    assert "4 experts top-2 + shared, softmax router (router_noise=learned))" in text
+    assert "4 experts top-2 + shared, softmax router (softmax.noise=learned))" in text
     run.model = Transformer(preset("tiny", vocab_size=tok.vocab_size, expert_dim=32, shared_expert_dim=64))
     assert "4 experts top-2 + shared of width 64, sigmoid router)" in train_mod.run_summary(run, World())
 
@@ -739,8 +739,8 @@ def test_a_training_step_reads_no_tensor_back(optimizer, corpus, tmp_path):
     from nanollama4.runsetup import start_run
     from nanollama4.train import read_step, train_step
 
-    tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer=optimizer, lr=2e-3, min_lr=2e-4,
-                     muon_experts_per_step=2, threads=1)
+    tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer=optimizer, lr=2e-3, min_lr=2e-4, threads=1,
+                     settings={"muon": {"experts_per_step": 2}})
     run = start_run(preset("shakespeare-char"), tc, tmp_path / "run", str(corpus), None)
     for moe in run.model.moe_layers():
         moe.experts.dispatch = "grouped"

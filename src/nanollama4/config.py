@@ -10,16 +10,17 @@ reasons for them belong beside the fields they set.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
-import sys
-from dataclasses import dataclass, fields
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
 
 from .errors import ConfigError, MissingImport
 from .fields import (
     NON_NEGATIVE,
+    OWN,
     POSITIVE,
     POSITIVE_NUMBER,
     WHOLE,
@@ -30,9 +31,11 @@ from .fields import (
     at_most,
     check,
     hints,
+    plain_fields,
     read_text,
     size,
 )
+from .parts import OPTIMIZERS, ROUTERS, Registry, code_of, own_fields
 
 RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
@@ -41,19 +44,90 @@ SoftmaxOver = Annotated[Literal["chosen", "all"], Rule("'chosen' (the top-k, the
 
 
 class _JsonConfig:
-    """to_dict/from_dict for the config dataclasses (what config.json and train_config.json hold)."""
+    """The dict form of the config dataclasses (what config.json and train_config.json hold), and the tables
+    of the kinds they name (`parts.Kind.Settings`).
+
+    A config field that names a kind (`KINDS`: ModelConfig's `router`, TrainConfig's `optimizer`) brings
+    that kind's own settings, kept in the `settings` field as one dataclass per kind. In the dict form they
+    are flat keys "kind.field" ("muon.lr"), as `--set` and sweeps write them; a nested table (a config file's
+    [train.muon]) and the flat keys older runs saved (`Kind.formerly`: "muon_lr") are read as well.
+    """
+
+    KINDS: ClassVar[dict[str, Registry[Any]]] = {}
+    settings: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in plain_fields(self)}
+        for kind, values in self.settings.items():
+            out.update((f"{kind}.{name}", value) for name, value in dataclasses.asdict(values).items())
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
         """Build from a dict, rejecting unknown keys (a typo must not silently fall back to a default)."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        plain = {f.name for f in plain_fields(cls)}
+        formerly = {old: (kind.name, new) for registry in cls.KINDS.values() for kind in registry.values()
+                    for old, new in getattr(kind, "formerly", {}).items()}
+        values: dict[str, Any] = {}
+        tables: dict[str, dict[str, Any]] = {}
+        unknown = []
+        for key, value in data.items():
+            if key in plain:
+                values[key] = value
+            elif key == "settings" and isinstance(value, dict):  # the Python form: {kind: table or Settings}
+                for kind, table in value.items():
+                    table = dataclasses.asdict(table) if dataclasses.is_dataclass(table) else table
+                    if isinstance(table, dict):
+                        tables.setdefault(kind, {}).update(table)
+                    else:  # refused, naming the kind, where the tables are settled
+                        tables[kind] = table
+            elif isinstance(key, str) and "." in key:
+                kind, _, name = key.partition(".")
+                tables.setdefault(kind, {})[name] = value
+            elif isinstance(value, dict) and isinstance(key, str):
+                tables.setdefault(key, {}).update(value)
+            elif key not in formerly:
+                unknown.append(key)
+        for key, (kind, name) in formerly.items():  # an old run's flat key, unless the new one is given too
+            if key in data:
+                tables.setdefault(kind, {}).setdefault(name, data[key])
         if unknown:
-            raise ConfigError(f"unknown {cls.__name__} keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**data)
+            raise ConfigError(f"unknown {cls.__name__} keys {sorted(map(str, unknown))}; valid keys: "
+                              f"{sorted(plain)} and each kind's own as KIND.KEY (`nanollama4 config` lists them)")
+        return cls(**values, settings=tables)
+
+    def _settle_kinds(self) -> None:
+        """Each table in `settings` made its kind's Settings, checked field by field; the built-in kinds' and
+        the named kind's tables filled in with their defaults (a config file lists them all)."""
+        named = {getattr(self, field): registry for field, registry in self.KINDS.items()}
+        given, self.settings = self.settings, {}
+        for kind_name, table in given.items():
+            registry = next((r for r in self.KINDS.values() if kind_name in r), None)
+            if registry is None:
+                kinds = ", ".join(k for r in self.KINDS.values() for k, c in r.items() if own_fields(c))
+                raise ConfigError(f"{kind_name!r} names no kind with settings of its own (those with some: "
+                                  f"{kinds}); write KIND.KEY, as muon.lr")
+            kind = registry[kind_name]
+            if isinstance(table, kind.Settings):
+                values = table
+            else:
+                if not isinstance(table, dict):
+                    raise ConfigError(f"{kind_name}'s settings must be a table of key = value, not {table!r}")
+                known = [f.name for f in own_fields(kind)]
+                extra = sorted(set(table) - set(known))
+                if extra:
+                    raise ConfigError(f"{kind_name}.{extra[0]} is not a setting of the {kind_name} {registry.field}"
+                                      f"; its settings: {', '.join(known) or 'none'}")
+                values = kind.Settings(**table)
+            check(values, prefix=f"{kind_name}.")
+            self.settings[kind_name] = values
+        for name, registry in [*named.items(), *((None, r) for r in self.KINDS.values())]:
+            for kind_name, kind in registry.items():
+                if (kind_name == name or (name is None and code_of(kind) is None)) and own_fields(kind):
+                    self.settings.setdefault(kind_name, kind.Settings())
 
 
 # What each field takes: its type and limits (fields.Rule), read by fields.check for every door (Python, config
@@ -101,7 +175,7 @@ LogKind = Annotated[Literal["jsonl", "tensorboard"], Rule("'jsonl' (metrics.json
                                                           "events as well)")]
 
 
-@dataclass
+@dataclass(eq=False)
 class ModelConfig(_JsonConfig):
     """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
 
@@ -135,12 +209,9 @@ class ModelConfig(_JsonConfig):
     shared_expert_dim: SharedWidth = 0  # width of the shared expert; 0 = expert_dim (as Llama 4: one width for both)
     moe_every: size(1024) = 1  # layer i is MoE when (i+1) % moe_every == 0 (1 = all, 2 = layers 1,3,5...)
     router: RouterKind = "sigmoid"  # sigmoid: Llama 4 (score scales input); softmax: tutorial (weights output)
-    router_noise: RouterNoise = "none"  # softmax router, training only: learned per-expert or fixed-std noise
-    router_noise_std: NonNegative = 1.0  # std of the "fixed" router noise
     capacity_factor: CapacityFactor | None = None  # expert capacity = ceil(cf * tokens * k / N); None = dropless
     capacity_in_eval: bool = False  # also apply the capacity limit in eval() mode
     capacity_overflow: CapacityOverflow = "next"  # a full expert's token: to the "next" best with room, or "drop"
-    softmax_over: SoftmaxOver = "chosen"  # softmax router: over the top-k ("chosen", the rest -inf) or "all" logits
     aux_loss_coef: NonNegative = 0.0  # Switch-style load-balancing loss coefficient (0 = off)
     z_loss_coef: NonNegative = 0.0  # router z-loss coefficient (0 = off)
     bias_balance_rate: NonNegative = 0.0  # aux-loss-free balancing: per-step bias update size (0 = off)
@@ -149,6 +220,9 @@ class ModelConfig(_JsonConfig):
     tie_embeddings: bool = False  # LM head shares the token embedding matrix
     init_std: PositiveNumber = 0.02  # std of the normal initialisation of matrices
     imports: str = ""  # the modules (--import) that define this model's parts, comma-separated; filled in for you
+    settings: dict[str, Any] = field(default_factory=dict, metadata=OWN)  # router kinds' own: [model.softmax]
+
+    KINDS = {"router": ROUTERS}
 
     def __post_init__(self) -> None:
         self.validate()
@@ -173,21 +247,12 @@ class ModelConfig(_JsonConfig):
             if self.experts_per_token > self.n_experts:
                 raise ConfigError(f"experts_per_token ({self.experts_per_token}) must be <= n_experts "
                                  f"({self.n_experts})")
-        # the kinds are router.py's classes; imported here, not above, because it brings torch and the command
-        # line reads configs (the presets' names) before it needs torch
-        from .router import ROUTERS, router_class
-
         if self.router not in ROUTERS and self.imports:
             raise MissingImport("router", self.router, self.imports)
-        router = router_class(self.router)  # a ConfigError naming the kinds there are
-        module = code_of(router)
+        module = code_of(ROUTERS.find(self.router))  # a ConfigError naming the kinds there are
         if module is not None and module not in self.imports.split(","):  # what a run records it needs
             self.imports = ",".join(filter(None, [*self.imports.split(","), module]))
-        for name, off in (("router_noise", "none"), ("softmax_over", "chosen")):  # what only some kinds read
-            if getattr(self, name) != off and name not in router.options:
-                takers = [kind for kind, cls in ROUTERS.items() if name in cls.options]
-                raise ConfigError(f"{name} applies to the {' or '.join(takers)} router only; set "
-                                  f"router={takers[0]} or {name}={off}")
+        self._settle_kinds()
 
     # ------------------------------------------------------------------ derived layout
     def uses_rope(self, layer: int) -> bool:
@@ -224,13 +289,13 @@ class ModelConfig(_JsonConfig):
         return self.from_dict({**self.to_dict(), **changes})
 
 
-@dataclass
+@dataclass(eq=False)
 class TrainConfig(_JsonConfig):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
     The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
     optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU, and
-    muon_experts_per_step=2 (docs/experiments.md section 7).
+    muon.experts_per_step=2 (docs/experiments.md section 7).
     """
 
     batch_size: Count = 32  # sequences per optimizer step (per accumulation micro-step)
@@ -245,11 +310,6 @@ class TrainConfig(_JsonConfig):
     weight_decay: NonNegative = 0.1  # AdamW decay, applied to matrices only (not norms' gains)
     beta1: Decay = 0.9  # AdamW first-moment decay
     beta2: Decay = 0.99  # AdamW second-moment decay
-    muon_lr: NonNegative = 0.02  # optimizer=muon: peak learning rate of the hidden matrices (scaled per shape)
-    muon_momentum: Decay = 0.95  # optimizer=muon: momentum of the hidden matrices (Nesterov)
-    muon_weight_decay: NonNegative = 0.0  # optimizer=muon: decoupled decay of the hidden matrices (per step: lr x this)
-    muon_experts: bool = True  # optimizer=muon: Muon for the routed experts too (False: AdamW for them)
-    muon_experts_per_step: Turns = 0  # optimizer=muon: experts per layer re-orthogonalised each step, in turn (0 = all)
     grad_clip: NonNegative = 1.0  # clip the global gradient norm to this (0 = off)
     max_steps: Steps | None = None  # stop after this many optimizer steps
     max_time: Seconds | None = None  # stop after this many seconds of training (the schedule follows time)
@@ -276,6 +336,9 @@ class TrainConfig(_JsonConfig):
     expert_parallel: Count = 1  # spread each MoE layer's experts over this many ranks (1 = every rank holds all)
     log: LogKind = "jsonl"  # "jsonl" (metrics.jsonl) or "tensorboard" (also TensorBoard events in RUN/tensorboard/)
     dist_timeout: Timeout = 600.0  # seconds a rank waits for its peers in one collective before giving up
+    settings: dict[str, Any] = field(default_factory=dict, metadata=OWN)  # optimizer kinds' own: [train.muon]
+
+    KINDS = {"optimizer": OPTIMIZERS}
 
     def __post_init__(self) -> None:
         """Each field's own type and limits (its declaration above), then the rules between fields."""
@@ -284,15 +347,11 @@ class TrainConfig(_JsonConfig):
             raise ConfigError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         if self.max_time is not None and self.max_time > MAX_DURATION:
             raise ConfigError(f"max_time ({self.max_time:g} s) is more than a year; give the time you mean to train")
-        # the kinds are optim.py's classes, imported here for the reason router.py's are in ModelConfig. A kind's
-        # own fields (its `options`) are ignored by the others, not refused: a sweep may switch the optimizer
-        # in one arm, and a run saved with both keeps loading
-        from .optim import OPTIMIZERS, optimizer_kind
-
         if self.optimizer not in OPTIMIZERS and self.optimizer_imports:
             raise MissingImport("optimizer", self.optimizer, self.optimizer_imports)
-        kind = optimizer_kind(self.optimizer)  # a ConfigError naming the kinds there are
+        kind = OPTIMIZERS.find(self.optimizer)  # a ConfigError naming the kinds there are
         self.optimizer_imports = code_of(kind) or ""  # what a run records it needs
+        self._settle_kinds()
         if self.lora_rank and self.init_from is None:
             raise ConfigError(f"lora_rank={self.lora_rank} adapts trained weights: give them with --init-from "
                               "RUN|HF_DIR")
@@ -343,7 +402,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tutorial": dict(vocab_size=128, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
                      max_seq_len=256, attention_chunk_size=64, nope_interval=4, floor_scale=64, attn_scale=0.1,
                      ffn_dim=768, n_experts=8, experts_per_token=2, expert_dim=192, rope_theta=10000.0,
-                     router="softmax", router_noise="learned", capacity_factor=1.25, capacity_overflow="next"),
+                     router="softmax", **{"softmax.noise": "learned"}, capacity_factor=1.25, capacity_overflow="next"),
     # The experiments' model (docs/experiments.md): dense, width 128, 4 layers of 8 query heads over 2 KV heads,
     # all RoPE, unchunked; an FFN of 384 = the active width of top-1 + a shared expert of 192. A minute an arm.
     "experiments": dict(d_model=128, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=16, max_seq_len=128,
@@ -367,15 +426,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama4-maverick": dict(_llama4_common(), n_experts=128, moe_every=2, use_qk_norm=False,
                             max_seq_len=1048576),
 }
-
-
-def code_of(cls: type) -> str | None:
-    """What `--import` takes for class `cls` to exist (`plugins.load` marks each module it imports with it: a
-    file's path, or the module's name); None for nanollama4's own classes."""
-    module = cls.__module__
-    if module.split(".")[0] == "nanollama4":
-        return None
-    return getattr(sys.modules.get(module), "__nanollama4_import__", module)
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
@@ -406,34 +456,68 @@ MAX_DURATION = 366 * 24 * 3600.0  # seconds: a longer --max-time is a slip of th
 
 
 def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]:
-    """["key=value", ...] as typed values for the dataclass `cls`, unknown keys refused.
+    """["key=value", ...] as typed values for the dataclass `cls`, unknown keys refused; "kind.key=value" sets
+    one of a kind's own settings ("muon.lr=0.01").
 
     Each value is read as its field's declared type (`fields.read_text`), so `--set n_experts=eight` fails
     here, naming the field, instead of deep in torch; the config's own checks then judge the value.
     """
-    by_name = {f.name: f for f in fields(cls)}
-    declared = hints(cls)
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} must look like key=value")
         key, raw = (part.strip() for part in pair.split("=", 1))
-        if key not in by_name:
-            raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(by_name))}")
-        out[key] = read_text(key, raw, declared[key])
+        out[key] = read_text(key, raw, declared_hint(cls, key))
     return out
+
+
+def declared_hint(cls: Any, key: str) -> Any:
+    """The declared type of `key` in config class `cls`: one of its fields, or "kind.key" of a kind it names;
+    else a ConfigError listing what there is."""
+    plain = {f.name for f in plain_fields(cls)}
+    if key in plain:
+        return hints(cls)[key]
+    kind_name, dot, name = key.partition(".")
+    for registry in cls.KINDS.values():
+        if dot and kind_name in registry:
+            kind = registry[kind_name]
+            known = [f.name for f in own_fields(kind)]
+            if name in known:
+                return hints(kind.Settings)[name]
+            raise ConfigError(f"{key!r}: the {kind_name} {registry.field} has no setting {name!r}; its settings: "
+                              f"{', '.join(known) or 'none'}")
+    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(plain | set(own_keys(cls))))}")
+
+
+def own_keys(cls: Any) -> list[str]:
+    """Every "kind.key" the kinds that config class `cls` names declare (those registered now)."""
+    return [f"{kind_name}.{f.name}" for registry in cls.KINDS.values() for kind_name, kind in registry.items()
+            for f in own_fields(kind)]
+
+
+def config_of(key: str) -> type | None:
+    """The config class (ModelConfig or TrainConfig) a key belongs to, "kind.key" included; None if neither."""
+    for cls in (TrainConfig, ModelConfig):
+        if key in {f.name for f in plain_fields(cls)}:
+            return cls
+        kind_name, dot, _ = key.partition(".")
+        if dot and any(kind_name in registry for registry in cls.KINDS.values()):
+            return cls
+    return None
 
 
 def split_overrides(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """--set pairs as (ModelConfig values, TrainConfig values): a key goes to the config that has it."""
-    train_keys, model_keys = {f.name for f in fields(TrainConfig)}, {f.name for f in fields(ModelConfig)}
     model_pairs, train_pairs = [], []
     for pair in pairs:
         key = pair.split("=", 1)[0].strip()
-        if key not in train_keys | model_keys:
+        cls = config_of(key)
+        if cls is None:
+            model_keys = [f.name for f in plain_fields(ModelConfig)] + own_keys(ModelConfig)
+            train_keys = [f.name for f in plain_fields(TrainConfig)] + own_keys(TrainConfig)
             raise ConfigError(f"unknown key {key!r}; valid keys: model {', '.join(sorted(model_keys))}; "
                               f"training {', '.join(sorted(train_keys))}")
-        (train_pairs if key in train_keys else model_pairs).append(pair)
+        (train_pairs if cls is TrainConfig else model_pairs).append(pair)
     return parse_overrides(model_pairs, ModelConfig), parse_overrides(train_pairs, TrainConfig)
 
 

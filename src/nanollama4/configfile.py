@@ -1,7 +1,8 @@
 """Config files: a run's settings as TOML, read and written from the config dataclasses' own declarations.
 
 A file holds up to three things: `data` (the corpus: a text file or a folder), a `[model]` table (`preset`,
-a preset's name, plus any `ModelConfig` fields) and a `[train]` table (any `TrainConfig` fields):
+a preset's name, plus any `ModelConfig` fields) and a `[train]` table (any `TrainConfig` fields), each
+with a table per kind that has settings of its own (`[train.muon]`, `[model.softmax]`; parts.py):
 
     data = "corpus/"
 
@@ -12,6 +13,9 @@ a preset's name, plus any `ModelConfig` fields) and a `[train]` table (any `Trai
     [train]
     optimizer = "muon"
     max_time = 300.0
+
+    [train.muon]
+    lr = 0.02
 
 `nanollama4 train --config FILE` resolves a field by the first of: the command line (`--set`, `--preset`,
 `--max-steps`/`--max-time`, `--data`), the file, the preset, the dataclass's default. Every run writes its
@@ -25,7 +29,6 @@ field that may be None takes the string "none".
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import typing
@@ -33,10 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ModelConfig, TrainConfig, preset
+from .config import ModelConfig, TrainConfig, config_of, declared_hint, preset
 from .errors import ConfigError
-from .fields import field_help, hints, options_of
+from .fields import field_help, options_of, plain_fields
 from .files import read_bytes
+from .parts import own_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -146,11 +150,11 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
 
 
 def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile) -> dict[str, Any]:
+    """The [model] or [train] table's values by key, a kind's own table ([train.muon]) as "muon.KEY" keys."""
     cls = TABLES[table]
-    declared = hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in plain_fields(cls)}
     checked = {}
-    for key, value in values.items():
+    for key, value in flat_table(values):
         where = f"{path}: [{table}]"
         if table == "model" and key == "preset":
             if not isinstance(value, str):
@@ -163,12 +167,25 @@ def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile)
             continue
         if table == "model" and key == "vocab_size":
             raise ConfigError(f"{where} vocab_size cannot be set: {VOCAB_NOTE}")
-        if key not in known:
-            other = next((t for t, c in TABLES.items() if key in {f.name for f in dataclasses.fields(c)}), None)
-            hint = f"; it belongs in [{other}]" if other else f"; valid keys: {', '.join(sorted(known))}"
-            raise ConfigError(f"{where} has no key {key!r}{hint}")
-        checked[key] = check_value(where, key, value, declared[key])
+        owner = config_of(key)
+        if owner is not cls:
+            other = next((t for t, c in TABLES.items() if c is owner), None)
+            if other is None and "." not in key:
+                raise ConfigError(f"{where} has no key {key!r}; valid keys: {', '.join(sorted(known))}")
+            if other is not None:
+                raise ConfigError(f"{where} has no key {key!r}; it belongs in [{other}]")
+        try:
+            hint = declared_hint(cls, key)
+        except ConfigError as e:
+            raise ConfigError(f"{where} {e}") from None
+        checked[key] = check_value(where, key, value, hint)
     return checked
+
+
+def flat_table(values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """A table's keys, a sub-table's ([train.muon]) as "muon.KEY"."""
+    return [(f"{key}.{k}", v) for key, value in values.items() if isinstance(value, dict) for k, v in value.items()] \
+        + [(key, value) for key, value in values.items() if not isinstance(value, dict)]
 
 
 def resolve(file: ConfigFile | None, cli_preset: str | None, model_over: dict[str, Any], train_over: dict[str, Any],
@@ -183,7 +200,7 @@ def resolve(file: ConfigFile | None, cli_preset: str | None, model_over: dict[st
         train_values.pop("max_time", None)
     try:
         model_cfg = preset(name, **{**file.model, **model_over})
-        tc = TrainConfig(**{**train_values, **train_over})
+        tc = TrainConfig.from_dict({**train_values, **train_over})
     except ConfigError as e:
         if file.path.name == "-":  # no file: the command line alone
             raise
@@ -209,11 +226,27 @@ def _toml_value(value: Any) -> str:
 def _table(cfg: Any, skip: tuple[str, ...] = ()) -> list[str]:
     helps = field_help(type(cfg))
     lines = []
-    for f in dataclasses.fields(cfg):
+    for f in plain_fields(cfg):
         if f.name in skip:
             continue
         entry = f"{f.name} = {_toml_value(getattr(cfg, f.name))}"
         lines.append(f"{entry:<40}  # {helps[f.name]}" if f.name in helps else entry)
+    return lines
+
+
+def _kind_tables(table: str, cfg: Any) -> list[str]:
+    """[table.kind] for each kind whose settings cfg holds, with the kind in a comment."""
+    lines = []
+    for kind_name, values in cfg.settings.items():
+        registry = next(r for r in cfg.KINDS.values() if kind_name in r)
+        kind = registry[kind_name]
+        used = any(getattr(cfg, f) == kind_name for f in cfg.KINDS)
+        lines += ["", f"[{table}.{kind_name}]  # the {kind_name} {registry.field}'s own settings"
+                  + ("" if used else f" (when {registry.field} = {_toml_value(kind_name)})")]
+        helps = field_help(kind.Settings)
+        for f in own_fields(kind):
+            entry = f"{f.name} = {_toml_value(getattr(values, f.name))}"
+            lines.append(f"{entry:<40}  # {helps[f.name]}" if f.name in helps else entry)
     return lines
 
 
@@ -230,7 +263,8 @@ def config_toml(model_cfg: ModelConfig, tc: TrainConfig, data: str | None = None
         lines.append(f"{'preset = ' + _toml_value(preset_name):<40}  # the preset the fields below start from")
     lines += _table(model_cfg, skip=("vocab_size",))
     lines.append(f"# vocab_size = {model_cfg.vocab_size}  ({VOCAB_NOTE})")
-    lines += ["", "[train]"] + _table(tc)
+    lines += _kind_tables("model", model_cfg)
+    lines += ["", "[train]"] + _table(tc) + _kind_tables("train", tc)
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +279,7 @@ def run_config_toml(model_cfg: ModelConfig, tc: TrainConfig, data: str | None) -
 def defaults_toml(preset_name: str, model_over: dict[str, Any] | None = None,
                   train_over: dict[str, Any] | None = None) -> str:
     """`nanollama4 config --preset P [--set ...]`: the full default file for a preset, with any changes."""
-    return config_toml(preset(preset_name, **(model_over or {})), TrainConfig(**(train_over or {})), header=(
+    return config_toml(preset(preset_name, **(model_over or {})), TrainConfig.from_dict(train_over or {}), header=(
         f"nanollama4 config file: the preset {preset_name!r} and the training defaults, every field.\n"
         "Keep the lines you change; train with: nanollama4 train --config FILE --max-time 5m\n"
         "Precedence: command line (--set, --preset, --max-steps/--max-time, --data) > this file > preset > "

@@ -7,10 +7,6 @@ is a bug and keeps its traceback. Each subclass also derives from the builtin a 
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
-
-T = TypeVar("T")
-
 
 class Nanollama4Error(Exception):
     """Base of every error whose message tells a person what to fix."""
@@ -73,13 +69,3 @@ def shown(text: str) -> str:
     override) is written as a Python string literal writes it (\\x1b, \\n, \\u202e), and printable text,
     a path with spaces or accents included, is left as it is, so that a name a person may copy stays whole."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def registered(table: dict[str, T], name: Any, field: str, yours: str) -> T:
-    """`table[name]` for a registry (router kinds, optimizer kinds), else a ConfigError that lists every
-    registered name with its `about` and says how to bring one of `yours` (--import)."""
-    if name not in table:
-        known = ", ".join(f"'{k}' ({getattr(c, 'about', '')})" for k, c in table.items())
-        raise ConfigError(f"{field} ({name!r}) must be one of: {known}; {yours} of your own: define it in a module "
-                          "and pass --import MODULE")
-    return table[name]

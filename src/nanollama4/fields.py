@@ -34,7 +34,8 @@ from .errors import ConfigError
 
 __all__ = ["Rule", "Limit", "Annotated", "check", "problem", "shown", "field_help", "hints", "read_text",
            "add_arguments", "arguments_of", "flag_type", "split", "number", "integer", "size", "Seed", "SEED_LIMIT",
-           "POSITIVE", "WHOLE", "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above", "at_most", "options_of"]
+           "POSITIVE", "WHOLE", "NON_NEGATIVE", "POSITIVE_NUMBER", "at_least", "above", "at_most", "options_of", "OWN",
+           "plain_fields"]
 
 
 @dataclass(frozen=True)
@@ -188,11 +189,22 @@ def type_words(hint: Any) -> str:
     return " or ".join(words)
 
 
-def check(obj: Any, error: Callable[[str, str], Exception] | None = None) -> None:
+OWN = {"own": True}  # a field's metadata: it holds the kinds' own settings tables (parts.py), not a value of its own
+
+
+def plain_fields(cls: Any) -> tuple[dataclasses.Field, ...]:
+    """The fields of dataclass `cls` that hold a value each (not the kinds' tables, `OWN`)."""
+    return tuple(f for f in dataclasses.fields(cls) if not f.metadata.get("own"))
+
+
+def check(obj: Any, error: Callable[[str, str], Exception] | None = None, prefix: str = "") -> None:
     """Raise one line naming the first field of dataclass `obj` whose value is not of its declared type or
-    breaks one of its rules. `error(field, message)` makes the exception (default: ConfigError(message))."""
-    for name, hint in hints(type(obj)).items():
-        message = problem(name, getattr(obj, name), hint)
+    breaks one of its rules (named `prefix` + its name: "muon.lr"). `error(field, message)` makes the
+    exception (default: ConfigError(message))."""
+    declared = hints(type(obj))
+    for f in plain_fields(obj):
+        name, hint = prefix + f.name, declared[f.name]
+        message = problem(name, getattr(obj, f.name), hint)
         if message is not None:
             raise (error(name, message) if error else ConfigError(message))
 

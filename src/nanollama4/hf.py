@@ -142,9 +142,8 @@ def config_to_hf(cfg: ModelConfig, bos_token_id: int | None = None, eos_token_id
     if cfg.n_experts and router_class(cfg.router) is not SigmoidRouter:
         raise CheckpointError("only the Llama 4 MoE (router='sigmoid') exists in the reference format; this model "
                               f"has router={cfg.router!r}")
-    if cfg.router_noise == "learned" or cfg.capacity_in_eval:
-        raise CheckpointError("learned router noise and eval-time capacity have no reference equivalent; "
-                              "set router_noise=none and capacity_in_eval=false to export")
+    if cfg.capacity_in_eval:
+        raise CheckpointError("eval-time capacity has no reference equivalent; set capacity_in_eval=false to export")
     L = cfg.n_layers
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:

@@ -77,7 +77,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         router=cfg.n_experts * d * n_moe,
         experts=cfg.n_experts * 3 * d * cfg.expert_dim * n_moe,
         shared_expert=3 * d * cfg.shared_dim * n_moe if cfg.shared_expert else 0,
-        noise=cfg.n_experts * d * n_moe if cfg.router_noise == "learned" else 0,
+        noise=cfg.n_experts * d * n_moe if getattr(cfg.settings.get(cfg.router), "noise", None) == "learned" else 0,
         experts_per_token=cfg.experts_per_token,
         n_experts=cfg.n_experts,
     )

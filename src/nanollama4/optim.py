@@ -19,35 +19,43 @@ other expert steps along the orthogonalised update it got last (kept as `ortho`,
 dtype, saved with the momentum): Muon's momentum moves slowly (0.95 keeps ~20 steps), so a direction a few steps old
 is close to today's, and the cost per step is n experts' whatever N is. The first step orthogonalises all.
 
-Which optimizer a run uses is a name in its config (`optimizer`), looked up in `OPTIMIZERS`. A kind is one
-subclass of `OptimizerKind` with `name=`, and answers everything the rest of the package asks about an
-optimizer: the config fields it reads (`options`), how it is built, each param group's peak learning rate
-(the schedule scales it), what it refuses, its state's size (the memory check) and a line for the run's
-summary. So adding one is one subclass, here or in a module of your own loaded with --import:
+Which optimizer a run uses is a name in its config (`optimizer`), looked up in `parts.OPTIMIZERS`. A kind
+is one subclass of `OptimizerKind` with `name=` (`parts.Kind`), and answers everything the rest of the
+package asks about an optimizer: its own settings (a `Settings` dataclass: `[train.muon]` in a config file,
+`--set muon.lr=0.01`), how it is built, each param group's peak learning rate (the schedule scales it),
+what it refuses, its state's size (the memory check) and a line for the run's summary. So adding one is
+one subclass, here or in a module of your own loaded with --import:
 
-    class SGD(OptimizerKind, name="sgd", about="SGD with momentum 0.9"):
+    @dataclass
+    class SGDSettings:
+        momentum: float = 0.9  # the momentum of every weight
+
+    class SGD(OptimizerKind, name="sgd", about="SGD with momentum"):
+        Settings = SGDSettings
+
         @classmethod
         def build(cls, model, tc):
-            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=0.9)
+            own = cls.settings(tc)
+            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=own.momentum)
 
         @classmethod
         def state_count(cls, counts):
             return counts.total  # one momentum per weight
-
-This module does not import the config (the config asks it which kinds there are): what a kind reads of
-`TrainConfig` is spelled out in `OptimizerSettings`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from .errors import ConfigError, registered
+from .config import Decay, NonNegative, TrainConfig, Turns
+from .errors import ConfigError
+from .parts import OPTIMIZERS, Kind
 
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (those torch.optim.Muon uses): chosen for
 # the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
@@ -213,15 +221,12 @@ def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the kinds
-OPTIMIZERS: dict[str, type[OptimizerKind]] = {}  # name -> kind, filled by each subclass's `name=`
-
-
 def optimizer_kind(name: str) -> type[OptimizerKind]:
     """The kind a config's `optimizer` names, or a ConfigError naming the kinds there are."""
-    return registered(OPTIMIZERS, name, "optimizer", "an optimizer")
+    return OPTIMIZERS.find(name)
 
 
-def make_optimizer(model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer tc names, over the parameters of `model` that train (`OptimizerKind.build`)."""
     return optimizer_kind(tc.optimizer).build(model, tc)
 
@@ -235,23 +240,6 @@ def _named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-class OptimizerSettings(Protocol):
-    """The fields of `config.TrainConfig` the kinds here read (a kind of your own may read any other)."""
-
-    optimizer: str  # the kind's name
-    lr: float  # AdamW's peak learning rate
-    weight_decay: float
-    beta1: float
-    beta2: float
-    muon_lr: float
-    muon_momentum: float
-    muon_weight_decay: float
-    muon_experts: bool
-    muon_experts_per_step: int
-    parallel: str  # "ddp" or "fsdp"
-    lora_rank: int  # 0: no LoRA
-
-
 class Counts(Protocol):
     """The parameter counts `state_count` reads (`memory.ParamCounts`)."""
 
@@ -261,42 +249,29 @@ class Counts(Protocol):
     norms: int
 
 
-class OptimizerKind:
+class OptimizerKind(Kind):
     """One optimizer a config can name. A subclass registers itself with `name=` (and `about=`, a few words
-    for error messages); `options=` names the TrainConfig fields that only this kind reads, and `keeps=` those
-    of them a resume cannot change, each with why (the end of a sentence "RUN was trained with FIELD=VALUE").
-    It is never instantiated: each method is asked of the class."""
+    for error messages), may declare its own settings (`Settings`, read with `cls.settings(tc)`), and names
+    in `keeps` those of them a resume cannot change, each with why (the end of a sentence "RUN was trained
+    with KIND.FIELD=VALUE"). It is never instantiated: each method is asked of the class."""
 
-    name: ClassVar[str]
-    about: ClassVar[str] = ""
-    options: ClassVar[tuple[str, ...]] = ()
+    registry = OPTIMIZERS
     keeps: ClassVar[dict[str, str]] = {}
 
-    def __init_subclass__(cls, name: str | None = None, about: str = "", options: tuple[str, ...] | None = None,
-                          keeps: dict[str, str] | None = None, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if options is not None:
-            cls.options = options
-        if keeps is not None:
-            cls.keeps = keeps
-        if name is not None:
-            cls.name, cls.about = name, about or name
-            OPTIMIZERS[name] = cls
-
     @classmethod
-    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+    def build(cls, model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
         """The optimizer over `model`'s trainable parameters (`trainable_parameters`), each group at its
         peak learning rate. The loop sets every group's lr from the schedule before each step."""
         raise NotImplementedError
 
     @classmethod
-    def peak_lr(cls, group: dict[str, Any], tc: OptimizerSettings) -> float:
+    def peak_lr(cls, group: dict[str, Any], tc: TrainConfig) -> float:
         """The peak learning rate of one of the optimizer's param groups, which the schedule scales
         (`schedule.set_lr`). Read from tc, not from the group, so that a resume may change it."""
         return tc.lr
 
     @classmethod
-    def check(cls, tc: OptimizerSettings) -> None:
+    def check(cls, tc: TrainConfig) -> None:
         """Refuse, with a ConfigError saying why and what to do instead, settings this optimizer cannot
         train with (a spread over ranks, LoRA); before anything is created."""
 
@@ -307,7 +282,7 @@ class OptimizerKind:
         return 2 * counts.total
 
     @classmethod
-    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
+    def describe(cls, tc: TrainConfig, n_experts: int) -> str:
         """The optimizer in a few words for the run's summary (`train.run_summary`), its peak lr included."""
         return f"{cls.name} at {tc.lr:g}"
 
@@ -317,7 +292,7 @@ class AdamW(OptimizerKind, name="adamw", about="AdamW on every parameter"):
     the norms' gains toward 0 would fight the norm."""
 
     @classmethod
-    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
+    def build(cls, model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
         named = _named_trainable(model)
         groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": tc.weight_decay},
                   {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
@@ -325,31 +300,45 @@ class AdamW(OptimizerKind, name="adamw", about="AdamW on every parameter"):
         return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
     @classmethod
-    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
+    def describe(cls, tc: TrainConfig, n_experts: int) -> str:
         return f"AdamW at {tc.lr:g}"
 
 
-class Muon(OptimizerKind, name="muon", about="Muon for the hidden matrices, AdamW for the rest",
-           options=("muon_lr", "muon_momentum", "muon_weight_decay", "muon_experts", "muon_experts_per_step"),
-           keeps={"muon_experts": ", whose expert state the other optimizer cannot take over",
-                  "muon_experts_per_step": "; a resume keeps it (its experts' saved updates follow that turn)"}):
-    """`MuonAdamW`: Muon on the hidden matrices, AdamW on the rest. With muon_experts False the routed
-    experts' matrices go to AdamW as well: Newton-Schulz on every expert costs in proportion to N, the total
-    parameters, which an MoE is meant not to pay for; AdamW's step is elementwise. muon_experts_per_step > 0
+@dataclass
+class MuonSettings:
+    """Muon's own settings ([train.muon]; `--set muon.lr=0.01`): those of the hidden matrices. The rest of
+    the parameters take AdamW's (TrainConfig's lr, weight_decay, beta1, beta2)."""
+
+    lr: NonNegative = 0.02  # peak learning rate of the hidden matrices (scaled per shape)
+    momentum: Decay = 0.95  # momentum of the hidden matrices (Nesterov)
+    weight_decay: NonNegative = 0.0  # decoupled decay of the hidden matrices (per step: lr x this)
+    experts: bool = True  # Muon for the routed experts too (False: AdamW for them)
+    experts_per_step: Turns = 0  # experts per layer re-orthogonalised each step, in turn (0 = all)
+
+
+class Muon(OptimizerKind, name="muon", about="Muon for the hidden matrices, AdamW for the rest"):
+    """`MuonAdamW`: Muon on the hidden matrices, AdamW on the rest. With experts False the routed experts'
+    matrices go to AdamW as well: Newton-Schulz on every expert costs in proportion to N, the total
+    parameters, which an MoE is meant not to pay for; AdamW's step is elementwise. experts_per_step > 0
     keeps Muon for them but orthogonalises only that many of each layer's experts per step, in turn
     (`MuonAdamW._in_turn`)."""
 
+    Settings = MuonSettings
+    formerly = {f"muon_{name}": name for name in ("lr", "momentum", "weight_decay", "experts", "experts_per_step")}
+    keeps = {"experts": ", whose expert state the other optimizer cannot take over",
+             "experts_per_step": "; a resume keeps it (its experts' saved updates follow that turn)"}
+
     @classmethod
-    def build(cls, model: nn.Module, tc: OptimizerSettings) -> torch.optim.Optimizer:
-        named = _named_trainable(model)
-        hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p) and (tc.muon_experts or p.dim() != 3)]
+    def build(cls, model: nn.Module, tc: TrainConfig) -> torch.optim.Optimizer:
+        named, own = _named_trainable(model), cls.settings(tc)
+        hidden = [(n, p) for n, p in named if _is_hidden_matrix(n, p) and (own.experts or p.dim() != 3)]
         linear = [p for n, p in hidden if p.dim() == 2]
         gate_up = [p for n, p in hidden if p.dim() == 3 and n.endswith("gate_up")]
         down = [p for n, p in hidden if p.dim() == 3 and not n.endswith("gate_up")]
         taken = {id(p) for _, p in hidden}
         rest = [(n, p) for n, p in named if id(p) not in taken]
-        muon = dict(muon=True, lr=0.0, weight_decay=tc.muon_weight_decay)  # lr below (keys in the saved order)
-        experts = dict(muon, layout="experts", ns_experts=tc.muon_experts_per_step)
+        muon = dict(muon=True, lr=0.0, weight_decay=own.weight_decay)  # lr below (keys in the saved order)
+        experts = dict(muon, layout="experts", ns_experts=own.experts_per_step)
         groups = [{**muon, "params": linear, "layout": "linear", "blocks": 1},
                   {**experts, "params": gate_up, "blocks": 2},
                   {**experts, "params": down, "blocks": 1},
@@ -358,14 +347,14 @@ class Muon(OptimizerKind, name="muon", about="Muon for the hidden matrices, Adam
         groups = [g for g in groups if g["params"]]
         for g in groups:
             g["lr"] = cls.peak_lr(g, tc)
-        return MuonAdamW(groups, betas=(tc.beta1, tc.beta2), momentum=tc.muon_momentum)
+        return MuonAdamW(groups, betas=(tc.beta1, tc.beta2), momentum=own.momentum)
 
     @classmethod
-    def peak_lr(cls, group: dict[str, Any], tc: OptimizerSettings) -> float:
-        return tc.muon_lr if group.get("muon") else tc.lr
+    def peak_lr(cls, group: dict[str, Any], tc: TrainConfig) -> float:
+        return cls.settings(tc).lr if group.get("muon") else tc.lr
 
     @classmethod
-    def check(cls, tc: OptimizerSettings) -> None:
+    def check(cls, tc: TrainConfig) -> None:
         if tc.parallel == "fsdp":
             raise ConfigError("optimizer=muon with parallel=fsdp is not supported: Muon orthogonalises whole "
                               "matrices and FSDP2 gives each rank a slice of them; use parallel=ddp "
@@ -380,10 +369,10 @@ class Muon(OptimizerKind, name="muon", about="Muon for the hidden matrices, Adam
         return (counts.total - rest) + 2 * rest  # one momentum for each hidden matrix's weight
 
     @classmethod
-    def describe(cls, tc: OptimizerSettings, n_experts: int) -> str:
-        experts = ""
+    def describe(cls, tc: TrainConfig, n_experts: int) -> str:
+        own, experts = cls.settings(tc), ""
         if n_experts:
-            experts = ("; routed experts on AdamW" if not tc.muon_experts else
-                       f"; {tc.muon_experts_per_step} of {n_experts} experts a layer orthogonalised per step"
-                       if 0 < tc.muon_experts_per_step < n_experts else "; every expert every step")
-        return f"Muon at {tc.muon_lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest"
+            experts = ("; routed experts on AdamW" if not own.experts else
+                       f"; {own.experts_per_step} of {n_experts} experts a layer orthogonalised per step"
+                       if 0 < own.experts_per_step < n_experts else "; every expert every step")
+        return f"Muon at {own.lr:g} on the hidden matrices{experts}, AdamW at {tc.lr:g} for the rest"

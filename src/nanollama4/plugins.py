@@ -18,8 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .errors import ConfigError
-
-MARK = "__nanollama4_import__"  # set on each module `load` imports: what --import it takes (a name or a path)
+from .parts import MARK
 
 
 def load(spec: str) -> ModuleType:
@@ -37,7 +36,7 @@ def load(spec: str) -> ModuleType:
         if str(Path.cwd()) not in sys.path and "" not in sys.path:
             sys.path.insert(0, str(Path.cwd()))  # as `python -c` would: the working directory's modules first
         module, recorded = _running(spec, spec, lambda: importlib.import_module(spec)), spec
-    setattr(module, MARK, recorded)  # what `config.code_of` records for the parts it defines
+    setattr(module, MARK, recorded)  # what `parts.code_of` records for the parts it defines
     return module
 
 

@@ -13,10 +13,12 @@ One class owns the whole decision, in order:
 It also keeps what balances the load: the Switch loss and z-loss (`auxiliary_loss`), and the counts the
 bias learns from (`note_load`, `update_bias`).
 
-Adding a router kind is one subclass here (or anywhere: a test module does it), and its name in
-config.py's `RouterKind` for type checkers; the config finds the kind here, by its `kind=`:
+Adding a router kind is one subclass here (or anywhere: a test module does it, a module of yours comes with
+`--import`); it registers itself by its `name=` (`parts.Kind`), and the config finds it there. A kind may
+declare settings of its own, a `Settings` dataclass written as the config's fields are (the softmax
+router's noise below: `[model.softmax]` in a config file, `--set softmax.noise=learned`):
 
-    class NormalisedSigmoid(Router, kind="sigmoid-normalised", scales_input=True):
+    class NormalisedSigmoid(Router, name="sigmoid-normalised", scales_input=True):
         def weigh(self, scores_TE, experts_TK, valid_TK):
             w_TK = torch.sigmoid(chosen_scores(scores_TE, experts_TK, valid_TK))
             return w_TK / w_TK.sum(-1, keepdim=True).clamp_min(1e-9)
@@ -28,39 +30,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import registered
-
-ROUTERS: dict[str, type[Router]] = {}  # kind -> class, filled by each subclass's `kind=`
+from .config import ModelConfig, NonNegative, RouterNoise, SoftmaxOver
+from .parts import ROUTERS, Kind
 
 
 def router_class(kind: str) -> type[Router]:
     """The router class of a kind (config's `router`), or a ConfigError naming the kinds there are."""
-    return registered(ROUTERS, kind, "router", "a kind")
-
-
-class RouterSettings(Protocol):
-    """The fields of `config.ModelConfig` a router reads (config.py checks them; this module does not
-    import it, because the config asks this module which kinds there are)."""
-
-    d_model: int
-    n_experts: int
-    experts_per_token: int
-    router_noise: str  # "none", "fixed" or "learned"
-    router_noise_std: float
-    capacity_factor: float | None
-    capacity_in_eval: bool
-    capacity_overflow: str  # "next" or "drop"
-    aux_loss_coef: float
-    z_loss_coef: float
-    bias_balance_rate: float
-    softmax_over: str  # "chosen" or "all"
-    init_std: float  # the router matrix starts Normal(0, init_std)
+    return ROUTERS.find(kind)
 
 
 @dataclass
@@ -94,44 +76,35 @@ class Float32Linear(nn.Linear):
         return F.linear(x.float(), self.weight.float())
 
 
-class Router(nn.Module):
+class Router(nn.Module, Kind):
     """Scores, noise, balancing bias, top-k and capacity, shared by every kind; `weigh` is the kind's.
 
     The parameter is `weight` (E, D), the reference checkpoints' `router.weight`; `noise` is the learned
-    noise scale's linear (router_noise="learned"), `expert_bias` the balancing bias (a buffer: it is
-    nudged, not trained) and `pending_counts` the assignments it has not yet learned from.
+    noise scale's linear (the softmax router's noise="learned"), `expert_bias` the balancing bias (a buffer:
+    it is nudged, not trained) and `pending_counts` the assignments it has not yet learned from.
     """
 
-    kind: ClassVar[str]  # the config's name for it
-    about: ClassVar[str] = ""  # a few words for error messages
+    registry = ROUTERS
     scales_input: ClassVar[bool]  # the weight multiplies the expert's input (True) or its output (False)
-    options: ClassVar[tuple[str, ...]] = ()  # config fields beyond the common ones that this kind reads
 
-    def __init_subclass__(cls, kind: str | None = None, scales_input: bool | None = None, about: str = "",
-                          options: tuple[str, ...] | None = None, **kw) -> None:
+    def __init_subclass__(cls, scales_input: bool | None = None, **kw) -> None:
         super().__init_subclass__(**kw)
         if scales_input is not None:
             cls.scales_input = scales_input
-        if options is not None:
-            cls.options = options
-        if kind is not None:
-            cls.kind, cls.about = kind, about or kind
-            ROUTERS[kind] = cls
 
-    def __init__(self, cfg: RouterSettings) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
-        self.noise_kind, self.noise_std = cfg.router_noise, cfg.router_noise_std
         self.capacity_factor, self.capacity_in_eval = cfg.capacity_factor, cfg.capacity_in_eval
         self.overflow = cfg.capacity_overflow == "next"
         self.aux_coef, self.z_coef, self.bias_rate = cfg.aux_loss_coef, cfg.z_loss_coef, cfg.bias_balance_rate
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model).normal_(std=cfg.init_std))
-        self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False) if cfg.router_noise == "learned" else None
+        self.noise_kind, self.noise_std, self.noise = "none", 0.0, None  # a kind that has noise sets them
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("pending_counts", torch.zeros(cfg.n_experts), persistent=False)
 
     def extra_repr(self) -> str:
-        return f"kind={self.kind!r}, n_experts={self.n_experts}, top_k={self.top_k}"
+        return f"kind={self.name!r}, n_experts={self.n_experts}, top_k={self.top_k}"
 
     # ------------------------------------------------------------------------------------------ the decision
     def forward(self, x_TD: torch.Tensor) -> Routing:
@@ -211,7 +184,7 @@ def chosen_scores(scores_TE: torch.Tensor, experts_TK: torch.Tensor, valid_TK: t
     return chosen_TK if valid_TK is None else chosen_TK.masked_fill(~valid_TK, float("-inf"))
 
 
-class SigmoidRouter(Router, kind="sigmoid", scales_input=True, about="Llama 4"):
+class SigmoidRouter(Router, name="sigmoid", scales_input=True, about="Llama 4"):
     """Llama 4's: sigmoid of each chosen score, and that score multiplies the expert's *input*."""
 
     def weigh(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor, valid_TK: torch.Tensor | None
@@ -219,14 +192,30 @@ class SigmoidRouter(Router, kind="sigmoid", scales_input=True, about="Llama 4"):
         return torch.sigmoid(chosen_scores(scores_TE, experts_TK, valid_TK))  # sigmoid(-inf) = 0 for empty slots
 
 
-class SoftmaxRouter(Router, kind="softmax", scales_input=False, about="the tutorial",
-                    options=("router_noise", "softmax_over")):
-    """The tutorial's: the non-chosen scores set to -inf before a softmax (or, with softmax_over="all", every
-    expert's probability kept as it is), and the weights multiply the experts' *outputs*."""
+@dataclass
+class SoftmaxSettings:
+    """The softmax router's own settings ([model.softmax]; `--set softmax.noise=learned`)."""
 
-    def __init__(self, cfg: RouterSettings) -> None:
+    noise: RouterNoise = "none"  # training only: "learned" per-expert scale (noisy top-k gating), "fixed" or "none"
+    noise_std: NonNegative = 1.0  # std of the "fixed" noise
+    over: SoftmaxOver = "chosen"  # over the top-k ("chosen", the rest -inf) or "all" logits
+
+
+class SoftmaxRouter(Router, name="softmax", scales_input=False, about="the tutorial"):
+    """The tutorial's: the non-chosen scores set to -inf before a softmax (or, with over="all", every
+    expert's probability kept as it is), and the weights multiply the experts' *outputs*. In training, noise
+    may be added to the logits first: with a fixed std, or with a learned scale softplus(x W_noise)."""
+
+    Settings = SoftmaxSettings
+    formerly = {"router_noise": "noise", "router_noise_std": "noise_std", "softmax_over": "over"}
+
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        self.over_all = cfg.softmax_over == "all"
+        own = self.settings(cfg)
+        self.over_all = own.over == "all"
+        self.noise_kind, self.noise_std = own.noise, own.noise_std
+        if own.noise == "learned":
+            self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
 
     def weigh(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor, valid_TK: torch.Tensor | None
               ) -> torch.Tensor:

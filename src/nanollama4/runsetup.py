@@ -11,7 +11,6 @@ before the first step, and saves the choice with the first checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,9 +110,10 @@ KEPT_ON_RESUME = {
 def check_kept_on_resume(saved: dict, tc: TrainConfig, run_dir: Path) -> None:
     """Refuse, in one line, a resume that changes a field of `KEPT_ON_RESUME` (or of its optimizer kind's
     `keeps`) from the run's train_config.json."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    for key, why in {**KEPT_ON_RESUME, **optimizer_kind(tc.optimizer).keeps}.items():
-        was, now = saved.get(key, defaults[key]), getattr(tc, key)
+    kind = optimizer_kind(tc.optimizer)
+    was_all, now_all = TrainConfig.from_dict(saved).to_dict(), tc.to_dict()  # old runs' keys read as today's
+    for key, why in {**KEPT_ON_RESUME, **{f"{kind.name}.{k}": why for k, why in kind.keeps.items()}}.items():
+        was, now = was_all[key], now_all[key]
         if was != now:
             raise TrainingError(f"{run_dir} was trained with {key}={was}{why.format(new=now)}; resume without "
                                 f"--set {key}, or start a new run from its weights: --init-from {run_dir}")

@@ -2,7 +2,7 @@
 it, counted in steps (--max-steps) or on the clock (--max-time).
 
 The schedule is one share of the peak (`lr_scale`) that every param group takes at once; the peaks are the
-optimizer kind's (`optim.OptimizerKind.peak_lr`: lr for AdamW's groups, muon_lr for Muon's). Both are read
+optimizer kind's (`optim.OptimizerKind.peak_lr`: lr for AdamW's groups, muon.lr for Muon's). Both are read
 from the config each step, never from the optimizer's saved groups, so a resume may change either.
 """
 

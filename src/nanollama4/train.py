@@ -21,13 +21,14 @@ metrics.jsonl, and the checks and signals around the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +55,6 @@ from .metrics import (
 )
 from .ops import kernels
 from .optim import optimizer_kind
-from .router import router_class
 from .runs import check_new_run_dir, check_resume_dir, fit_seq_len, holds_run, owning, truncate_metrics
 from .runsetup import Run, check_step_fits, resume_run, start_run
 from .runtime import bf16_speedup, choose_precision, pick_device
@@ -337,11 +337,11 @@ def run_summary(run: Run, world: World) -> str:
 
 
 def router_words(cfg: ModelConfig) -> str:
-    """The router's kind, with those of its own options (`Router.options`) that are not the defaults:
-    "sigmoid router", "softmax router (router_noise=learned)"."""
-    defaults = {f.name: f.default for f in fields(ModelConfig)}
-    changed = [f"{name}={getattr(cfg, name)}" for name in router_class(cfg.router).options
-               if getattr(cfg, name, None) != defaults.get(name)]
+    """The router's kind, with those of its own settings that are not their defaults: "sigmoid router",
+    "softmax router (softmax.noise=learned)"."""
+    own = cfg.settings.get(cfg.router)
+    changed = [] if own is None else [f"{cfg.router}.{k}={v}" for k, v in dataclasses.asdict(own).items()
+                                      if v != getattr(type(own)(), k)]
     return f"{cfg.router} router" + (f" ({', '.join(changed)})" if changed else "")
 
 

@@ -45,10 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig, TrainConfig, parse_duration, preset, split_overrides
-from ..configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, read_config_file
+from ..config import ModelConfig, TrainConfig, config_of, declared_hint, parse_duration, preset, split_overrides
+from ..configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, flat_table, read_config_file
 from ..errors import ConfigError, Nanollama4Error, TrainingError
-from ..fields import hints
 from ..files import atomic_write, read_json
 from ..runs import fit_seq_len
 from . import arms as folders
@@ -108,7 +107,7 @@ class Sweep:
             if tiny:
                 model = common.tiny_model(model)
                 model = model if window is not None else model.replace(max_seq_len=TINY_TRAIN["seq_len"])
-            tc = fit_seq_len(TrainConfig(**train), model)
+            tc = fit_seq_len(TrainConfig.from_dict(train), model)
         except (ConfigError, TrainingError) as e:
             raise ConfigError(f"{self.path}: arm {folders.shown(arm.name)}: {e}") from None
         return model, tc
@@ -250,13 +249,18 @@ NOT_PER_ARM = {"seed": "the seeds are [sweep] seeds (or --seeds)", "vocab_size":
 def _arm(path: Path, name: str, values: dict[str, Any]) -> Arm:
     """An arm's fields, each put in the table it belongs to and checked against its declaration."""
     model, train = {}, {}
-    for key, value in values.items():
-        table = next((t for t, cls in TABLES.items() if key in {f.name for f in dataclasses.fields(cls)}), None)
+    for key, value in flat_table(values):  # a kind's own settings as "muon.lr" (TOML: muon.lr = 0.01)
+        owner = config_of(key)
+        table = next((t for t, cls in TABLES.items() if cls is owner), None)
         if table is None or key in NOT_PER_ARM:
             why = NOT_PER_ARM.get(key, "no such field in [model] or [train]")
             raise ConfigError(f"{path}: arm {folders.shown(name)} sets {key!r}: {why}")
-        hint = hints(TABLES[table])[key]
-        checked = check_value(f"{path}: arm {folders.shown(name)}", key, value, hint)
+        where = f"{path}: arm {folders.shown(name)}"
+        try:
+            hint = declared_hint(TABLES[table], key)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        checked = check_value(where, key, value, hint)
         (model if table == "model" else train)[key] = checked
     return Arm(name, model, train)
 

@@ -79,7 +79,7 @@ def unsupported(model: Transformer) -> str | None:
         ffn = block.ffn
         if type(ffn) is MoE:
             if type(ffn.router) not in (SigmoidRouter, SoftmaxRouter):
-                return f"the router kind {ffn.router.kind!r}"
+                return f"the router kind {ffn.router.name!r}"
             if type(ffn.experts) not in (Experts, FastExperts):
                 return f"routed experts of class {type(ffn.experts).__name__}"
             if ffn.shared_expert is not None and not _plain_swiglu(ffn.shared_expert):

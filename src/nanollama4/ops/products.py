@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from ..parts import Registry
 from .routed import Stages
 
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +68,8 @@ class ExpertProduct:
     stages: Stages | None = None
 
 
-REGISTRY: dict[str, ExpertProduct] = {}  # name -> product, in the order they registered
+REGISTRY: Registry[ExpertProduct] = Registry("dispatch", "a product", "nanollama4.ops.experts",
+                                              changed=lambda: _derive())  # name -> product, in registration order
 PRODUCTS: dict[str, Product] = {}  # name -> function; every call goes through here, so one entry swaps one product
 ROW_MULTIPLE: dict[str, int] = {}  # the products that want each group padded, to a multiple of this
 CASTS_WEIGHTS: set[str] = set()  # the products that take the weights in their own dtype
@@ -89,15 +91,13 @@ def register_product(name: str, fn: Product, *, supports: Supports = anywhere, b
         stages = dataclasses.replace(stages, multiple=row_multiple)
     beats = (beats,) if isinstance(beats, str) else tuple(beats)  # beats="loop" means the loop, not l, o, o, p
     product = ExpertProduct(name, fn, supports, beats, row_multiple, casts_weights, stages)
-    REGISTRY[name] = product
-    _derive()
+    REGISTRY.add(name, product)  # the tables below are derived again
     return product
 
 
 def unregister_product(name: str) -> None:
     """Remove product `name` (a test's, or a module's that is being reloaded); a name not there is ignored."""
-    REGISTRY.pop(name, None)
-    _derive()
+    REGISTRY.remove(name)
 
 
 def _derive() -> None:
