@@ -1,13 +1,13 @@
 """The optimizer kinds: what each one answers (own settings, groups' peak learning rates, refusals, state
-size), and that a new optimizer is one registration: SGD with a momentum setting of its own, defined here
-and in a module passed to --import, trains, saves its setting and resumes like the built-in ones."""
+size), and that a new optimizer is one registration: SGD with a momentum setting of its own, defined here,
+trains, saves its setting and resumes like the built-in ones (from a file with --import:
+test_registries_cli.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 from nanollama4.config import Decay, TrainConfig, preset
-from nanollama4.configfile import tomllib
 from nanollama4.distributed import World, check
 from nanollama4.errors import ConfigError
 from nanollama4.memory import param_counts, training_memory
@@ -26,7 +25,6 @@ from nanollama4.parts import OPTIMIZERS, own_fields
 from nanollama4.runs import resume_config
 from nanollama4.schedule import lr_at, lr_scale, peak_lrs, set_lr
 from nanollama4.train import train
-from tests.helpers import run_cli
 
 SGD_NAME = "sgd-momentum"
 
@@ -154,60 +152,3 @@ def test_a_registered_optimizer_trains_and_resumes_through_train(sgd, corpus, tm
     resumed = train(None, resume_config(run, max_steps=5), run, resume=True, progress=False)
     assert resumed.step == 5 and math.isfinite(resumed.val_loss)
 
-
-IMPORTED = '''
-"""A user's optimizer with a setting of its own: SGD whose momentum is [train.plain-sgd] momentum."""
-from dataclasses import dataclass
-
-import torch
-
-from nanollama4.config import Decay
-from nanollama4.optim import OptimizerKind, trainable_parameters
-
-
-@dataclass
-class PlainSGDSettings:
-    momentum: Decay = 0.9  # the momentum of every weight
-
-
-class PlainSGD(OptimizerKind, name="plain-sgd", about="a user's SGD"):
-    Settings = PlainSGDSettings
-
-    @classmethod
-    def build(cls, model, tc):
-        return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=cls.settings(tc).momentum)
-
-    @classmethod
-    def describe(cls, tc, n_experts):
-        return f"SGD with momentum {cls.settings(tc).momentum} at {tc.lr:g}"
-'''
-
-
-def test_an_imported_optimizer_with_a_setting_of_its_own_trains_saves_it_and_resumes(corpus, tmp_path, capsys):
-    """The thought experiment through the command line: `--import` a module that defines an optimizer and its
-    setting, set it with --set, find it in config.toml and train_config.json, and resume with it."""
-    code = tmp_path / "my_sgd.py"
-    code.write_text(IMPORTED)
-    run = tmp_path / "run"
-    base = ["--import", str(code), "--preset", "tiny", "--data", str(corpus), "--quiet"]
-    try:
-        rc, out, err = run_cli(["train", *base, "--out", str(run), "--max-steps", "2", "--set", "optimizer=plain-sgd",
-                                "--set", "plain-sgd.momentum=0.5", "--set", "seq_len=32", "--set", "batch_size=4",
-                                "--set", "eval_batches=1", "--set", "threads=1"], capsys)
-        assert rc == 0, err
-        toml = tomllib.loads((run / "config.toml").read_text())
-        assert toml["train"]["optimizer"] == "plain-sgd" and toml["train"]["plain-sgd"] == {"momentum": 0.5}
-        saved = json.loads((run / "last" / "train_config.json").read_text())
-        assert saved["plain-sgd.momentum"] == 0.5 and saved["optimizer_imports"] == str(code.resolve())
-        rc, out, err = run_cli(["train", "--resume", str(run), "--import", str(code), "--max-steps", "4"], capsys)
-        assert rc == 0, err
-        assert "SGD with momentum 0.5" in out  # the resumed run's summary: its kind read the saved setting
-        assert json.loads((run / "last" / "train_config.json").read_text())["plain-sgd.momentum"] == 0.5
-        assert [x["step"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-                if "lm_loss" in x] == [1, 2, 3, 4]
-        rc, out, err = run_cli(["train", "--resume", str(run), "--import", str(code), "--max-steps", "5",
-                                "--set", "plain-sgd.momentum=1.5"], capsys)
-        assert rc == 2 and "plain-sgd.momentum (1.5) must be in [0, 1)" in err
-    finally:
-        OPTIMIZERS.remove("plain-sgd")
-        sys.modules.pop("my_sgd", None)

@@ -1,31 +1,54 @@
-"""An optimizer and an expert product of one's own, each one file, reach `nanollama4 train` through `--import`
-(issue 48's thought experiment, end to end: the registration is all the code there is).
+"""An optimizer with a setting of its own and an expert product, each one file of one's own, reach
+`nanollama4 train` through `--import` (the thought experiments end to end: the registration is all the code
+there is).
 
-Each runs in a subprocess, so that the registrations do not outlive the test in this process."""
+They run through `main(argv)` in this process; the `imported` fixture then takes their registrations and
+modules away again, which is also how a later command is shown a fresh interpreter's registries."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
-from tests.helpers import TINY
+import pytest
+
+from nanollama4.configfile import tomllib
+from nanollama4.ops.products import REGISTRY
+from nanollama4.parts import OPTIMIZERS
+from tests.helpers import TINY, run_cli
 
 MY_SGD = textwrap.dedent('''
+    """A user's optimizer with a setting of its own: SGD whose momentum is [train.plain-sgd] momentum."""
+    from dataclasses import dataclass
+
     import torch
 
+    from nanollama4.config import Decay
     from nanollama4.optim import OptimizerKind, trainable_parameters
 
 
-    class PlainSGD(OptimizerKind, name="plain-sgd", about="SGD with momentum 0.9"):
+    @dataclass
+    class PlainSGDSettings:
+        momentum: Decay = 0.9  # the momentum of every weight
+
+
+    class PlainSGD(OptimizerKind, name="plain-sgd", about="SGD with momentum"):
+        Settings = PlainSGDSettings
+
         @classmethod
         def build(cls, model, tc):
-            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=0.9)
+            return torch.optim.SGD(trainable_parameters(model), lr=tc.lr, momentum=cls.settings(tc).momentum)
 
         @classmethod
         def state_count(cls, counts):
             return counts.total
+
+        @classmethod
+        def describe(cls, tc, n_experts):
+            return f"plain-sgd with momentum {cls.settings(tc).momentum} at {tc.lr:g}"
 ''')
 
 MY_PRODUCT = textwrap.dedent('''
@@ -49,46 +72,63 @@ MY_PRODUCT = textwrap.dedent('''
 ''')
 
 
-def _train(tmp_path, corpus, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanollama4.cli", "train", *TINY, "--data", str(corpus), "--out",
-                           str(tmp_path / "run"), "--max-steps", "3", *extra], capture_output=True, text=True,
-                          timeout=300)
+@pytest.fixture
+def imported(tmp_path) -> Iterator[dict[str, Path]]:
+    """The two files, and afterwards this process as a fresh one would be: neither registered nor imported."""
+    files = {"sgd": tmp_path / "my_sgd.py", "product": tmp_path / "my_product.py"}
+    files["sgd"].write_text(MY_SGD)
+    files["product"].write_text(MY_PRODUCT)
+    yield files
+    forget()
 
 
-def test_an_optimizer_in_a_file_of_ones_own_trains_from_the_command_line(tmp_path, corpus):
-    (tmp_path / "my_sgd.py").write_text(MY_SGD)
-    proc = _train(tmp_path, corpus, "--import", str(tmp_path / "my_sgd.py"), "--set", "optimizer=plain-sgd")
-    assert proc.returncode == 0, proc.stderr
-    assert "plain-sgd at" in proc.stdout  # the summary line asks the kind
-    saved = json.loads((tmp_path / "run" / "last" / "train_config.json").read_text())
-    assert saved["optimizer"] == "plain-sgd"
-    # without the file the name is refused in one line that lists the kinds there are and says what to pass
-    proc = _train(tmp_path / "other", corpus, "--set", "optimizer=plain-sgd")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "'adamw'" in proc.stderr and "--import" in proc.stderr
+def forget() -> None:
+    OPTIMIZERS.remove("plain-sgd")
+    REGISTRY.remove("my_loop")
+    for name in ("my_sgd", "my_product"):
+        sys.modules.pop(name, None)
 
 
-def test_an_expert_product_in_a_file_of_ones_own_is_what_auto_picks_in_training(tmp_path, corpus):
-    (tmp_path / "my_product.py").write_text(MY_PRODUCT)
-    proc = _train(tmp_path, corpus, "--import", str(tmp_path / "my_product.py"))
-    assert proc.returncode == 0, proc.stderr
+def _train(capsys, run: Path, corpus, *extra: str) -> tuple[int, str, str]:
+    return run_cli(["train", *TINY, "--data", str(corpus), "--out", str(run), "--max-steps", "3", *extra], capsys)
+
+
+def test_an_imported_optimizer_with_a_setting_of_its_own_trains_saves_it_and_resumes(imported, tmp_path, corpus,
+                                                                                     capsys):
+    """--import a module that defines an optimizer and its setting, set it with --set, find it in config.toml
+    and train_config.json; a resume without the file says which to pass, and with it reads the setting back."""
+    run, sgd = tmp_path / "run", imported["sgd"]
+    rc, out, err = _train(capsys, run, corpus, "--import", str(sgd), "--set", "optimizer=plain-sgd",
+                          "--set", "plain-sgd.momentum=0.5")
+    assert rc == 0, err
+    toml = tomllib.loads((run / "config.toml").read_text())
+    assert toml["train"]["optimizer"] == "plain-sgd" and toml["train"]["plain-sgd"] == {"momentum": 0.5}
+    saved = json.loads((run / "last" / "train_config.json").read_text())
+    assert saved["plain-sgd.momentum"] == 0.5 and saved["optimizer_imports"] == str(sgd)
+
+    forget()  # a later command in a fresh interpreter: the kind is not registered
+    resume = ["train", "--resume", str(run), "--max-steps", "4"]
+    rc, out, err = run_cli(resume, capsys)
+    assert rc == 2 and "Traceback" not in err and f"pass --import {sgd}" in err, err
+    rc, out, err = run_cli([*resume, "--import", str(sgd)], capsys)
+    assert rc == 0, err
+    assert "plain-sgd with momentum 0.5" in out  # the resumed run's summary: its kind read the saved setting
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "lm_loss" in x] == [1, 2, 3, 4]
+    rc, out, err = run_cli(["train", "--resume", str(run), "--import", str(sgd), "--max-steps", "5", "--set",
+                            "plain-sgd.momentum=1.5"], capsys)
+    assert rc == 2 and "plain-sgd.momentum (1.5) must be in [0, 1)" in err, err
+
+
+def test_without_the_file_the_optimizer_is_refused_naming_the_kinds(imported, tmp_path, corpus, capsys):
+    rc, out, err = _train(capsys, tmp_path / "run", corpus, "--set", "optimizer=plain-sgd")
+    assert rc == 2 and "Traceback" not in err
+    assert "'adamw'" in err and "--import" in err
+
+
+def test_an_expert_product_in_a_file_of_ones_own_is_what_auto_picks_in_training(imported, tmp_path, corpus,
+                                                                                capsys):
+    rc, out, err = _train(capsys, tmp_path / "run", corpus, "--import", str(imported["product"]))
+    assert rc == 0, err
     calls = (tmp_path / "my_product.calls").read_text()
     assert len(calls) >= 3 * 4, calls  # every MoE layer of the tiny model, every step, went through it
-
-
-def test_a_run_trained_with_ones_own_optimizer_names_the_file_a_resume_needs(tmp_path, corpus):
-    """As a run records the module of its router, it records its optimizer's: a resume without it says what
-    to pass, and with it continues."""
-    (tmp_path / "my_sgd.py").write_text(MY_SGD)
-    assert _train(tmp_path, corpus, "--import", str(tmp_path / "my_sgd.py"), "--set",
-                  "optimizer=plain-sgd").returncode == 0
-    saved = json.loads((tmp_path / "run" / "last" / "train_config.json").read_text())
-    assert saved["optimizer_imports"] == str(tmp_path / "my_sgd.py")
-    resume = [sys.executable, "-m", "nanollama4.cli", "train", "--resume", str(tmp_path / "run"), "--max-steps", "4",
-              "--quiet"]
-    proc = subprocess.run(resume, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert f"pass --import {tmp_path / 'my_sgd.py'}" in proc.stderr, proc.stderr
-    proc = subprocess.run([*resume, "--import", str(tmp_path / "my_sgd.py")], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr

@@ -175,7 +175,7 @@ def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path 
 def check_step_fits(cfg: ModelConfig, tc: TrainConfig, world: World = ALONE) -> None:
     """Refuse, before anything is allocated, a training step that cannot fit in the memory this machine has
     free (`memory.training_memory`, which errs low), in one line naming the largest batch_size that fits.
-    A huge batch_size used to be a MemoryError traceback from the batch sampler, or the kernel's kill on
+    Without it a huge batch_size is a MemoryError traceback from the batch sampler, or the kernel's kill on
     resume. On the CPU only: a GPU's free memory is not read before the rank has chosen its device."""
     if tc.device not in ("cpu", "auto") or (tc.device == "auto" and torch.cuda.is_available()):
         return
