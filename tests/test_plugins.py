@@ -4,6 +4,8 @@ mixture-of-experts layer built alone starts from sensible weights, so swapping o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -15,6 +17,7 @@ import textwrap
 import pytest
 import torch
 
+from nanollama4.cli import main
 from nanollama4.config import preset
 from nanollama4.moe import MoE
 from nanollama4.ops import build_model
@@ -39,17 +42,24 @@ USER_CODE = textwrap.dedent(f'''
 
 @pytest.fixture(scope="module")
 def user_run(tmp_path_factory, corpus):
-    """A run trained with the user's router, through the CLI as a user trains it."""
+    """A run trained with the user's router, through the CLI as a user trains it (`main(argv)` here)."""
     root = tmp_path_factory.mktemp("plugins")
     code = root / "my_router.py"
     code.write_text(USER_CODE)
     run = root / "run"
     argv = ["train", *TINY, "--import", str(code), "--set", f"router={KIND}", "--data", str(corpus), "--out", str(run),
             "--max-steps", "4", "--set", "eval_interval=2"]
-    proc = subprocess.run([sys.executable, "-m", "nanollama4", *argv], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    yield {"code": code, "run": run, "corpus": corpus, "printed": proc.stdout}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    yield {"code": code, "run": run, "corpus": corpus, "printed": printed.getvalue()}
+    forget()
+
+
+def forget() -> None:
+    """This process as a fresh interpreter finds it: the user's kind neither registered nor imported."""
     ROUTERS.remove(KIND)
+    sys.modules.pop("my_router", None)
 
 
 def test_the_run_trained_with_the_users_router_and_recorded_it(user_run):
@@ -83,11 +93,12 @@ def test_the_closing_next_line_runs_when_pasted(user_run, capsys):
                                      ["eval", "RUN"], ["explain", "RUN", "--prompt", "the cat"],
                                      ["export", "RUN", "OUT"], ["serve", "RUN", "--port", "0"],
                                      ["train", "--resume", "RUN", "--max-steps", "6"]])
-def test_a_command_without_the_import_names_the_module(user_run, command, tmp_path):
-    """In a fresh interpreter (the kind is not registered): one line that says which --import to pass."""
+def test_a_command_without_the_import_names_the_module(user_run, command, tmp_path, capsys):
+    """As in a fresh interpreter (the kind is not registered): one line that says which --import to pass."""
+    forget()
     argv = [{"RUN": str(user_run["run"]), "OUT": str(tmp_path / "out")}.get(a, a) for a in command]
-    proc = subprocess.run([sys.executable, "-m", "nanollama4", *argv], capture_output=True, text=True, timeout=120)
-    err = assert_cli_error(proc.returncode, proc.stderr, command[0])
+    rc, _, err = run_cli(argv, capsys)
+    err = assert_cli_error(rc, err, command[0])
     assert f"--import {user_run['code'].resolve()}" in err and KIND in err
 
 
