@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two workers, a test file each at a time (pytest-xdist; tests/conftest.py gives each one thread).
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # The main job: train the demo MoE on Shakespeare for DEMO_TIME, then let it write, measure it, and explain
 # one prompt.

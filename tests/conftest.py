@@ -2,6 +2,10 @@
 
 Every test gets its own token cache (NANOLLAMA4_CACHE), so the suite never writes to the user's
 ~/.cache; `corpus` and `tiny_run` are made once per session and must be copied before they are changed.
+
+`make test` runs the files on two workers (pytest-xdist, one file per worker at a time). A worker then
+shares the machine with the other, so it computes on one thread, and so do the processes its tests start
+(OMP_NUM_THREADS): two threads per worker on two cores would wait on each other's spinning threads.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ import torch
 from nanollama4.config import TrainConfig, preset
 from nanollama4.train import train
 from tests.helpers import write_corpus
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread each (above)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -219,7 +219,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
 _BEFORE_IMPORT = {"generate": ["RUN"], "explain": ["RUN", "--prompt", "the"], "serve": ["RUN"], "experts": ["RUN"],
                   "export": ["RUN", "OUT"], "eval": ["RUN"], "plot": ["RUN"], "experiment": ["gqa"],
                   "compare": ["RUN"], "sweep": ["SWEEP"]}
-for _command in {command for command, _ in CASES}:
+for _command in sorted({command for command, _ in CASES}):
     _before = _BEFORE_IMPORT.get(_command, [])
     CASES[_command, "--import"] = [[*_before, "--import", ""], [*_before, "--import", "no_such_module_of_anyone"],
                                    [*_before, "--import", "MISSING/code.py"]]
