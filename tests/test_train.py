@@ -94,21 +94,32 @@ def cache_env(work, monkeypatch):
 # ---------------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("routing,optimizer", [("default", "adamw"), ("tutorial", "adamw"), ("default", "muon"),
                                                ("default", "muon, AdamW experts"),
-                                               ("default", "muon, experts in turn")])
+                                               ("default", "muon, experts in turn"),
+                                               ("tutorial", "muon, experts in turn, saved with the old keys")])
 def test_resume_is_exact(routing, optimizer, work, tmp_path):
     """Stopped at step k and resumed, a run logs the same losses and ends with the same weights as one that
     never stopped: with AdamW, with the tutorial's routing state, with Muon's momentum, and with Muon
     beside AdamW for the experts (muon.experts=False), and with the experts orthogonalised in turn (their last
-    updates and the turn saved)."""
+    updates and the turn saved); and a run whose files spell the kinds' settings as runs did before the kinds
+    owned them (muon_experts_per_step, router_noise)."""
     k = 6
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
+    in_turn = {"optimizer": "muon", "muon.experts_per_step": 1}
     chosen = {"muon, AdamW experts": {"optimizer": "muon", "muon.experts": False},
-              "muon, experts in turn": {"optimizer": "muon", "muon.experts_per_step": 1}}.get(optimizer,
+              "muon, experts in turn": in_turn, "muon, experts in turn, saved with the old keys": in_turn}.get(optimizer,
                                                                                          dict(optimizer=optimizer))
     run_train(a, cfg(max_steps=2 * k, **chosen), corpus, cache, model=model)
     first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, **chosen), corpus, cache, model=model)
     assert first.step == k and not first.interrupted
+    if "old keys" in optimizer:  # the checkpoint's files as an older nanollama4 wrote them
+        last = resolve_checkpoint(b, prefer="last")
+        for name in ("train_config.json", "config.json"):
+            saved = json.loads((last / name).read_text())
+            old = {key.replace("muon.", "muon_").replace("softmax.noise", "router_noise")
+                   .replace("softmax.over", "softmax_over"): value for key, value in saved.items()}
+            assert old != saved and all("." not in key for key in old)
+            (last / name).write_text(json.dumps(old))
     second = resume(b, cache, max_steps=2 * k)
     assert second.step == 2 * k
 
