@@ -21,7 +21,6 @@ from nanollama4.config import TrainConfig, preset
 from nanollama4.train import train
 from tests.helpers import write_corpus
 
-
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread each (above)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

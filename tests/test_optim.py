@@ -33,7 +33,7 @@ from nanollama4.optim import (
 )
 from nanollama4.parts import OPTIMIZERS, own_fields
 from nanollama4.runs import resume_config
-from nanollama4.schedule import lr_at, lr_scale, peak_lrs, set_lr
+from nanollama4.schedule import logged_lr, lr_scale, peak_lrs, set_lr
 from nanollama4.train import train
 
 STEPS = 4
@@ -289,7 +289,7 @@ def test_the_schedule_scales_each_group_s_own_peak():
     scale = lr_scale(tc, 1, 0.0)
     set_lr(opt, tc, scale)
     assert scale == 0.5 and [g["lr"] for g in opt.param_groups] == [scale * p for p in peaks]
-    assert lr_at(tc, 1, 0.0) == scale * 3e-3  # what metrics.jsonl logs: AdamW's lr
+    assert logged_lr(tc, scale) == scale * 3e-3  # what metrics.jsonl logs: AdamW's lr
 
 
 def test_muon_refuses_what_it_cannot_do():

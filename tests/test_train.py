@@ -29,7 +29,7 @@ from nanollama4.evaluation import full_validation_loss
 from nanollama4.model import Loss, Transformer
 from nanollama4.ops import build_model
 from nanollama4.runs import resume_config
-from nanollama4.schedule import lr_at
+from nanollama4.schedule import logged_lr, lr_scale
 from nanollama4.train import TrainingError, train
 from tests.helpers import (
     assert_cli_error,
@@ -106,9 +106,8 @@ def test_resume_is_exact(routing, optimizer, work, tmp_path):
     corpus, cache, model = work["corpus"], work["cache"], ROUTINGS[routing]
     a, b = tmp_path / "a", tmp_path / "b"
     in_turn = {"optimizer": "muon", "muon.experts_per_step": 1}
-    chosen = {"muon, AdamW experts": {"optimizer": "muon", "muon.experts": False},
-              "muon, experts in turn": in_turn, "muon, experts in turn, saved with the old keys": in_turn}.get(optimizer,
-                                                                                         dict(optimizer=optimizer))
+    chosen = {"muon, AdamW experts": {"optimizer": "muon", "muon.experts": False}, "muon, experts in turn": in_turn,
+              "muon, experts in turn, saved with the old keys": in_turn}.get(optimizer, dict(optimizer=optimizer))
     run_train(a, cfg(max_steps=2 * k, **chosen), corpus, cache, model=model)
     first = run_train(b, cfg(max_steps=k, decay_steps=2 * k, **chosen), corpus, cache, model=model)
     assert first.step == k and not first.interrupted
@@ -441,6 +440,11 @@ def test_full_validation_loss_matches_window_by_window(n_tokens):
             count += t
     assert count == n_tokens - 1
     assert got == pytest.approx(total / count, abs=1e-5)
+
+
+def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
+    """The lr metrics.jsonl logs for a step: the schedule's share of tc.lr."""
+    return logged_lr(tc, lr_scale(tc, step, elapsed))
 
 
 def test_lr_at_warmup_and_cosine():

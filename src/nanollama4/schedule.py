@@ -43,14 +43,9 @@ def lr_scale(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0)
     return floor + 0.5 * (1 - floor) * (1 + math.cos(math.pi * p))
 
 
-def lr_at(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0) -> float:
-    """The learning rate metrics.jsonl logs for the step about to run: `lr_scale` of tc.lr (the AdamW
-    groups'; every other group takes the same share of its own peak)."""
-    return logged_lr(tc, lr_scale(tc, step, elapsed, step_time))
-
-
 def logged_lr(tc: TrainConfig, scale: float) -> float:
-    """The "lr" of a metrics.jsonl line for a step taken at `scale` of the peaks."""
+    """The "lr" of a metrics.jsonl line for a step taken at `scale` of the peaks: tc.lr's share (the AdamW
+    groups'; every other group takes the same share of its own peak)."""
     return tc.lr * scale
 
 
