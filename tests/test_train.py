@@ -442,9 +442,9 @@ def test_full_validation_loss_matches_window_by_window(n_tokens):
     assert got == pytest.approx(total / count, abs=1e-5)
 
 
-def lr_at(tc: TrainConfig, step: int, elapsed: float) -> float:
+def lr_at(tc: TrainConfig, step: int, elapsed: float, step_time: float = 0.0) -> float:
     """The lr metrics.jsonl logs for a step: the schedule's share of tc.lr."""
-    return logged_lr(tc, lr_scale(tc, step, elapsed))
+    return logged_lr(tc, lr_scale(tc, step, elapsed, step_time))
 
 
 def test_lr_at_warmup_and_cosine():

@@ -10,12 +10,10 @@ reasons for them belong beside the fields they set.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from .errors import ConfigError, MissingImport
 from .fields import (
@@ -30,104 +28,16 @@ from .fields import (
     at_least,
     at_most,
     check,
-    hints,
     plain_fields,
     read_text,
     size,
 )
-from .parts import OPTIMIZERS, ROUTERS, Registry, code_of, own_fields
+from .parts import OPTIMIZERS, ROUTERS, Composed, code_of, declared_hint, own_keys
 
 RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
 CapacityOverflow = Annotated[Literal["next", "drop"], Rule("'next' (the next-best expert with room) or 'drop'")]
 SoftmaxOver = Annotated[Literal["chosen", "all"], Rule("'chosen' (the top-k, the rest -inf) or 'all' (every logit)")]
-
-
-class _JsonConfig:
-    """The dict form of the config dataclasses (what config.json and train_config.json hold), and the tables
-    of the kinds they name (`parts.Kind.Settings`).
-
-    A config field that names a kind (`KINDS`: ModelConfig's `router`, TrainConfig's `optimizer`) brings
-    that kind's own settings, kept in the `settings` field as one dataclass per kind. In the dict form they
-    are flat keys "kind.field" ("muon.lr"), as `--set` and sweeps write them; a nested table (a config file's
-    [train.muon]) and the flat keys older runs saved (`Kind.formerly`: "muon_lr") are read as well.
-    """
-
-    KINDS: ClassVar[dict[str, Registry[Any]]] = {}
-    settings: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in plain_fields(self)}
-        for kind, values in self.settings.items():
-            out.update((f"{kind}.{name}", value) for name, value in dataclasses.asdict(values).items())
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self.to_dict() == other.to_dict()  # type: ignore[attr-defined]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Any:
-        """Build from a dict, rejecting unknown keys (a typo must not silently fall back to a default)."""
-        plain = {f.name for f in plain_fields(cls)}
-        formerly = {old: (kind.name, new) for registry in cls.KINDS.values() for kind in registry.values()
-                    for old, new in getattr(kind, "formerly", {}).items()}
-        values: dict[str, Any] = {}
-        tables: dict[str, dict[str, Any]] = {}
-        unknown = []
-        for key, value in data.items():
-            if key in plain:
-                values[key] = value
-            elif key == "settings" and isinstance(value, dict):  # the Python form: {kind: table or Settings}
-                for kind, table in value.items():
-                    table = dataclasses.asdict(table) if dataclasses.is_dataclass(table) else table
-                    if isinstance(table, dict):
-                        tables.setdefault(kind, {}).update(table)
-                    else:  # refused, naming the kind, where the tables are settled
-                        tables[kind] = table
-            elif isinstance(key, str) and "." in key:
-                kind, _, name = key.partition(".")
-                tables.setdefault(kind, {})[name] = value
-            elif isinstance(value, dict) and isinstance(key, str):
-                tables.setdefault(key, {}).update(value)
-            elif key not in formerly:
-                unknown.append(key)
-        for key, (kind, name) in formerly.items():  # an old run's flat key, unless the new one is given too
-            if key in data:
-                tables.setdefault(kind, {}).setdefault(name, data[key])
-        if unknown:
-            raise ConfigError(f"unknown {cls.__name__} keys {sorted(map(str, unknown))}; valid keys: "
-                              f"{sorted(plain)} and each kind's own as KIND.KEY (`nanollama4 config` lists them)")
-        return cls(**values, settings=tables)
-
-    def _settle_kinds(self) -> None:
-        """Each table in `settings` made its kind's Settings, checked field by field; the built-in kinds' and
-        the named kind's tables filled in with their defaults (a config file lists them all)."""
-        named = {getattr(self, field): registry for field, registry in self.KINDS.items()}
-        given, self.settings = self.settings, {}
-        for kind_name, table in given.items():
-            registry = next((r for r in self.KINDS.values() if kind_name in r), None)
-            if registry is None:
-                kinds = ", ".join(k for r in self.KINDS.values() for k, c in r.items() if own_fields(c))
-                raise ConfigError(f"{kind_name!r} names no kind with settings of its own (those with some: "
-                                  f"{kinds}); write KIND.KEY, as muon.lr")
-            kind = registry[kind_name]
-            if isinstance(table, kind.Settings):
-                values = table
-            else:
-                if not isinstance(table, dict):
-                    raise ConfigError(f"{kind_name}'s settings must be a table of key = value, not {table!r}")
-                known = [f.name for f in own_fields(kind)]
-                extra = sorted(set(table) - set(known))
-                if extra:
-                    raise ConfigError(f"{kind_name}.{extra[0]} is not a setting of the {kind_name} {registry.field}"
-                                      f"; its settings: {', '.join(known) or 'none'}")
-                values = kind.Settings(**table)
-            check(values, prefix=f"{kind_name}.")
-            self.settings[kind_name] = values
-        for name, registry in [*named.items(), *((None, r) for r in self.KINDS.values())]:
-            for kind_name, kind in registry.items():
-                if (kind_name == name or (name is None and code_of(kind) is None)) and own_fields(kind):
-                    self.settings.setdefault(kind_name, kind.Settings())
 
 
 # What each field takes: its type and limits (fields.Rule), read by fields.check for every door (Python, config
@@ -176,7 +86,7 @@ LogKind = Annotated[Literal["jsonl", "tensorboard"], Rule("'jsonl' (metrics.json
 
 
 @dataclass(eq=False)
-class ModelConfig(_JsonConfig):
+class ModelConfig(Composed):
     """Shapes and switches of a Llama 4-style decoder. Defaults make a small, sensible MoE model."""
 
     # --- sizes
@@ -290,7 +200,7 @@ class ModelConfig(_JsonConfig):
 
 
 @dataclass(eq=False)
-class TrainConfig(_JsonConfig):
+class TrainConfig(Composed):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
     The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
@@ -469,30 +379,6 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
         key, raw = (part.strip() for part in pair.split("=", 1))
         out[key] = read_text(key, raw, declared_hint(cls, key))
     return out
-
-
-def declared_hint(cls: Any, key: str) -> Any:
-    """The declared type of `key` in config class `cls`: one of its fields, or "kind.key" of a kind it names;
-    else a ConfigError listing what there is."""
-    plain = {f.name for f in plain_fields(cls)}
-    if key in plain:
-        return hints(cls)[key]
-    kind_name, dot, name = key.partition(".")
-    for registry in cls.KINDS.values():
-        if dot and kind_name in registry:
-            kind = registry[kind_name]
-            known = [f.name for f in own_fields(kind)]
-            if name in known:
-                return hints(kind.Settings)[name]
-            raise ConfigError(f"{key!r}: the {kind_name} {registry.field} has no setting {name!r}; its settings: "
-                              f"{', '.join(known) or 'none'}")
-    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(plain | set(own_keys(cls))))}")
-
-
-def own_keys(cls: Any) -> list[str]:
-    """Every "kind.key" the kinds that config class `cls` names declare (those registered now)."""
-    return [f"{kind_name}.{f.name}" for registry in cls.KINDS.values() for kind_name, kind in registry.items()
-            for f in own_fields(kind)]
 
 
 def config_of(key: str) -> type | None:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ModelConfig, TrainConfig, config_of, declared_hint, preset
+from .config import ModelConfig, TrainConfig, config_of, preset
 from .errors import ConfigError
 from .fields import field_help, options_of, plain_fields
 from .files import read_bytes
-from .parts import own_fields
+from .parts import declared_hint, own_fields
 
 if sys.version_info >= (3, 11):
     import tomllib

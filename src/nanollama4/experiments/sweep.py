@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig, TrainConfig, config_of, declared_hint, parse_duration, preset, split_overrides
+from ..config import ModelConfig, TrainConfig, config_of, parse_duration, preset, split_overrides
 from ..configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, flat_table, read_config_file
 from ..errors import ConfigError, Nanollama4Error, TrainingError
 from ..files import atomic_write, read_json
+from ..parts import declared_hint
 from ..runs import fit_seq_len
 from . import arms as folders
 from . import common
