@@ -14,7 +14,7 @@ import torch
 
 from nanollama4.config import preset
 from nanollama4.errors import ConfigError
-from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes, untrained_twin
+from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes, training_routing, untrained_twin
 from nanollama4.explain.expertsview import report_dict
 from nanollama4.explain.routes import Routes, route_stream
 from nanollama4.explain.specialise import (
@@ -182,6 +182,8 @@ def test_cli_on_a_run_and_json_round_trips(tiny_run, corpus, tmp_path, capsys):
     ids = np.array(tok.encode(corpus.read_text()))[:500]
     again = experts(model, tok, ids, batch=2)
     again.source = f"{tiny_run}; {corpus}"
+    again.training = training_routing(tiny_run)  # what the command adds for a run: its logged routing
+    assert again.training is not None and "entropy" in again.training.values
     assert data == json.loads(json.dumps(report_dict(again)))
     assert data["format"] == "nanollama4-experts/1" and set(dataclasses.asdict(
         experts(model, tok, ids[:64], batch=2))) <= set(data)

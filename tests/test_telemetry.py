@@ -129,10 +129,12 @@ def test_tensorboard_events_hold_what_metrics_jsonl_holds(corpus, tmp_path):
     assert entropy == pytest.approx([v["routing"]["entropy"][0] for v in vals], rel=1e-5)
 
 
-def test_a_statistic_declared_once_reaches_the_log_tensorboard_the_plots_and_compare(corpus, tmp_path, capsys):
+def test_a_statistic_declared_once_reaches_the_log_tensorboard_the_plots_compare_and_experts(corpus, tmp_path,
+                                                                                            capsys):
     """One `RoutingStatistic` declared here (the most loaded expert's share of the slots, read at each training
     step) is in every validation line's routing block, among TensorBoard's scalars, in `plot`'s and
-    `compare`'s panels, and read back for the plots; a statistic read at validation ("now") too."""
+    `compare`'s panels, read back for the plots, and in the `experts` view of the run (terminal and JSON); a
+    statistic read at validation ("now") too."""
     from nanollama4.metrics import board_scalars
     from nanollama4.moe import ROUTING_STATISTICS, RoutingStatistic, routing_statistic
     from nanollama4.plots import plot_routing, routing_of, routing_panels
@@ -161,5 +163,16 @@ def test_a_statistic_declared_once_reaches_the_log_tensorboard_the_plots_and_com
         rc, out, err = run_cli(["compare", str(run), "--out", str(tmp_path / "cmp")], capsys)
         assert rc == 0, err
         assert (tmp_path / "cmp" / "routing.png").is_file()
+        report = tmp_path / "experts.json"
+        rc, out, err = run_cli(["experts", str(run), "--quiet", "--json", str(report)], capsys)
+        assert rc == 0, err
+        last = vals[-1]
+        trained = [line for line in out.splitlines() if line.startswith(f"  in training (the run's last validation, "
+                                                                         f"step {last['step']}): ")]
+        assert len(trained) == len(last["routing"]["load"])  # one line per MoE layer
+        assert f"busiest {last['routing']['busiest'][0]:.3g} (share of slots)" in trained[0]
+        assert "expert_count 4 (experts)" in trained[0]
+        saved = json.loads(report.read_text())["training"]
+        assert saved["step"] == last["step"] and saved["values"]["busiest"] == last["routing"]["busiest"]
     finally:
         ROUTING_STATISTICS[:] = declared

@@ -262,7 +262,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
 
 def cmd_experts(args: argparse.Namespace) -> None:
-    from .explain.experts import experts
+    from .explain.experts import experts, training_routing
     from .explain.expertspage import check_experts_page_target, write_experts_page
     from .explain.expertsview import check_json_target, show_experts, write_json
     from .explain.routes import model_and_text
@@ -274,6 +274,7 @@ def cmd_experts(args: argparse.Namespace) -> None:
     model, tokenizer, ids, source = model_and_text(args.path, args.data, args.tokens)
     report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet, untrained=args.untrained_null)
     report.source = f"{args.path}; {source}"
+    report.training = training_routing(args.path)
     print(f"text: {source}")
     show_experts(report)
     if args.json:

@@ -56,7 +56,10 @@ class Registry(Generic[T]):
         return self._parts
 
     def add(self, name: str, part: T) -> None:
-        """Register `part` as `name`, replacing one of that name (a module imported again)."""
+        """Register `part` as `name`, replacing one of that name (a module imported again). A name is what a
+        config writes and the first half of its settings' keys ("muon.lr"): no dots, spaces or '='."""
+        if not isinstance(name, str) or not name or any(c in name for c in ".= \t\n"):
+            raise ConfigError(f"a {self.field}'s name must be a word (letters, digits, '-' or '_'), not {name!r}")
         self._parts[name] = part
         if self.changed is not None:
             self.changed()

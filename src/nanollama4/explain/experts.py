@@ -20,11 +20,13 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError, shown
+from ..fields import number
 from ..model import Transformer
 from ..tokenizer import CharTokenizer, Tokenizer, token_bytes, token_label
 from .routes import Routes, route_stream
@@ -147,6 +149,35 @@ class UntrainedLayer:
 
 
 @dataclass
+class TrainingRouting:
+    """A run's own routing statistics at its last validation (the "routing" block of its metrics.jsonl): one
+    value per MoE layer for each declared statistic (`moe.ROUTING_STATISTICS`, which say what each means and
+    in what unit). What the router did in training, beside how it routes this text in eval mode."""
+
+    step: int
+    values: dict[str, list[float]]  # statistic name -> one value per MoE layer, as logged
+
+
+def training_routing(path: str | Path) -> TrainingRouting | None:
+    """The last routing `path` logged, when it is a run folder with a metrics.jsonl that has one (else None).
+    Only the declared statistics are taken, and only lists of finite numbers (the file may be anyone's)."""
+    from ..moe import ROUTING_STATISTICS
+    from ..plots import read_metrics
+
+    metrics = Path(path) / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    _, vals = read_metrics(metrics)
+    last = next((v for v in reversed(vals) if isinstance(v.get("routing"), dict)), None)
+    if last is None or not isinstance(last.get("step"), int):
+        return None
+    values = {s.name: [float(x) for x in last["routing"][s.name]] for s in ROUTING_STATISTICS
+              if isinstance(last["routing"].get(s.name), list)
+              and all(number(x) for x in last["routing"][s.name])}
+    return TrainingRouting(last["step"], values) if values else None
+
+
+@dataclass
 class ExpertsReport:
     tokens: int
     windows: int
@@ -162,6 +193,7 @@ class ExpertsReport:
     untrained_paths: Specialisation | None = None  # I(path; token) of the untrained model
     untrained_seed: int | None = None  # the seed its weights were drawn from
     source: str = ""  # what was read: the model's path and the text's (the command fills it in)
+    training: TrainingRouting | None = None  # the run's routing statistics at its last validation, if a run
 
 
 def experts(model: Transformer, tokenizer: Tokenizer, ids: np.ndarray, batch: int = 16, quiet: bool = True,

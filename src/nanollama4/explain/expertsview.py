@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..files import atomic_write, check_output_target
-from .experts import ExpertsReport, LayerStat, UntrainedLayer
+from ..moe import ROUTING_STATISTICS
+from .experts import ExpertsReport, LayerStat, TrainingRouting, UntrainedLayer
 from .specialise import Specialisation
 from .terminal import terminal_console
 
@@ -73,13 +74,15 @@ def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
     console.print(f"{report.tokens:,} tokens in {report.windows:,} windows of {report.window} (non-overlapping: "
                   f"a window's first tokens see little context); {report.tokenizer} token classes", markup=False)
     untrained = {u.layer: u for u in report.untrained or []}
-    for layer in report.layers:
-        _show_layer(report, layer, console, untrained.get(layer.layer))
+    for i, layer in enumerate(report.layers):
+        trained = None if report.training is None else _training_line(report.training, i)
+        _show_layer(report, layer, console, untrained.get(layer.layer), trained)
     if report.paths is not None:
         _show_paths(report, console)
 
 
-def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untrained: UntrainedLayer | None) -> None:
+def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untrained: UntrainedLayer | None,
+                trained: str | None) -> None:
     from rich.table import Table
 
     console.print()
@@ -94,6 +97,9 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
         console.print(f"  I(expert; {name}) {_mi(mi)}", markup=False)
         if null:
             console.print(f"    untrained (seed {report.untrained_seed}): {_mi(null)}", markup=False)
+    if trained is not None:
+        console.print(f"  in training (the run's last validation, step {report.training.step}): {trained}",
+                      markup=False)
     uniform = 1 / max(len(layer.experts), 1)
     table = Table(show_edge=False, pad_edge=False)
     for name in ("expert", "load", "bits (shuffled)", "top tokens by lift (one context)",
@@ -109,6 +115,18 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
         table.add_row(str(e.expert), f"{e.load:.2f} ({e.load / uniform:.1f}x)",
                       f"{e.kl_bits:.2f} ({e.kl_null_bits:.2f})", tops, "  ".join(f"{c} {r:.1f}" for r, c in over))
     console.print(table)
+
+
+def _training_line(training: TrainingRouting, i: int) -> str:
+    """Layer i's logged statistics, each in its declared unit (`moe.ROUTING_STATISTICS`)."""
+    units = {stat.name: stat.unit for stat in ROUTING_STATISTICS}
+    parts = []
+    for stat in ROUTING_STATISTICS:
+        if i < len(training.values.get(stat.name, ())):
+            unit = stat.unit or units.get(stat.panel or "", "")  # a range's high: its panel's unit
+            value = f"{stat.name} {training.values[stat.name][i] * stat.factor:.3g}"
+            parts.append(f"{value} ({unit})" if unit else value)
+    return "; ".join(parts) or "nothing logged for this layer"
 
 
 def _show_paths(report: ExpertsReport, console: Console) -> None:
