@@ -3,11 +3,13 @@
 A step of R ranks x batch b x accumulation a must be the step one process takes with batch b and
 accumulation R x a: same windows, same micro-batches, same losses. Checkpoints must move between world
 sizes. Each launch costs a few seconds (two Python processes importing torch), so every comparison
-shares the runs it needs (module-scoped fixtures).
+shares the runs it needs (module-scoped fixtures), and a single process runs in this one (`main(argv)`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -38,14 +40,33 @@ def work(tmp_path_factory):
 
 def launch(work, args: list[str], ranks: int = 1, script: list[str] | None = None, env: dict | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess:
-    """`nanollama4 ARGS` alone, or under `torchrun --nproc-per-node RANKS`."""
-    if ranks == 1:
-        cmd = [str(BIN / "nanollama4"), *args]
-    else:
-        cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(ranks), "--standalone",
-               *(script or ["-m", "nanollama4"]), *args]
+    """`nanollama4 ARGS` alone (in this process), or under `torchrun --nproc-per-node RANKS`."""
+    if ranks == 1 and script is None and env is None:
+        return in_process(work, args)
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(ranks), "--standalone",
+           *(script or ["-m", "nanollama4"]), *args]
     return subprocess.run(cmd, cwd=work["root"], env={**work["env"], **(env or {})}, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def in_process(work, args: list[str]) -> subprocess.CompletedProcess:
+    """`nanollama4 ARGS` through `main(argv)` here, with the launches' token cache, as a finished process."""
+    from nanollama4.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.environ.get("NANOLLAMA4_CACHE")
+    os.environ["NANOLLAMA4_CACHE"] = work["env"]["NANOLLAMA4_CACHE"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(args)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        if before is None:
+            os.environ.pop("NANOLLAMA4_CACHE", None)
+        else:
+            os.environ["NANOLLAMA4_CACHE"] = before
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def train(work, name: str, args: list[str], ranks: int = 1) -> Path:
