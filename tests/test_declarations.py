@@ -177,3 +177,17 @@ def test_an_optimizers_own_fields_are_ignored_by_the_others_not_refused():
     """A sweep may switch one arm to AdamW while its [train] table sets Muon's fields; a run saved so loads."""
     tc = TrainConfig.from_dict({"optimizer": "adamw", "muon.lr": 0.05, "muon.experts_per_step": 2})
     assert tc.settings["muon"].lr == 0.05 and tc.to_dict()["muon.experts_per_step"] == 2
+
+
+def test_a_kinds_unknown_setting_reads_the_same_from_python_set_and_a_config_file(tmp_path):
+    message = "muon.lrr is not a setting of the muon optimizer; its settings: lr, momentum, weight_decay, " \
+              "experts, experts_per_step"
+    with pytest.raises(ConfigError) as from_python:
+        TrainConfig.from_dict({"muon.lrr": 0.1})
+    with pytest.raises(ConfigError) as from_set:
+        parse_overrides(["muon.lrr=0.1"], TrainConfig)
+    (tmp_path / "c.toml").write_text("[train.muon]\nlrr = 0.1\n")
+    with pytest.raises(ConfigError) as from_file:
+        read_config_file(tmp_path / "c.toml")
+    assert str(from_python.value) == str(from_set.value) == message
+    assert str(from_file.value) == f"{tmp_path / 'c.toml'}: [train] {message}"

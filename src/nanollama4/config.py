@@ -32,7 +32,7 @@ from .fields import (
     read_text,
     size,
 )
-from .parts import OPTIMIZERS, ROUTERS, Composed, code_of, declared_hint, own_keys
+from .parts import OPTIMIZERS, ROUTERS, Composed, code_of, declared_hint, kind_of_key, own_keys
 
 RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
@@ -383,13 +383,8 @@ def parse_overrides(pairs: list[str], cls: type = ModelConfig) -> dict[str, Any]
 
 def config_of(key: str) -> type | None:
     """The config class (ModelConfig or TrainConfig) a key belongs to, "kind.key" included; None if neither."""
-    for cls in (TrainConfig, ModelConfig):
-        if key in {f.name for f in plain_fields(cls)}:
-            return cls
-        kind_name, dot, _ = key.partition(".")
-        if dot and any(kind_name in registry for registry in cls.KINDS.values()):
-            return cls
-    return None
+    return next((cls for cls in (TrainConfig, ModelConfig)
+                 if key in {f.name for f in plain_fields(cls)} or kind_of_key(cls, key) is not None), None)
 
 
 def split_overrides(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -215,11 +215,9 @@ class Composed:
             else:
                 if not isinstance(table, dict):
                     raise ConfigError(f"{kind_name}'s settings must be a table of key = value, not {table!r}")
-                known = [f.name for f in own_fields(kind)]
-                extra = sorted(set(table) - set(known))
+                extra = sorted(set(table) - {f.name for f in own_fields(kind)})
                 if extra:
-                    raise ConfigError(f"{kind_name}.{extra[0]} is not a setting of the {kind_name} {registry.field}"
-                                      f"; its settings: {', '.join(known) or 'none'}")
+                    raise not_a_setting(registry, kind, extra[0])
                 values = kind.Settings(**table)
             check(values, prefix=f"{kind_name}.")
             self.settings[kind_name] = values
@@ -229,22 +227,34 @@ class Composed:
                     self.settings.setdefault(kind_name, kind.Settings())
 
 
+def not_a_setting(registry: Registry[Any], kind: Any, name: str) -> ConfigError:
+    """The refusal of "kind.name" where the kind declares no setting `name`, in the same words at every door."""
+    known = ", ".join(f.name for f in own_fields(kind)) or "none"
+    return ConfigError(f"{kind.name}.{name} is not a setting of the {kind.name} {registry.field}; its settings: "
+                       f"{known}")
+
+
+def kind_of_key(cls: Any, key: str) -> tuple[Registry[Any], Any] | None:
+    """(registry, kind) when `key` is "kind.name" for a kind that config class `cls` can name; else None."""
+    kind_name, dot, _ = key.partition(".")
+    registry = next((r for r in cls.KINDS.values() if dot and kind_name in r), None)
+    return None if registry is None else (registry, registry[kind_name])
+
+
 def declared_hint(cls: Any, key: str) -> Any:
     """The declared type of `key` in config class `cls`: one of its fields, or "kind.key" of a kind it names;
     else a ConfigError listing what there is."""
     plain = {f.name for f in plain_fields(cls)}
     if key in plain:
         return hints(cls)[key]
-    kind_name, dot, name = key.partition(".")
-    for registry in cls.KINDS.values():
-        if dot and kind_name in registry:
-            kind = registry[kind_name]
-            known = [f.name for f in own_fields(kind)]
-            if name in known:
-                return hints(kind.Settings)[name]
-            raise ConfigError(f"{key!r}: the {kind_name} {registry.field} has no setting {name!r}; its settings: "
-                              f"{', '.join(known) or 'none'}")
-    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(plain | set(own_keys(cls))))}")
+    found = kind_of_key(cls, key)
+    if found is None:
+        raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(plain | set(own_keys(cls))))}")
+    registry, kind = found
+    name = key.partition(".")[2]
+    if name not in {f.name for f in own_fields(kind)}:
+        raise not_a_setting(registry, kind, name)
+    return hints(kind.Settings)[name]
 
 
 def own_keys(cls: Any) -> list[str]:
