@@ -105,9 +105,10 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return rc, out, err
 
 
-# The tiny preset as the CLI trains it in tests: short windows, one thread, quiet.
+# The tiny preset as the CLI trains it in tests: short windows, one thread, no plots (test_plots draws them;
+# a second each), quiet.
 TINY = ["--preset", "tiny", "--set", "seq_len=32", "--set", "batch_size=4", "--set", "eval_batches=2",
-        "--set", "threads=1", "--set", "warmup_steps=2", "--quiet"]
+        "--set", "threads=1", "--set", "warmup_steps=2", "--no-plots", "--quiet"]
 
 
 def train_cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -127,6 +127,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("train", "--resume"): [["--resume", "MISSING", "--max-steps", "9"], ["--resume", "EMPTY", "--max-steps", "9"],
                             ["--resume", "RUN", "--max-steps", "1"]],
     ("train", "--quiet"): [["--quiet=yes", *NEW]],
+    ("train", "--no-plots"): [["--no-plots=yes", *NEW]],
     ("generate", "path"): [["MISSING"], ["EMPTY"], ["FILE"]],
     ("generate", "--prompt"): [["RUN", "--prompt", ""], ["RUN", "--prompt", "THE"]],
     ("generate", "--max-new-tokens"): [["RUN", "--max-new-tokens", "0"], ["RUN", "--max-new-tokens", "-5"],

@@ -23,7 +23,7 @@ from tests.helpers import write_corpus
 
 TOL = 1e-5
 BIN = Path(sys.executable).parent
-COMMON = ["--quiet", "--set", "batch_size=4", "--set", "seq_len=32", "--set", "eval_interval=3", "--set",
+COMMON = ["--quiet", "--no-plots", "--set", "batch_size=4", "--set", "seq_len=32", "--set", "eval_interval=3", "--set",
           "eval_batches=3", "--set", "warmup_steps=2", "--set", "threads=1"]
 # the tutorial's routing: softmax top-2 over 4 experts, learned noise, capacity with overflow, bias balancing
 MOE = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "capacity_factor=1.0", "--set",
@@ -77,7 +77,8 @@ def train(work, name: str, args: list[str], ranks: int = 1) -> Path:
 
 
 def resume(work, run: Path, steps: int, args: list[str], ranks: int) -> subprocess.CompletedProcess:
-    out = launch(work, ["train", "--resume", str(run), "--max-steps", str(steps), "--quiet", *args], ranks)
+    out = launch(work, ["train", "--resume", str(run), "--max-steps", str(steps), "--quiet", "--no-plots", *args],
+                 ranks)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
 

@@ -25,7 +25,7 @@ from tests.helpers import TINY, assert_cli_error, run_cli, write_corpus
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 LORA = ["--set", "seq_len=32", "--set", "batch_size=4", "--set", "eval_batches=2", "--set", "threads=1",
-        "--set", "warmup_steps=2", "--set", "lr=1e-2", "--quiet"]
+        "--set", "warmup_steps=2", "--set", "lr=1e-2", "--no-plots", "--quiet"]
 
 
 def mixed_model() -> torch.nn.Module:

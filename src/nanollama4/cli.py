@@ -167,6 +167,8 @@ def _training_commands(sub: Any) -> None:
                    help="a new run that starts from the weights (and tokenizer) of a run, a checkpoint or a "
                         "transformers folder: fine-tuning, with a new optimizer, schedule and data")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="do not draw RUN/plots/ at the end (about a second); `nanollama4 plot RUN` draws them later")
     p.set_defaults(func=commands.cmd_train)
 
     p = sub.add_parser("config", help="print the full default config file for a preset (with --set applied), every "

@@ -164,10 +164,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"stopped by a signal after saving; continue with: nanollama4 train --resume {result.run_dir} "
               f"--max-steps N (or --max-time T)")
         return code
-    from .plots import plot_run
+    if args.plots:
+        from .plots import plot_run
 
-    for path in plot_run(result.run_dir):
-        print(f"plot: {path}")
+        for path in plot_run(result.run_dir):
+            print(f"plot: {path}")
     run = shlex.quote(str(result.run_dir)) + "".join(f" --import {shlex.quote(m)}" for m in args.imports or ())
     prompt = f" --prompt {shlex.quote(result.prompt)}" if result.prompt else ""  # the run's own text's
     print(f"next: nanollama4 generate {run}{prompt}   |   nanollama4 eval {run}")
