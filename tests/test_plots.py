@@ -257,3 +257,20 @@ def test_lines_python_cannot_read_or_too_long_to_hold_are_skipped_with_the_one_w
     assert rc == 0, err
     assert err.strip().splitlines() == [f"warning: {len(crafted) + 1} line(s) of {tmp_path / 'metrics.jsonl'} are not "
                                         "step records (cut short or edited) and were skipped"]
+
+
+def test_train_draws_its_plots_unless_told_not_to_and_plot_draws_them_later(corpus, tmp_path, capsys):
+    """`train` ends by drawing RUN/plots/ and naming each file; `--no-plots` (the tests' TINY) draws none, and
+    `nanollama4 plot RUN` draws the same files afterwards."""
+    from tests.helpers import TINY, run_cli
+
+    drawn, skipped = tmp_path / "drawn", tmp_path / "skipped"
+    with_plots = [a for a in TINY if a != "--no-plots"]
+    rc, out, err = run_cli(["train", *with_plots, "--data", str(corpus), "--out", str(drawn), "--max-steps", "1"], capsys)
+    assert rc == 0, err
+    named = sorted(Path(line.split(": ", 1)[1]).name for line in out.splitlines() if line.startswith("plot: "))
+    assert named == sorted(p.name for p in (drawn / "plots").iterdir()) and "loss.png" in named
+    rc, out, err = run_cli(["train", *TINY, "--data", str(corpus), "--out", str(skipped), "--max-steps", "1"], capsys)
+    assert rc == 0 and "plot: " not in out and not (skipped / "plots").exists(), err
+    rc, out, _ = run_cli(["plot", str(skipped)], capsys)
+    assert rc in (0, None) and sorted(p.name for p in (skipped / "plots").iterdir()) == named
