@@ -165,10 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"--max-steps N (or --max-time T)")
         return code
     if args.plots:
-        from .plots import plot_run
-
-        for path in plot_run(result.run_dir):
-            print(f"plot: {path}")
+        cmd_plot(argparse.Namespace(run_dir=[str(result.run_dir)]))
     run = shlex.quote(str(result.run_dir)) + "".join(f" --import {shlex.quote(m)}" for m in args.imports or ())
     prompt = f" --prompt {shlex.quote(result.prompt)}" if result.prompt else ""  # the run's own text's
     print(f"next: nanollama4 generate {run}{prompt}   |   nanollama4 eval {run}")
