@@ -4,6 +4,7 @@ replaces nothing of anyone else's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -14,10 +15,11 @@ import torch
 
 from nanollama4.config import preset
 from nanollama4.explain import palette
-from nanollama4.explain.experts import experts
+from nanollama4.explain.experts import TrainingRouting, experts
 from nanollama4.explain.expertspage import UNDRAWN, experts_html, page_data
-from nanollama4.explain.expertsview import report_dict
+from nanollama4.explain.expertsview import report_dict, training_line
 from nanollama4.model import Transformer
+from nanollama4.moe import ROUTING_STATISTICS
 from nanollama4.tokenizer import CharTokenizer
 
 from .helpers import assert_cli_error, run_cli
@@ -41,6 +43,12 @@ def report():
     return r
 
 
+def _trained(report):
+    """The report as `experts` makes it for a run: with the routing its last validation logged (step 7)."""
+    values = {s.name: [0.25 * (i + 1) for i in range(len(report.layers))] for s in ROUTING_STATISTICS}
+    return dataclasses.replace(report, training=TrainingRouting(7, values))
+
+
 def _embedded(page: str) -> dict:
     return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)[1])
 
@@ -55,6 +63,10 @@ def test_the_page_holds_every_number_of_the_report(report):
     assert data == want and data == page_data(report)  # every layer's and expert's numbers, paths, nulls
     assert json.dumps({"experts": palette.expert_colors(4), "dropped": palette.DROPPED}) in page  # explain's colours
     assert len(data["layers"]) == 4 and all(len(layer["experts"]) == 4 for layer in data["layers"])
+    trained = _trained(report)  # a run's page also carries each layer's line of its logged routing
+    lines = [training_line(trained.training, i) for i in range(4)]
+    assert _embedded(experts_html(trained)) == {**page_data(report), "training": report_dict(trained)["training"],
+                                                "training_lines": lines}
 
 
 def test_hostile_text_never_becomes_markup_in_the_raw_page(report):
@@ -73,11 +85,14 @@ def test_hostile_text_never_becomes_markup_in_the_raw_page(report):
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium here (.ci/run installs Debian's chromium)")
 def test_the_page_draws_in_a_browser_and_hostile_text_stays_text(report, tmp_path):
     page = tmp_path / "experts.html"
-    page.write_text(experts_html(report), encoding="utf-8")
+    page.write_text(experts_html(_trained(report)), encoding="utf-8")
     flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
                          timeout=120).stdout
     assert 'data-ready="yes"' in dom  # the script ran to its end
+    drawn = re.findall(r'<tr class="training"><td>in training \(the run\'s last validation, step 7\)</td>'
+                       r'<td>([^<]*)</td>', dom)
+    assert drawn == [training_line(_trained(report).training, i) for i in range(len(report.layers))]
     assert "<img" not in dom  # no element was made from the text
     escaped = HOSTILE.replace("<", "&lt;").replace(">", "&gt;")
     assert f"before <mark>{escaped}</mark> after" in dom  # the marked token highlighted, as text

@@ -1,8 +1,9 @@
 """The offline page of an `ExpertsReport` (`nanollama4 experts --html FILE`): one self-contained HTML file,
 its markup, style and script in experts.html, filled and written as explain's page is (page.py).
 
-Per MoE layer it draws the layer's specialisation numbers, a token-class x expert heatmap of each expert's
-class share over the stream's, and per expert its load and top tokens with their contexts; then the paths.
+Per MoE layer it draws the layer's specialisation numbers (for a run, beside its routing logged in
+training), a token-class x expert heatmap of each expert's class share over the stream's, and per expert
+its load and top tokens with their contexts; then the paths.
 Tokens and contexts come from a tokenizer and a text we did not write, so the script inserts every string
 as text (`textContent`), never as markup, and the data travels as JSON with "<", ">" and "&" escaped.
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .experts import ExpertsReport
-from .expertsview import report_dict
+from .expertsview import report_dict, training_line
 from .page import check_page_target, fill_page, write_html
 
 GENERATOR = "nanollama4 experts"  # named in the first line of every experts page: what marks it as ours
@@ -25,9 +26,13 @@ UNDRAWN = ("assignments", "dropped_by_token")  # per-layer counts the page leave
 
 
 def page_data(report: ExpertsReport) -> dict[str, Any]:
-    """What the page inlines: `report_dict(report)` without each layer's UNDRAWN counts."""
+    """What the page inlines: `report_dict(report)` without each layer's UNDRAWN counts, and for a run the line
+    per MoE layer of its logged routing (`training_lines`, as the terminal words it: each declared statistic
+    in its unit)."""
     data = report_dict(report)
     data["layers"] = [{k: v for k, v in layer.items() if k not in UNDRAWN} for layer in data["layers"]]
+    if report.training is not None:
+        data["training_lines"] = [training_line(report.training, i) for i in range(len(report.layers))]
     return data
 
 

@@ -75,7 +75,7 @@ def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
                   f"a window's first tokens see little context); {report.tokenizer} token classes", markup=False)
     untrained = {u.layer: u for u in report.untrained or []}
     for i, layer in enumerate(report.layers):
-        trained = None if report.training is None else _training_line(report.training, i)
+        trained = None if report.training is None else training_line(report.training, i)
         _show_layer(report, layer, console, untrained.get(layer.layer), trained)
     if report.paths is not None:
         _show_paths(report, console)
@@ -117,7 +117,7 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
     console.print(table)
 
 
-def _training_line(training: TrainingRouting, i: int) -> str:
+def training_line(training: TrainingRouting, i: int) -> str:
     """Layer i's logged statistics, each in its declared unit (`moe.ROUTING_STATISTICS`)."""
     units = {stat.name: stat.unit for stat in ROUTING_STATISTICS}
     parts = []
