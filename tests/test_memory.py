@@ -170,3 +170,31 @@ def test_a_shared_expert_of_its_own_width_keeps_top2_at_half_width_equal_in_acti
     note = active_size_note([("top1", param_counts(top1).active), ("half", param_counts(half).active)])
     assert note is not None and "top1" in note and "half" in note and "differ" in note
     assert "1,001" in active_size_note([("a", 1000), ("b", 1001)])  # alike once rounded: whole numbers
+
+
+def test_a_router_kind_with_weights_of_its_own_is_counted_without_building_the_model():
+    """A kind declares its extra weights (`Router.extra_parameters`); `param_counts` asks it, and the count
+    equals the built model's, for the softmax router's learned noise and for a kind defined here."""
+    import torch
+    from torch import nn
+
+    from nanollama4.model import Transformer
+    from nanollama4.parts import ROUTERS
+    from nanollama4.router import SigmoidRouter
+
+    class Gated(SigmoidRouter, name="gated-test", about="a test's: a sigmoid router with a gain per expert"):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.gain = nn.Parameter(torch.ones(cfg.n_experts))
+
+        @classmethod
+        def extra_parameters(cls, cfg):
+            return cfg.n_experts
+
+    try:
+        learned = preset("tiny", router="softmax", **{"softmax.noise": "learned"})
+        for cfg in (learned, preset("tiny", router="gated-test")):
+            assert param_counts(cfg).total == sum(p.numel() for p in Transformer(cfg).parameters())
+        assert param_counts(preset("tiny", router="gated-test")).noise == 4 * preset("tiny").n_layers
+    finally:
+        ROUTERS.remove("gated-test")

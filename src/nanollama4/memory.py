@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .parts import ROUTERS
 
 _BYTES_PER_VALUE = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
                     "float8": 1, "fp8": 1, "int8": 1}
@@ -30,7 +31,8 @@ class ParamCounts:
     router: int
     experts: int
     shared_expert: int
-    noise: int
+    noise: int  # the router kind's weights beyond its (E, D) `weight` (`Router.extra_parameters`): the softmax
+    # router's learned noise scale
     experts_per_token: int = 1  # k: routed experts each token visits
     n_experts: int = 0  # N: routed experts per MoE layer
 
@@ -77,7 +79,7 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
         router=cfg.n_experts * d * n_moe,
         experts=cfg.n_experts * 3 * d * cfg.expert_dim * n_moe,
         shared_expert=3 * d * cfg.shared_dim * n_moe if cfg.shared_expert else 0,
-        noise=cfg.n_experts * d * n_moe if getattr(cfg.settings.get(cfg.router), "noise", None) == "learned" else 0,
+        noise=ROUTERS.find(cfg.router).extra_parameters(cfg) * n_moe if n_moe else 0,
         experts_per_token=cfg.experts_per_token,
         n_experts=cfg.n_experts,
     )

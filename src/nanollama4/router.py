@@ -106,6 +106,12 @@ class Router(nn.Module, Kind):
     def extra_repr(self) -> str:
         return f"kind={self.name!r}, n_experts={self.n_experts}, top_k={self.top_k}"
 
+    @classmethod
+    def extra_parameters(cls, cfg: ModelConfig) -> int:
+        """The weights a layer's router of this kind holds beyond `weight` (E, D): what `memory.param_counts`
+        adds per MoE layer without building the model. A kind with trained weights of its own says how many."""
+        return 0
+
     # ------------------------------------------------------------------------------------------ the decision
     def forward(self, x_TD: torch.Tensor) -> Routing:
         """Decide experts and weights for each token."""
@@ -216,6 +222,10 @@ class SoftmaxRouter(Router, name="softmax", scales_input=False, about="the tutor
         self.noise_kind, self.noise_std = own.noise, own.noise_std
         if own.noise == "learned":
             self.noise = Float32Linear(cfg.d_model, cfg.n_experts, bias=False)
+
+    @classmethod
+    def extra_parameters(cls, cfg: ModelConfig) -> int:
+        return cfg.n_experts * cfg.d_model if cls.settings(cfg).noise == "learned" else 0  # the noise's scale
 
     def weigh(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor, valid_TK: torch.Tensor | None
               ) -> torch.Tensor:
