@@ -10,7 +10,9 @@ throughput over one client's.
     python benchmarks/serve_load.py [--path RUN_OR_HF_DIR] [--dense-peer] [--levels 1,4,16,32]
 
 After each server's levels, offline `generate` of one client's requests (same prompts, lengths, seeds and
-thread count as the server) gives the reference for one served stream.
+thread count as the server) gives the reference for one served stream. Both sides are measured alike: the
+same warm-up (long enough for the engine's runner to finish timing its ways for one row), then the best
+of --repeats runs (each level's row is its fastest run).
 
 Without --path it serves a freshly initialised demo-preset (shakespeare-char) model, exported to a
 temporary folder: the cost of a step does not depend on what the weights learned. --dense-peer
@@ -37,6 +39,9 @@ PROMPTS = ["ROMEO.\nBut soft, what light through yonder window breaks?\n",
            "JULIET.\nO Romeo, Romeo, wherefore art thou",
            "HAMLET.\nTo be, or not to be, that is the question:\n", "KING LEAR.\nBlow, winds, and crack your cheeks!",
            "MACBETH.\nIs this a dagger which I see before me,\n", "PORTIA.\nThe quality of mercy is not strained;"]
+
+
+WARM_UP = 64  # tokens of the warm-up request: the runner times each way for 5 steps before it chooses
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,9 +117,9 @@ def offline(path: str, args: argparse.Namespace) -> float:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     try:
         model, tok = load_any(path)
-        generate(model, tok, PROMPTS[0], 16, temperature=0.8, seed=0)  # warm-up, as the served level has
+        generate(model, tok, PROMPTS[0], WARM_UP, temperature=0.8, seed=0)  # warm-up, as the server's
         best = float("inf")
-        for _ in range(2):
+        for _ in range(args.repeats):
             start = time.perf_counter()
             for r in range(args.requests):
                 generate(model, tok, PROMPTS[r % len(PROMPTS)], args.max_tokens, temperature=0.8, seed=r)
@@ -132,8 +137,10 @@ def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = re.search(r"http://[0-9.]+:\d+", server.stdout.readline())[0]
-        asyncio.run(level(url, "bench", 1, 1, 16))  # warm-up: first-call allocations
-        return [asyncio.run(level(url, "bench", c, args.requests, args.max_tokens)) for c in levels]
+        asyncio.run(level(url, "bench", 1, 1, WARM_UP))  # warm-up: first-call allocations, the runner's trials
+        runs = [[asyncio.run(level(url, "bench", c, args.requests, args.max_tokens)) for _ in range(args.repeats)]
+                for c in levels]
+        return [max(rows, key=lambda row: row["tps"]) for rows in runs]
     finally:
         server.terminate()
         server.wait(60)
@@ -159,12 +166,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each level and of offline generate; "
+                        "the fastest is reported")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
-    print(f"serve_load: max_tokens {args.max_tokens}, {args.requests} streamed requests per client, --max-batch "
-          f"{args.max_batch}; CPU: {cpu}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}\n")
+    print(f"serve_load: max_tokens {args.max_tokens}, {args.requests} streamed requests per client, "
+          f"--max-batch {args.max_batch}, best of {args.repeats}; CPU: {cpu}, {os.cpu_count()} cores; "
+          f"{time.strftime('%Y-%m-%d')}\n")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.path or str(demo_model_folder(Path(tmp) / "demo"))
         rows = sweep(path, levels, args)
