@@ -91,6 +91,7 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
     at::mm_out(yt, xt, wt.t());
     return;
   }
+#if defined(__AVX512F__)  // 16 accumulators fit AVX-512's 32 registers (with AVX2's 16 they would spill)
   if (N % kLanes == 0 && K % kLanes == 0) {  // 16 columns at a time, their 16 dot products finished together
     const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kLanes * K * 4));
     at::parallel_for(0, N / kLanes, grain, [&](int64_t g0, int64_t g1) {
@@ -109,6 +110,7 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
     });
     return;
   }
+#endif
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
