@@ -23,47 +23,9 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
-
-constexpr int64_t kLanes = 16;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-inline vec load(const float* p) { vec v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
-inline vec splat(float a) { return vec{} + a; }
-typedef float half_vec __attribute__((vector_size(8 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(4 * sizeof(float))));
-inline float hsum(vec v) {  // a tree of halvings: 4 shuffles and adds instead of 15 dependent scalar adds
-  half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// The sums of 16 vectors as one vector (lane j: the sum of a_j), by halving shuffles: 16 dot products
-// finished in ~45 operations instead of ~80.
-inline vec pair_halves(vec a, vec b) {  // lanes 0-7: a's two halves added, 8-15: b's
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-inline vec pair_quarters(vec a, vec b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline vec pair_eighths(vec a, vec b) {
-  return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline vec pair_lanes(vec a, vec b) {
-  return __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-inline vec hsum16(const vec* a) {
-  vec t0 = pair_halves(a[0], a[8]), t1 = pair_halves(a[1], a[9]), t2 = pair_halves(a[2], a[10]);
-  vec t3 = pair_halves(a[3], a[11]), t4 = pair_halves(a[4], a[12]), t5 = pair_halves(a[5], a[13]);
-  vec t6 = pair_halves(a[6], a[14]), t7 = pair_halves(a[7], a[15]);
-  vec s0 = pair_quarters(t0, t4), s1 = pair_quarters(t1, t5), s2 = pair_quarters(t2, t6), s3 = pair_quarters(t3, t7);
-  return pair_lanes(pair_eighths(s0, s2), pair_eighths(s1, s3));
-}
 
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 8;  // from this many rows the products are torch's (faster there, measured)

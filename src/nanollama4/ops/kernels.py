@@ -75,8 +75,8 @@ def compile_source(source: Path, stem: str, what: str, instead: str) -> ModuleTy
     """Compile one C++ file of csrc/ as a module (or import an earlier process's build); None, with a warning
     saying what happens `instead`, when that fails or NANOLLAMA4_CPU_KERNELS=0.
 
-    A build is named by a hash of the source, the flags and the torch and Python versions, and an existing
-    build is imported directly, without asking ninja: two ninja binaries (the venv's, the system's) read
+    A build is named by a hash of the source, csrc/'s headers, the flags and the torch and Python versions,
+    and an existing build is imported directly, without asking ninja: two ninja binaries (the venv's, the system's) read
     each other's build logs as stale, so leaving the decision to whichever is on PATH rebuilt the kernel
     whenever PATH changed. A build that does run always says so, and always uses the same ninja.
     """
@@ -107,7 +107,9 @@ def compile_source(source: Path, stem: str, what: str, instead: str) -> ModuleTy
 def build_name(source: Path | None = None, stem: str = "grouped") -> tuple[str, list[str]]:
     """The build's name (CPU vector width + a hash of everything that changes the binary) and its flags."""
     stem, cflags = _flags(stem)
-    key = hashlib.sha256((source or SOURCE).read_bytes() + repr((cflags, torch.__version__, sys.version)).encode())
+    source = source or SOURCE
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + repr((cflags, torch.__version__, sys.version)).encode())
     return f"{stem}_{key.hexdigest()[:12]}", cflags
 
 
