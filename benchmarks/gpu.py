@@ -14,8 +14,10 @@ decode with and without CUDA graphs. `benchmarks/gpu.sh` runs it on a CUDA machi
 3. **A demo training step** (`make demo`'s recipe: bf16, Muon, batch 32 x 256; and batch 256 x 256):
    tokens/s and the model FLOPs utilisation against the chip's peak (`--peak-tflops`, or a table of names).
 4. **The `gpu` preset** (~0.7 B parameters, 0.2 B active; its dense twin of the same active size): a training
-   step eager and through torch.compile (mode "max-autotune-no-cudagraphs", and "reduce-overhead", which
-   replays the compiled step as CUDA graphs where its shapes are static), tokens/s, MFU and host syncs.
+   step eager (and, for comparison, with the chunked layers' attention as one masked pass, as before
+   `attention.by_chunks`), each block through torch.compile (with Muon on every expert, or on two a step),
+   and the whole model compiled with mode "reduce-overhead" (the step replayed as CUDA graphs): tokens/s,
+   MFU, the optimizer's own time and host syncs.
 5. **Decode**: greedy tokens/s at batch 1 and 16 through the engine (`generation.generate_ids`): the default
    (on CUDA, steps replayed as CUDA graphs: `engine.graphs`) against the plain step, and host syncs a step.
 
@@ -33,10 +35,12 @@ import statistics
 import time
 import traceback
 import warnings
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
 
+from nanollama4.attention import BY_CHUNKS
 from nanollama4.config import TrainConfig, preset
 from nanollama4.engine.cache import SlotCache
 from nanollama4.engine.runner import Runner
@@ -181,7 +185,9 @@ def _layer_step(module: torch.nn.Module, x: torch.Tensor) -> None:
     out.float().sum().backward()
 
 
-def _train_step(model: Transformer, opt: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+def _train_step(model: Transformer, opt: torch.optim.Optimizer, ids: torch.Tensor, graphs: bool = False) -> None:
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
     with torch.autocast(ids.device.type, dtype=torch.bfloat16):
         loss = model.loss(ids[:, :-1], ids[:, 1:]).total
     loss.backward()
@@ -226,27 +232,25 @@ def training_step(device: torch.device, batches: list[int], reps: int, peak: flo
                   f"| {tflops:.2f} | {mfu} |")
 
 
-def _chunks_as_sequences(attend):
-    """An attend for chunked layers in training: from position 0 on, a causal pass over whole chunks is each
-    chunk's own causal pass, so the sequence is cut into chunks and the fused causal kernel runs with no
-    mask (a masked pass with GQA falls back to the math kernel). Exact; here to measure what it is worth."""
-    def chunked(q, k, v, q_pos, k_pos, chunk, mask):
-        B, T, H, Dh = q.shape
-        if chunk is None or mask is not None or q_pos.dim() != 1 or k.shape[1] != T or T % chunk:
-            return attend(q, k, v, q_pos, k_pos, chunk, mask)
-        n = T // chunk
-        out = attend(q.reshape(B * n, chunk, H, Dh), k.reshape(B * n, chunk, *k.shape[2:]),
-                     v.reshape(B * n, chunk, *v.shape[2:]), q_pos[:chunk], k_pos[:chunk], None, None)
-        return out.reshape(B, T, H, Dh)
-    return chunked
+@contextmanager
+def _whole_masks():
+    """The chunked layers' attention as before `attention.by_chunks`: one masked pass over the whole sequence."""
+    saved = set(BY_CHUNKS)
+    BY_CHUNKS.clear()
+    try:
+        yield
+    finally:
+        BY_CHUNKS.update(saved)
 
 
-GPU_MODES = {  # name -> what it does to the model, in place
-    "eager": lambda model: None,
-    "eager, chunks as sequences": lambda model: [setattr(b.attn, "attend", _chunks_as_sequences(b.attn.attend))
-                                                 for b in model.blocks],
-    "compiled blocks": lambda model: [b.compile() for b in model.blocks],
-    "compiled whole, reduce-overhead": lambda model: model.compile(mode="reduce-overhead"),
+# name -> (what it does to the model, in place; Muon's settings; a context the steps run in)
+GPU_MODES = {
+    "eager": (lambda model: None, {}, nullcontext),
+    "eager, whole-sequence masks": (lambda model: None, {}, _whole_masks),
+    "compiled blocks": (lambda model: [b.compile() for b in model.blocks], {}, nullcontext),
+    "compiled blocks, Muon on 2 experts a step": (lambda model: [b.compile() for b in model.blocks],
+                                                  {"experts_per_step": 2}, nullcontext),
+    "compiled whole, reduce-overhead": (lambda model: model.compile(mode="reduce-overhead"), {}, nullcontext),
 }
 
 
@@ -263,14 +267,16 @@ def gpu_preset(device: torch.device, batch: int, seq: int, reps: int, peak: floa
     modes = [m for m in GPU_MODES if device.type == "cuda" or not m.startswith("compiled")]
     for mode in modes:  # (each mode for both models before the next: a slow compile leaves the others measured)
         for name, cfg in (("MoE", moe), ("dense twin", twin)):
+            if "experts a step" in mode and not cfg.n_experts:
+                continue
             if mode.startswith("compiled") and time.monotonic() > deadline - 150:
                 print(f"| {name} | | | {mode} | skipped: under 150 s of --budget left | | | | | |", flush=True)
                 continue
             try:
                 _gpu_row(device, name, cfg, mode, batch, seq, reps, peak)
             except Exception as e:  # a mode this torch or chip cannot run: a row that says so
-                print(f"| {name} | | | {mode} | failed: {type(e).__name__}: {str(e).splitlines()[0][:80]} | | | | | |",
-                      flush=True)
+                first = (str(e).splitlines() or [""])[0][:80]
+                print(f"| {name} | | | {mode} | failed: {type(e).__name__}: {first} | | | | | |", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if device.type != "cuda":
@@ -281,15 +287,20 @@ def _gpu_row(device: torch.device, name: str, cfg, mode: str, batch: int, seq: i
              peak: float | None) -> None:
     counts = param_counts(cfg)
     active = counts.active - counts.embedding
+    prepare, muon, context = GPU_MODES[mode]
     torch.manual_seed(0)
     model = install(Transformer(cfg)).to(device).train()
-    opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4))
-    GPU_MODES[mode](model)
+    opt = make_optimizer(model, TrainConfig(optimizer="muon", lr=2e-3, min_lr=2e-4, settings={"muon": muon}))
+    prepare(model)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
-    seconds = timed(partial(_train_step, model, opt, ids), device, reps)
-    syncs = _host_syncs(partial(_train_step, model, opt, ids), device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        model.loss(ids[:, :-1], ids[:, 1:]).total.backward()
+    graphs = "reduce-overhead" in mode  # (a new step's graphs may overwrite the last step's outputs)
+    with context():
+        seconds = timed(partial(_train_step, model, opt, ids, graphs), device, reps)
+        syncs = _host_syncs(partial(_train_step, model, opt, ids, graphs), device)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            model.loss(ids[:, :-1], ids[:, 1:]).total.backward()
     step = timed(opt.step, device, max(2, reps // 2))  # the optimizer alone
     tokens = batch * seq
     flops = tokens * (6 * active + 6 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq / 2)

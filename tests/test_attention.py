@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from nanollama4.attention import Attention
+from nanollama4.attention import BY_CHUNKS, Attention
 from nanollama4.config import ModelConfig
+from nanollama4.ops.attention import cpu_autocast_attend
 from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
 from tests.helpers import randomize_
 
@@ -91,6 +92,36 @@ def test_chunked_rope_attention_matches_naive(qk_norm):
         want = naive_attention(cfg, attn, x, layer=0)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [3, 4, 11, 12])
+@pytest.mark.parametrize("backend", ["sdpa", "cpu autocast"])
+def test_a_whole_sequence_from_a_chunk_boundary_attends_chunk_by_chunk(length, backend):
+    """With `start` given (no cache, positions start, start+1, ...), a chunked layer cuts the sequence into
+    its chunks, each a causal pass of its own (`by_chunks`): the naive chunk mask's attention, for whole
+    chunks and a shorter last one. Where the start is not a chunk boundary, the masked pass is taken."""
+    cfg, attn = _attention(0)
+    if backend == "cpu autocast":
+        attn.attend = cpu_autocast_attend
+    x = torch.randn(2, length, cfg.d_model, generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(length)
+    calls = []
+    inner = attn.attend
+    attn.attend = lambda q, k, v, qp, kp, chunk, mask: calls.append((q.shape[:2], chunk)) or inner(q, k, v, qp, kp,
+                                                                                                chunk, mask)
+    BY_CHUNKS.add(attn.attend)
+    try:
+        with torch.no_grad():
+            got = attn(x, positions, rope_angles(rope_frequencies(cfg), positions), start=0)
+            want = naive_attention(cfg, attn, x, layer=0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            whole, rest = divmod(length, 4)
+            assert calls == [((2 * whole, 4), None)] * (whole > 0) + [((2, rest), None)] * (rest > 0)
+            calls.clear()
+            attn(x, positions + 2, rope_angles(rope_frequencies(cfg), positions + 2), start=2)
+            assert calls == [((2, length), 4)]  # (starts mid-chunk: one masked pass)
+    finally:
+        BY_CHUNKS.discard(attn.attend)
 
 
 def test_nope_attention_with_temperature_matches_naive():

@@ -18,5 +18,5 @@ def test_the_gpu_check_runs_on_the_cpu(monkeypatch, capsys):
     for section in ("## 1.", "## 2.", "## 3.", "## 4. the gpu preset", "## 5. greedy decode"):
         assert section in out, section
     assert "| MoE | 1.0M | 0.3M | eager |" in out and "| dense twin | 0.3M | 0.3M | eager |" in out
-    assert "| MoE | 1.0M | 0.3M | eager, chunks as sequences |" in out
+    assert "| MoE | 1.0M | 0.3M | eager, whole-sequence masks |" in out
     assert "compiled modes skipped off CUDA" in out and "failed" not in out

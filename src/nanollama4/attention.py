@@ -16,6 +16,10 @@ from .config import ModelConfig
 from .rope import Rope, apply_rope
 
 MaskMemo = dict[tuple[bool, int | None], torch.Tensor]  # (window, chunk) -> this step's mask
+# Backends that may be handed a chunked layer's pass as one causal pass per chunk (`by_chunks`): those
+# that read the positions only for the causal mask. A backend added from outside (an observer, an
+# experiment's) is not in it and sees the whole sequence with its chunk, as it always did.
+BY_CHUNKS: set = set()
 
 
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,10 +151,12 @@ class Attention(nn.Module):
         self.attend = sdpa_attend  # how scores are computed; `ops.install` may put a faster one here
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, start: int | None = None) -> torch.Tensor:
         """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope`: cos/sin (.., T, Dh/2, 2).
 
         With a cache, the new keys/values are stored and the queries attend to everything cached.
+        `start`: the first position, where the caller knows it (positions = start, start+1, ... and no
+        cache); a chunked layer whose pass starts at a chunk boundary then attends chunk by chunk.
         """
         B, T, _ = x.shape
         H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
@@ -169,8 +175,35 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
             mask = cache.mask(positions, k_pos, self.chunk)
-        out = self.attend(q, k, v, positions, k_pos, self.chunk, mask)  # (B, T, H, Dh)
+        if (self.chunk is not None and cache is None and start is not None and start % self.chunk == 0
+                and self.attend in BY_CHUNKS):
+            out = by_chunks(self.attend, q, k, v, positions, self.chunk)
+        else:
+            out = self.attend(q, k, v, positions, k_pos, self.chunk, mask)  # (B, T, H, Dh)
         return self.o_proj(out.reshape(B, T, H * Dh))
+
+
+def by_chunks(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              chunk: int) -> torch.Tensor:
+    """A chunked layer's attention over a sequence that starts at a chunk boundary, as a plain causal pass
+    per chunk: the whole chunks become rows of their own, (B * n, chunk), and a shorter last one is a call
+    of its own. The same attention the chunk mask gives, without the (T, T) mask, most of which is False
+    and which the fused kernels cannot skip (and with GQA, CUDA's fused kernels take no mask at all). The
+    causal mask is the same in every chunk, so each is passed the first chunk's positions."""
+    B, T, H, Dh = q.shape
+    n = T // chunk
+    whole = n * chunk
+    parts = []
+    if n:
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t[:, :whole].reshape(B * n, chunk, *t.shape[2:])
+
+        first = positions[:chunk]
+        parts.append(attend(rows(q), rows(k), rows(v), first, first, None, None).reshape(B, whole, H, Dh))
+    if whole < T:
+        last = positions[whole:]
+        parts.append(attend(q[:, whole:], k[:, whole:], v[:, whole:], last, last, None, None))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -189,4 +222,7 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
             mask = attention_mask(q_pos, k_pos, chunk)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
+
+
+BY_CHUNKS.add(sdpa_attend)
 

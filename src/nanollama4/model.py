@@ -50,8 +50,8 @@ class Block(nn.Module):
         self.ffn: nn.Module = MoE(cfg) if cfg.is_moe(layer) else SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, rope, cache)
+                cache: LayerCache | None = None, start: int | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, cache, start)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -118,6 +118,7 @@ class Transformer(nn.Module):
         for a chunk of a prompt that only fills the cache.
         """
         T = ids.shape[1]
+        start = start_pos if positions is None and cache is None else None  # (a whole sequence from start_pos)
         if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=ids.device)
         rope = rope_angles(self.inv_freq(ids.device), positions.clamp(min=0))
@@ -125,7 +126,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.new_step()
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, rope, None if cache is None else cache.layers[i])
+            x = block(x, positions, rope, None if cache is None else cache.layers[i], start)
         if not head:
             return x
         if last_only:

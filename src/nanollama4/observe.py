@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import Attention, attention_mask
+from .attention import BY_CHUNKS, Attention, attention_mask, by_chunks
 from .model import Transformer
 from .moe import MoE
 from .router import Routing
@@ -60,7 +60,12 @@ def _recording(attn: Attention, attend, seen: dict):
             scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k_rep) / math.sqrt(q.shape[-1])
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
         seen["attention"][attn], seen["keys"][attn] = probs.cpu(), k_pos.cpu()
-        return attend(q, k, v, q_pos, k_pos, chunk, mask)  # the layer's output, as the real backend makes it
+        # the layer's output as the unobserved pass makes it, bit for bit: a chunked pass over a whole sequence
+        # from a chunk boundary (no cache: the keys' positions are the queries') goes chunk by chunk there
+        whole = chunk is not None and mask is None and k_pos is q_pos and q_pos.dim() == 1 and len(q_pos)
+        if whole and attend in BY_CHUNKS and int(q_pos[0]) % chunk == 0:
+            return by_chunks(attend, q, k, v, q_pos, chunk)
+        return attend(q, k, v, q_pos, k_pos, chunk, mask)
 
     return record
 

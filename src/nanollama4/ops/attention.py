@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention_mask, sdpa_attend
+from ..attention import BY_CHUNKS, attention_mask, sdpa_attend
 
 SCORES_LIMIT = 1 << 24  # score elements (B * H * Tq * Tk) up to which training attention uses explicit scores
 
@@ -24,6 +24,9 @@ def cpu_autocast_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
         return scores_attention(q, k, v, attention_mask(q_pos, k_pos, chunk) if mask is None else mask)
     with torch.autocast("cpu", enabled=False):  # too long for explicit scores: float32 flash
         return sdpa_attend(q.float(), k.float(), v.float(), q_pos, k_pos, chunk, mask).to(q.dtype)
+
+
+BY_CHUNKS.add(cpu_autocast_attend)
 
 
 def _autocast_training(q: torch.Tensor) -> bool:
