@@ -7,7 +7,7 @@ CPU from the server (tests/test_serve.py drives the server with `openai`). Repor
 tokens/s, time to first token (TTFT) and inter-token latency (ITL) at p50 and p99, and each level's
 throughput over one client's.
 
-    python benchmarks/serve_load.py [--path RUN_OR_HF_DIR] [--dense-peer] [--levels 1,4,16,32]
+    python benchmarks/serve_load.py [--path RUN_OR_HF_DIR] [--dense-peer] [--levels 1,4,16,32] [--stream-interval MS]
 
 After each server's levels, offline `generate` of one client's requests (same prompts, lengths, seeds and
 thread count as the server) gives the reference for one served stream. Both sides are measured alike: the
@@ -131,8 +131,9 @@ def offline(path: str, args: argparse.Namespace) -> float:
 
 def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
     """The load levels against one `nanollama4 serve PATH` process."""
+    interval = [] if args.stream_interval is None else ["--stream-interval", str(args.stream_interval)]
     server = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", path, "--port", "0",
-                               "--max-batch", str(args.max_batch), "--name", "bench"],
+                               "--max-batch", str(args.max_batch), "--name", "bench", *interval],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--stream-interval", type=int, metavar="MS", help="the server's (default: its own)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each level and of offline generate; "
                         "the fastest is reported")
     args = parser.parse_args()
@@ -179,13 +181,17 @@ def main() -> None:
         path = args.path or str(demo_model_folder(Path(tmp) / "demo"))
         rows = sweep(path, levels, args)
         print(table(f"MoE: {args.path or 'fresh demo-preset model (8 experts, top-1 + shared)'}", rows))
-        print(f"\noffline generate, same prompts and settings: {offline(path, args):.0f} tokens/s", flush=True)
+        alone = offline(path, args)
+        print(f"\noffline generate, same prompts and settings: {alone:.0f} tokens/s (one served stream: "
+              f"{rows[0]['tps'] / alone:.2f}x)", flush=True)
         if args.dense_peer:
             dense = str(demo_model_folder(Path(tmp) / "dense", dense=True))
             rows = sweep(dense, levels, args)
             print()
             print(table("dense twin of the same active size (FFN 768), fresh", rows))
-            print(f"\noffline generate, same prompts and settings: {offline(dense, args):.0f} tokens/s", flush=True)
+            alone = offline(dense, args)
+            print(f"\noffline generate, same prompts and settings: {alone:.0f} tokens/s (one served stream: "
+                  f"{rows[0]['tps'] / alone:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":

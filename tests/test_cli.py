@@ -184,6 +184,8 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("serve", "--max-context"): [["RUN", "--max-context", "0"], ["RUN", "--max-context", "long"]],
     ("serve", "--allow-origin"): [["RUN", "--allow-origin", ""]],
     ("serve", "--threads"): [["RUN", "--threads", "0"], ["RUN", "--threads", "two"]],
+    ("serve", "--stream-interval"): [["RUN", "--stream-interval", "-1"], ["RUN", "--stream-interval", "2000"],
+                                     ["RUN", "--stream-interval", "0.5"]],
     ("export", "run_dir"): [["MISSING", "OUT"], ["EMPTY", "OUT"]],
     ("export", "out"): [["RUN", "FILE"], ["RUN", ""], ["RUN", "RUN"]],
     ("export", "--checkpoint"): [["RUN", "OUT", "--checkpoint", "worst"]],

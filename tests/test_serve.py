@@ -357,6 +357,55 @@ def test_clients_that_hang_up_free_their_rows_at_once():
 
 
 # ---------------------------------------------------------------------------------------------- the engine alone
+def _reads(stream: bool, interval: float, script: list[tuple[float, str]]) -> list[tuple[float, list[str]]]:
+    """When and in which batches the loop reads a `Session`'s events that an engine thread emits by `script`
+    (seconds to sleep first, then a token's text, or "end")."""
+    from nanollama4.engine.sampling import Sampling
+    from nanollama4.serve.api import Session
+    from nanollama4.serve.schema import Params
+
+    params = Params(prompts=[[1, 2]], prompt_texts=["ab"], max_tokens=8, sampling=Sampling(), stream=stream,
+                    include_usage=False, logprobs=None, echo=False, trace=False)
+
+    async def run() -> list[tuple[float, list[str]]]:
+        session = Session(SimpleNamespace(), params, interval)
+        emit = session.requests[0].emit
+        loop = asyncio.get_running_loop()
+
+        def engine() -> None:
+            for i, (pause, text) in enumerate(script):
+                time.sleep(pause)
+                emit(Finished("length", "", 2, i) if text == "end" else TokenEvent(i, text))
+
+        start = loop.time()
+        thread = threading.Thread(target=engine)
+        thread.start()
+        reads = [(loop.time() - start, [e.text if isinstance(e, TokenEvent) else "end" for _, e in batch])
+                 async for batch in session.batches()]
+        thread.join()
+        return reads
+
+    return asyncio.run(run())
+
+
+def test_a_fast_stream_is_read_in_batches_never_an_interval_late_and_its_end_at_once():
+    """A stream's first token is read at once; tokens that come within the interval of the last read wait and
+    are read together, at most the interval later even when nothing follows them; the end is read at once."""
+    fast = _reads(True, 0.4, [(0, "0"), (0.01, "1"), (0.01, "2"), (0.01, "3"), (0.01, "end")])
+    assert fast[0][1] == ["0"] and fast[0][0] < 0.25
+    assert [texts for _, texts in fast[1:]] == [["1", "2", "3", "end"]] and fast[1][0] < 0.25  # (not 0.4)
+    paused = _reads(True, 0.3, [(0, "0"), (0.01, "1"), (0.9, "end")])  # "1" then nothing for 0.9 s
+    assert [texts for _, texts in paused] == [["0"], ["1"], ["end"]]
+    assert 0.25 < paused[1][0] < 0.6 and paused[2][0] > 0.85
+    each = _reads(True, 0.0, [(0, "0"), (0.05, "1"), (0.05, "end")])  # no interval: a read per token
+    assert [texts for _, texts in each] == [["0"], ["1"], ["end"]]
+
+
+def test_a_whole_answer_is_read_once_at_its_end():
+    reads = _reads(False, 0.4, [(0, "0"), (0.01, "1"), (0.01, "2"), (0.01, "end")])
+    assert [texts for _, texts in reads] == [["0", "1", "2", "end"]] and reads[0][0] < 0.25
+
+
 def test_the_engine_refuses_past_its_queue_and_admits_in_order():
     model, tok = _model()
     engine = BackgroundEngine(model, tok, max_batch=2, max_queue=1)

@@ -64,6 +64,7 @@ _one_char = _checked(str, lambda v: len(v) == 1, "must be a single character")
 _port = _checked(_whole, lambda v: 0 <= v <= 65535, "must be a TCP port from 0 (any free one) to 65535")
 _queue = _checked(_whole, lambda v: 0 <= v <= 100_000, "must be from 0 to 100,000")
 _batch = _checked(_whole, lambda v: 1 <= v <= 1024, "must be from 1 to 1,024")
+_milliseconds = _checked(_whole, lambda v: 0 <= v <= 1000, "must be from 0 to 1,000 (milliseconds)")
 
 
 def _duration(text: str) -> float:
@@ -259,6 +260,9 @@ def _model_commands(sub: Any) -> None:
                    "included (by default only the server's own page may); repeatable")
     p.add_argument("--threads", type=_batch, help="threads for the model's arithmetic (default: the CPU's cores "
                    "less one, which is left to the HTTP side and the clients)")
+    p.add_argument("--stream-interval", type=_milliseconds, metavar="MS",
+                   help="write a stream at most every MS milliseconds, the tokens that came meanwhile together "
+                   "(default 5: each write costs the decoding thread time; 0: a write per token)")
     add_dtype(p)
     p.set_defaults(func=commands.cmd_serve)
 

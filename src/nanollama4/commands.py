@@ -296,7 +296,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,
           max_queue=args.max_queue, announce=lambda line: print(line, flush=True),
-          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context, chat=chat)
+          allowed_hosts=args.allowed_host, allow_origins=args.allow_origin, max_context=args.max_context, chat=chat,
+          stream_interval=None if args.stream_interval is None else args.stream_interval / 1000)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

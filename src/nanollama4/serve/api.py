@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -38,31 +39,51 @@ ENDPOINTS: dict[str, tuple[type[Body], type[Reply]]] = {"/v1/completions": (BODI
                                                         "/v1/chat/completions": (BODIES["chat"], ChatReply)}
 
 
+# Seconds between two writes of a stream. Each write wakes the event loop, which then holds the GIL that the
+# decoding thread needs: on a small CPU a write per token slows a fast stream measurably, one per 5 ms far
+# less (benchmarks/RESULTS.md, "Serving"), and 5 ms is far below what a reader of a stream can notice.
+STREAM_INTERVAL = 0.005
+
+
 class Session:
     """The requests of one HTTP call (one per prompt) and the events they send back, in order.
 
-    The engine's thread appends each event and wakes the event loop only when no wake-up is pending, so a
-    stream that the loop reads more slowly than the engine writes it is read in batches (one wake-up and
-    one write to the socket for all the tokens that arrived meanwhile), not a task switch per token."""
+    The engine's thread appends each event and wakes the event loop only when no wake-up is pending, and
+    a stream's tokens that arrive within `interval` seconds of its last write wait for the next one: each
+    wake-up and write costs both threads time on the GIL (the engine's step waits for it), so a fast
+    stream is written in batches, at most one write per interval, and never more than `interval` late.
+    A request's end wakes the loop at once. A whole (unstreamed) answer wakes it only at the end."""
 
-    def __init__(self, engine: BackgroundEngine, params: Params) -> None:
+    def __init__(self, engine: BackgroundEngine, params: Params, interval: float = 0.0) -> None:
         loop = asyncio.get_running_loop()
         self.pending: deque[tuple[int, Event]] = deque()  # appended by the engine's thread, taken by the loop
         self.ready = asyncio.Event()
-        self.waking = False  # a wake-up is scheduled on the loop and has not run yet
+        self.waking = False  # a token's wake-up is on its way, or waiting out the interval (reset as read)
+        self.interval = interval if params.stream else math.inf
+        self.quiet_until = 0.0 if params.stream else math.inf  # loop time before which a token waits
+        timer: list[asyncio.TimerHandle | None] = [None]
 
-        def wake() -> None:  # on the loop, before the reader takes the batch
-            self.waking = False
+        def release() -> None:
+            if timer[0] is not None:
+                timer[0].cancel()
+                timer[0] = None
             self.ready.set()
+
+        def wake(urgent: bool) -> None:  # on the loop
+            if urgent or loop.time() >= self.quiet_until:
+                release()
+            elif timer[0] is None and self.quiet_until != math.inf:
+                timer[0] = loop.call_at(self.quiet_until, release)
 
         def emitter(index: int) -> Callable[[Event], None]:
             def emit(event: Event) -> None:
                 self.pending.append((index, event))
-                if self.waking:
+                urgent = not isinstance(event, TokenEvent)
+                if self.waking and not urgent:
                     return
-                self.waking = True
+                self.waking = self.waking or not urgent
                 try:
-                    loop.call_soon_threadsafe(wake)
+                    loop.call_soon_threadsafe(wake, urgent)
                 except RuntimeError:  # the loop is gone (the server stopped): nobody is listening
                     pass
             return emit
@@ -84,15 +105,18 @@ class Session:
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
         """The events in order, as many at a time as have arrived."""
+        loop = asyncio.get_running_loop()
         while self.open:
             await self.ready.wait()
             self.ready.clear()
+            self.waking = False  # (before taking: a token appended from now on wakes the loop again)
             batch = []
             while self.pending:
                 batch.append(self.pending.popleft())
                 self.open -= isinstance(batch[-1][1], Finished)
             if batch:
                 yield batch
+                self.quiet_until = loop.time() + self.interval
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Event]]:
         async for batch in self.batches():
@@ -105,9 +129,10 @@ class Session:
 
 
 def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None = None, origins: Iterable[str] = (),
-               chat: ChatFormat | None = None) -> Starlette:
+               chat: ChatFormat | None = None, stream_interval: float = STREAM_INTERVAL) -> Starlette:
     """The ASGI app: /v1/models, /v1/completions, /v1/chat/completions, /health and the page at /. Chat
-    messages are put in `chat`'s format (`chat.chat_format_of`; default the play template).
+    messages are put in `chat`'s format (`chat.chat_format_of`; default the play template). A stream's
+    tokens are written at most once every `stream_interval` seconds (those that came meanwhile together).
 
     Requests pass `guard.Guard` first: a Host that `hosts` allows (default: a server bound to 127.0.0.1),
     an Origin that is the server's own or in `origins`, and JSON bodies declared as such."""
@@ -160,7 +185,7 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
             try:
                 body = await _read_json(http)
                 params = await parsed(body, schema)
-                session = Session(engine, params)
+                session = Session(engine, params, stream_interval)
                 session.submit()
             except ApiError as e:
                 log.info("refused %s %s: %d %s", http.method, http.url.path, e.status, e.message)

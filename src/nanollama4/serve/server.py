@@ -53,7 +53,8 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
           max_batch: int = 16, max_queue: int = 64, announce: Callable[[str], None] = print,
           allowed_hosts: Iterable[str] = (), allow_origins: Iterable[str] = (),
           request_timeout: float = REQUEST_TIMEOUT, max_connections: int | None = None,
-          max_context: int | None = None, chat: ChatFormat | None = None) -> None:
+          max_context: int | None = None, chat: ChatFormat | None = None,
+          stream_interval: float | None = None) -> None:
     """Serve `model` until SIGTERM or Ctrl-C; `announce` gets the address once the socket listens.
 
     Who may use it (`guard`): Host names as bound plus `allowed_hosts`, page origins in `allow_origins`
@@ -62,11 +63,13 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     (default: 512, or fewer when the process may open fewer files). `max_context` bounds prompt + answer, at
     most the model's max_seq_len (the engine would cut a larger one down without a word, so it is refused),
     and with it the KV cache allocated up front (refused in one line if it cannot fit). Chat messages take
-    `chat`'s format (`chat.chat_format_of`: a checkpoint's own template; default the play template)."""
+    `chat`'s format (`chat.chat_format_of`: a checkpoint's own template; default the play template). A stream
+    is written at most once every `stream_interval` seconds (default `api.STREAM_INTERVAL`), with the tokens
+    that came meanwhile (0: a write per token): each write takes the decoding thread's time (`api.Session`)."""
     try:
         import uvicorn
 
-        from .api import create_app
+        from .api import STREAM_INTERVAL, create_app
     except ImportError as e:
         raise ConfigError(f"nanollama4 serve needs starlette and uvicorn ({e.name} is missing): "
                           "pip install 'nanollama4[serve]'") from None
@@ -86,7 +89,8 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
         max_connections = MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(8, min(MAX_CONNECTIONS, soft - 64))
     engine = BackgroundEngine(model, tokenizer, max_batch=max_batch, max_queue=max_queue,
                               max_context=max_context).start()
-    app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins, chat)
+    app = create_app(engine, name, HostRule(host, allowed_hosts), allow_origins, chat,
+                     STREAM_INTERVAL if stream_interval is None else stream_interval)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
                             access_log=False, http=guarded_protocol(request_timeout, max_connections))
     class Server(uvicorn.Server):
