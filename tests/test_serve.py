@@ -109,7 +109,15 @@ def test_greedy_completion_equals_offline_generate_token_for_token(served, strea
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 30)
 
 
-def test_eight_concurrent_seeded_requests_each_equal_their_offline_run(served):
+def test_eight_concurrent_seeded_requests_each_equal_their_offline_run(served, monkeypatch):
+    runner = served.engine.runner
+    decode = runner.decode
+
+    def slowed(*args, **kwargs):  # 40 tokens take 80 ms or more: the staggered requests surely overlap
+        time.sleep(0.002)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode", slowed)
     prompts = ["ROMEO.\n", "But soft", "what light", "JULIET.\nAy me", "yonder", "window breaks?", "Ay", "xyz"]
     results: dict[int, str] = {}
 
