@@ -381,8 +381,11 @@ def main() -> None:
                                 deadline),
         "5": lambda: decode(device, [1, 2] if quick else [1, 16], 8 if quick else 224),
     }
+    sections = [part.strip() for part in args.sections.split(",")]
+    if unknown := [part for part in sections if part not in run]:
+        ap.error(f"--sections: no section {', '.join(unknown)}; the sections are {', '.join(run)}")
     failed = []
-    for section in args.sections.split(","):
+    for section in sections:
         start = time.monotonic()
         try:  # a section that breaks on this device or torch says how, and the next one still runs
             if run[section]() is False:

@@ -147,6 +147,12 @@ def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
         server.wait(60)
 
 
+def versus(alone: float, rows: list[dict]) -> str:
+    """Offline tokens/s, and one served stream's share of it where the levels measured one."""
+    one = [r["tps"] for r in rows if r["clients"] == 1]
+    return f"{alone:.0f} tokens/s" + (f" (one served stream: {one[0] / alone:.2f}x)" if one else "")
+
+
 def table(title: str, rows: list[dict]) -> str:
     lines = [title, "",
              "| clients | tokens | wall s | tokens/s | × one client | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
@@ -181,17 +187,13 @@ def main() -> None:
         path = args.path or str(demo_model_folder(Path(tmp) / "demo"))
         rows = sweep(path, levels, args)
         print(table(f"MoE: {args.path or 'fresh demo-preset model (8 experts, top-1 + shared)'}", rows))
-        alone = offline(path, args)
-        print(f"\noffline generate, same prompts and settings: {alone:.0f} tokens/s (one served stream: "
-              f"{rows[0]['tps'] / alone:.2f}x)", flush=True)
+        print(f"\noffline generate, same prompts and settings: {versus(offline(path, args), rows)}", flush=True)
         if args.dense_peer:
             dense = str(demo_model_folder(Path(tmp) / "dense", dense=True))
             rows = sweep(dense, levels, args)
             print()
             print(table("dense twin of the same active size (FFN 768), fresh", rows))
-            alone = offline(dense, args)
-            print(f"\noffline generate, same prompts and settings: {alone:.0f} tokens/s (one served stream: "
-                  f"{rows[0]['tps'] / alone:.2f}x)", flush=True)
+            print(f"\noffline generate, same prompts and settings: {versus(offline(dense, args), rows)}", flush=True)
 
 
 if __name__ == "__main__":

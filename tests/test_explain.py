@@ -93,6 +93,31 @@ def test_attention_is_what_the_layer_attended_with_and_the_model_is_left_as_it_w
     assert any(name == "blocks.1.ffn.router" for name, _, _ in t.modules)
 
 
+@pytest.mark.parametrize("numbering", ["from 0", "from 8", "with a gap"])
+def test_an_observed_pass_attends_as_the_unobserved_one_whatever_the_positions(numbering):
+    """The model attends chunk by chunk only where it numbers the positions itself from a chunk boundary; the
+    recorder does so only where the positions it is handed are such a numbering, so explicit positions (with
+    a gap here, where chunk by chunk would be wrong) are observed as they are computed."""
+    from nanollama4.observe import observe
+
+    model = _model("sigmoid", 40)
+    ids = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(3))
+    given = {"from 0": None, "from 8": torch.arange(8, 28),
+             "with a gap": torch.cat([torch.arange(5), torch.arange(9, 24)])}
+    positions = given[numbering]
+    with torch.no_grad():
+        plain = model(ids, positions=positions)
+        with observe(model):
+            seen = model(ids, positions=positions)
+    assert torch.equal(seen, plain)
+
+
+def test_an_empty_sequence_is_an_empty_answer():
+    model = _model("sigmoid", 40)
+    with torch.no_grad():
+        assert model(torch.zeros(1, 0, dtype=torch.long)).shape == (1, 0, 40)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_traced_pass_is_the_plain_pass_bit_for_bit(dtype):
     """The recorder hands back the real backend's output, so nothing downstream drifts (in bf16 an output

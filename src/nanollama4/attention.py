@@ -45,6 +45,16 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) 
     return allowed.unsqueeze(-3) if allowed.dim() == 3 else allowed
 
 
+def numbered_from(positions: torch.Tensor) -> int | None:
+    """The first position where positions (T,) are start, start + 1, ..., else None (per-row positions, gaps,
+    none at all). Reads them on the host: for positions a caller hands over, not for those the model numbers."""
+    if positions.dim() != 1 or not len(positions):
+        return None
+    start = int(positions[0])
+    return start if torch.equal(positions, torch.arange(start, start + len(positions), device=positions.device)) \
+        else None
+
+
 def temperature_scale(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
     """1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)), float32, the shape of positions."""
     p = positions.to(torch.float32)
@@ -175,7 +185,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
             mask = cache.mask(positions, k_pos, self.chunk)
-        if (self.chunk is not None and cache is None and start is not None and start % self.chunk == 0
+        if (self.chunk is not None and cache is None and start is not None and start % self.chunk == 0 and T
                 and self.attend in BY_CHUNKS):
             out = by_chunks(self.attend, q, k, v, positions, self.chunk)
         else:

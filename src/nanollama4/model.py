@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, KVCache, LayerCache, rms_unit
+from .attention import Attention, KVCache, LayerCache, numbered_from, rms_unit
 from .config import ModelConfig
 from .moe import Experts, MoE, SwiGLU
 from .rope import Rope, rope_angles, rope_frequencies
@@ -118,9 +118,12 @@ class Transformer(nn.Module):
         for a chunk of a prompt that only fills the cache.
         """
         T = ids.shape[1]
-        start = start_pos if positions is None and cache is None else None  # (a whole sequence from start_pos)
+        start = None  # the first position of a whole sequence without a cache: chunked layers go chunk by chunk
         if positions is None:
+            start = start_pos if cache is None else None
             positions = torch.arange(start_pos, start_pos + T, device=ids.device)
+        elif cache is None:
+            start = numbered_from(positions)
         rope = rope_angles(self.inv_freq(ids.device), positions.clamp(min=0))
         x = self.embed(ids)  # (B, T, d)
         if cache is not None:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import BY_CHUNKS, Attention, attention_mask, by_chunks
+from .attention import BY_CHUNKS, Attention, attention_mask, by_chunks, numbered_from
 from .model import Transformer
 from .moe import MoE
 from .router import Routing
@@ -61,9 +61,10 @@ def _recording(attn: Attention, attend, seen: dict):
             probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (B, H, Tq, Tk)
         seen["attention"][attn], seen["keys"][attn] = probs.cpu(), k_pos.cpu()
         # the layer's output as the unobserved pass makes it, bit for bit: a chunked pass over a whole sequence
-        # from a chunk boundary (no cache: the keys' positions are the queries') goes chunk by chunk there
-        whole = chunk is not None and mask is None and k_pos is q_pos and q_pos.dim() == 1 and len(q_pos)
-        if whole and attend in BY_CHUNKS and int(q_pos[0]) % chunk == 0:
+        # numbered from a chunk boundary (no cache: the keys' positions are the queries') goes chunk by chunk
+        # there, as `Transformer.forward` decides it
+        start = numbered_from(q_pos) if chunk is not None and mask is None and k_pos is q_pos else None
+        if start is not None and start % chunk == 0 and attend in BY_CHUNKS:
             return by_chunks(attend, q, k, v, q_pos, chunk)
         return attend(q, k, v, q_pos, k_pos, chunk, mask)
 
