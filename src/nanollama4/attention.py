@@ -8,6 +8,8 @@ position ("temperature tuning") so attention stays sharp over very long contexts
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ MaskMemo = dict[tuple[bool, int | None], torch.Tensor]  # (window, chunk) -> thi
 # Backends that may be handed a chunked layer's pass as one causal pass per chunk (`by_chunks`): those
 # that read the positions only for the causal mask. A backend added from outside (an observer, an
 # experiment's) is not in it and sees the whole sequence with its chunk, as it always did.
-BY_CHUNKS: set = set()
+BY_CHUNKS: set[Callable[..., torch.Tensor]] = set()
 
 
 def rms_unit(x: torch.Tensor, eps: float) -> torch.Tensor:

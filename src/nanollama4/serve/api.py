@@ -61,19 +61,19 @@ class Session:
         self.waking = False  # a token's wake-up is on its way, or waiting out the interval (reset as read)
         self.interval = interval if params.stream else math.inf
         self.quiet_until = 0.0 if params.stream else math.inf  # loop time before which a token waits
-        timer: list[asyncio.TimerHandle | None] = [None]
+        self.timer: asyncio.TimerHandle | None = None  # the wake-up of held tokens at quiet_until
 
         def release() -> None:
-            if timer[0] is not None:
-                timer[0].cancel()
-                timer[0] = None
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
             self.ready.set()
 
         def wake(urgent: bool) -> None:  # on the loop
             if urgent or loop.time() >= self.quiet_until:
                 release()
-            elif timer[0] is None and self.quiet_until != math.inf:
-                timer[0] = loop.call_at(self.quiet_until, release)
+            elif self.timer is None and self.quiet_until != math.inf:
+                self.timer = loop.call_at(self.quiet_until, release)
 
         def emitter(index: int) -> Callable[[Event], None]:
             def emit(event: Event) -> None:
