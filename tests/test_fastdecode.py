@@ -133,6 +133,43 @@ def test_greedy_generate_matches_the_plain_path_on_the_demo_shape():
     assert tokens["fast"] == tokens["plain"] and len(tokens["fast"]) == 150
 
 
+@pytest.mark.parametrize("routing", ["spread", "one expert takes every row"])
+def test_every_tile_of_rows_equals_the_plain_step_at_the_demo_shape(routing):
+    """The demo's sizes (width 256, experts of 384: whole 64-column blocks and 16-column groups) at 1 to 16 rows
+    decoding together and a 31-token prompt in one call, so that every tile of the products runs: 1, 2 and 4
+    rows of the linear ones, 1 to 6 rows of an expert's (16 rows in one expert take three). Logits to 1e-5."""
+    from nanollama4.config import preset
+
+    torch.manual_seed(0)
+    model = build_model(preset("shakespeare-char", vocab_size=96, max_seq_len=64)).eval()
+    randomize_(model, seed=2, gain=1.3)
+    if routing != "spread":
+        for moe in model.moe_layers():
+            moe.router.expert_bias.zero_()[3] = 100.0
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(5)
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            for rows in (1, 2, 3, 4, 5, 7, 16):
+                plain_cache, fast_cache = (SlotCache(cfg, rows, torch.float32, torch.device("cpu")) for _ in range(2))
+                plain = Runner(model, plain_cache)
+                plain.only = "plain"
+                fast = fastdecode.FastStep(model, fast_cache.layers, plain_cache.context)
+                for step in range(3):
+                    tokens = torch.randint(0, cfg.vocab_size, (rows,), generator=g).tolist()
+                    want = plain.decode(tokens, [step] * rows)
+                    got = fast(tokens, [step] * rows)
+                    assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), (rows, step)
+            runner = Runner(model, SlotCache(cfg, 1, torch.float32, torch.device("cpu")))
+            ids = torch.randint(0, cfg.vocab_size, (1, 31), generator=g)
+            got = runner.prefill(ids, runner.prefill_cache(31), last_only=False)
+            want = runner.prefill(ids, runner.prefill_cache(31, plain=True), last_only=False)
+    finally:
+        torch.set_num_threads(1)  # this file's threads (the one_thread fixture)
+    assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
 def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(monkeypatch):
     model = model_for()
     out = generate_ids(model, [[1, 2, 3]], 30, temperature=0)

@@ -28,7 +28,7 @@
 namespace {
 
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
-constexpr int64_t kBlasRows = 8;  // from this many rows the products are torch's (faster there, measured)
+constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
 
 inline float dot(const float* a, const float* b, int64_t n) {
   vec s0{}, s1{};
@@ -43,8 +43,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// R rows of x times C rows of W (R * C = 16 dot products over K, a multiple of 16), finished together
+// into y's R rows at C columns (stride N).
+template <int R, int C>
+inline void linear_tile(const float* x, int64_t K, const float* w, int64_t N, float* y) {
+  static_assert(R * C == kLanes, "one vector of sums");
+  vec acc[kLanes] = {};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    vec a[R], b[C];
+    for (int r = 0; r < R; ++r) a[r] = load(x + r * K + k);
+    for (int c = 0; c < C; ++c) b[c] = load(w + c * K + k);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r * C + c] += a[r] * b[c];
+  }
+  const vec sums = hsum16(acc);
+  alignas(64) float out[kLanes];
+  store(out, sums);
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
+}
+
 // y (M x N) = x (M x K) @ W^T for W (N x K): each thread takes whole output columns, reading each of its
-// weight rows once for all M rows.
+// weight rows once for all M rows (from memory once, then from its L1 cache for each further tile of rows).
 void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
   if (M >= kBlasRows) {
     auto xt = at::from_blob(const_cast<float*>(x), {M, K});
@@ -58,16 +77,13 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
     const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kLanes * K * 4));
     at::parallel_for(0, N / kLanes, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const float* w = W + g * kLanes * K;
-        for (int64_t m = 0; m < M; ++m) {
-          vec acc[kLanes] = {};
-          const float* xm = x + m * K;
-          for (int64_t k = 0; k < K; k += kLanes) {
-            const vec a = load(xm + k);
-            for (int64_t j = 0; j < kLanes; ++j) acc[j] += a * load(w + j * K + k);
-          }
-          store(y + m * N + g * kLanes, hsum16(acc));
-        }
+        const int64_t n0 = g * kLanes;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)  // 4 rows by 4 columns: 8 loads for 16 products
+          for (int64_t c = 0; c < kLanes; c += 4) linear_tile<4, 4>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
+        for (; m + 2 <= M; m += 2)
+          for (int64_t c = 0; c < kLanes; c += 8) linear_tile<2, 8>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
+        for (; m < M; ++m) linear_tile<1, 16>(x + m * K, K, W + n0 * K, N, y + m * N + n0);
       }
     });
     return;
@@ -80,8 +96,31 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
   });
 }
 
+// R rows (1..6) of x (stride K) times the 64 columns of W (K x N, stride N) from c0, into y (stride N):
+// the 4R sums stay in registers, and the weight rows a few steps ahead are prefetched, since rows N floats
+// apart defeat the hardware's stream prefetch.
+template <int R>
+void matmul_block(const float* x, int64_t K, const float* W, int64_t N, int64_t c0, float* y) {
+  vec acc[R][4] = {};
+  const float* w = W + c0;
+  constexpr int64_t kAhead = 8;
+  for (int64_t k = 0; k < K; ++k, w += N) {
+    if (k + kAhead < K) {
+      const char* f = reinterpret_cast<const char*>(w + kAhead * N);
+      __builtin_prefetch(f); __builtin_prefetch(f + 64); __builtin_prefetch(f + 128); __builtin_prefetch(f + 192);
+    }
+    const vec w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
+    for (int r = 0; r < R; ++r) {
+      const vec a = splat(x[r * K + k]);
+      acc[r][0] += a * w0; acc[r][1] += a * w1; acc[r][2] += a * w2; acc[r][3] += a * w3;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) store(y + r * N + c0 + 16 * j, acc[r][j]);
+}
+
 // y (M x N) = x (M x K) @ W for W (K x N): each thread takes blocks of 64 output columns and streams
-// their part of every weight row once per 8 input rows.
+// their part of every weight row once per 6 input rows.
 void matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
   if (M >= kBlasRows) {
     auto xt = at::from_blob(const_cast<float*>(x), {M, K});
@@ -90,7 +129,7 @@ void matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
     at::mm_out(yt, xt, wt);
     return;
   }
-  constexpr int64_t kBlock = 64, kRows = 8;
+  constexpr int64_t kBlock = 64, kRows = 6;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * kBlock * 4));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -98,27 +137,25 @@ void matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
       const int64_t c0 = b * kBlock, width = std::min(kBlock, N - c0);
       for (int64_t r0 = 0; r0 < M; r0 += kRows) {
         const int64_t rows = std::min(kRows, M - r0);
-        alignas(64) float acc[kRows][kBlock] = {};
+        const float* xr = x + r0 * K;
+        float* yr = y + r0 * N;
         if (width == kBlock) {
-          for (int64_t k = 0; k < K; ++k) {
-            const float* w = W + k * N + c0;
-            const vec w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
-            for (int64_t r = 0; r < rows; ++r) {
-              const vec a = splat(x[(r0 + r) * K + k]);
-              store(acc[r], load(acc[r]) + a * w0);
-              store(acc[r] + 16, load(acc[r] + 16) + a * w1);
-              store(acc[r] + 32, load(acc[r] + 32) + a * w2);
-              store(acc[r] + 48, load(acc[r] + 48) + a * w3);
-            }
+          switch (rows) {
+            case 1: matmul_block<1>(xr, K, W, N, c0, yr); break;
+            case 2: matmul_block<2>(xr, K, W, N, c0, yr); break;
+            case 3: matmul_block<3>(xr, K, W, N, c0, yr); break;
+            case 4: matmul_block<4>(xr, K, W, N, c0, yr); break;
+            case 5: matmul_block<5>(xr, K, W, N, c0, yr); break;
+            default: matmul_block<6>(xr, K, W, N, c0, yr); break;
           }
-        } else {
-          for (int64_t k = 0; k < K; ++k)
-            for (int64_t r = 0; r < rows; ++r) {
-              const float a = x[(r0 + r) * K + k];
-              for (int64_t j = 0; j < width; ++j) acc[r][j] += a * W[k * N + c0 + j];
-            }
+          continue;
         }
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(y + (r0 + r) * N + c0, acc[r], width * 4);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < width; ++j) {
+            float s = 0.f;
+            for (int64_t k = 0; k < K; ++k) s += xr[r * K + k] * W[k * N + c0 + j];
+            yr[r * N + c0 + j] = s;
+          }
       }
     }
   });
@@ -131,6 +168,36 @@ void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) 
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// exp of 16 floats at once, to about 2 ulp: e^x = 2^n · e^r with n = round(x / ln 2) and |r| <= ln 2 / 2,
+// e^r from its Taylor series to r^7 (error below 2^-26 there), 2^n put in the float's exponent bits.
+// The scalar std::exp is a library call per value; SwiGLU takes one per hidden unit.
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+inline vec vexp(vec x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  x = x > 88.f ? splat(88.f) : x;
+  const vec t = x * 1.44269504088896341f + 0.5f;
+  vec n = __builtin_convertvector(__builtin_convertvector(t, ivec), vec);
+  n = n > t ? n - 1.f : n;  // floor(x / ln 2 + 1/2)
+  const vec r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  vec p = splat(1.f / 5040);
+  p = p * r + 1.f / 720; p = p * r + 1.f / 120; p = p * r + 1.f / 24; p = p * r + 1.f / 6;
+  p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// out[i] = silu(g[i]) * u[i] over n values (g and u may each be out)
+inline void swiglu_rows(const float* g, const float* u, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vec a = load(g + i);
+    store(out + i, a / (1.f + vexp(-a)) * load(u + i));
+  }
+  for (; i < n; ++i) out[i] = silu(g[i]) * u[i];
+}
 
 enum RouterKind { kSigmoid = 0, kSoftmaxChosen = 1, kSoftmaxAll = 2 };
 
@@ -326,7 +393,7 @@ class DecodeStep {
     g_.resize(B * F); u_.resize(B * F); out_.resize(B * D_);
     linear(h_.data(), B, D_, L.gate.data_ptr<float>(), F, g_.data());
     linear(h_.data(), B, D_, L.up.data_ptr<float>(), F, u_.data());
-    for (int64_t i = 0; i < B * F; ++i) g_[i] = silu(g_[i]) * u_[i];
+    swiglu_rows(g_.data(), u_.data(), B * F, g_.data());
     linear(g_.data(), B, F, L.down.data_ptr<float>(), D_, out_.data());
     for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
@@ -374,8 +441,7 @@ class DecodeStep {
         for (int64_t d = 0; d < D_; ++d) xe_[r * D_ + d] = h_[mine[r].first * D_ + d] * a;
       }
       matmul(xe_.data(), m, D_, L.gate_up.data_ptr<float>() + e * D_ * 2 * Hd, 2 * Hd, he_.data());
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = 0; j < Hd; ++j) ae_[r * Hd + j] = silu(he_[r * 2 * Hd + j]) * he_[r * 2 * Hd + Hd + j];
+      for (int64_t r = 0; r < m; ++r) swiglu_rows(&he_[r * 2 * Hd], &he_[r * 2 * Hd + Hd], Hd, &ae_[r * Hd]);
       matmul(ae_.data(), m, Hd, L.expert_down.data_ptr<float>() + e * Hd * D_, D_, ye_.data());
       for (int64_t r = 0; r < m; ++r) {
         const float a = L.scales_input ? 1.f : mine[r].second;
