@@ -96,11 +96,11 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
   });
 }
 
-// R rows (1..6) of x (stride K) times the 64 columns of W (K x N, stride N) from c0, into y (stride N):
+// R rows (1..6) of x (stride K) times the 64 columns of W (K x N, stride N) from c0, into y (stride ldy):
 // the 4R sums stay in registers, and the weight rows a few steps ahead are prefetched, since rows N floats
 // apart defeat the hardware's stream prefetch.
 template <int R>
-void matmul_block(const float* x, int64_t K, const float* W, int64_t N, int64_t c0, float* y) {
+void matmul_block(const float* x, int64_t K, const float* W, int64_t N, int64_t c0, float* y, int64_t ldy) {
   vec acc[R][4] = {};
   const float* w = W + c0;
   constexpr int64_t kAhead = 8;
@@ -116,49 +116,40 @@ void matmul_block(const float* x, int64_t K, const float* W, int64_t N, int64_t 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) store(y + r * N + c0 + 16 * j, acc[r][j]);
+    for (int j = 0; j < 4; ++j) store(y + r * ldy + 16 * j, acc[r][j]);
 }
 
-// y (M x N) = x (M x K) @ W for W (K x N): each thread takes blocks of 64 output columns and streams
-// their part of every weight row once per 6 input rows.
-void matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
-  if (M >= kBlasRows) {
-    auto xt = at::from_blob(const_cast<float*>(x), {M, K});
-    auto wt = at::from_blob(const_cast<float*>(W), {K, N});
-    auto yt = at::from_blob(y, {M, N});
-    at::mm_out(yt, xt, wt);
-    return;
-  }
-  constexpr int64_t kBlock = 64, kRows = 6;
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * kBlock * 4));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * kBlock, width = std::min(kBlock, N - c0);
-      for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-        const int64_t rows = std::min(kRows, M - r0);
-        const float* xr = x + r0 * K;
-        float* yr = y + r0 * N;
-        if (width == kBlock) {
-          switch (rows) {
-            case 1: matmul_block<1>(xr, K, W, N, c0, yr); break;
-            case 2: matmul_block<2>(xr, K, W, N, c0, yr); break;
-            case 3: matmul_block<3>(xr, K, W, N, c0, yr); break;
-            case 4: matmul_block<4>(xr, K, W, N, c0, yr); break;
-            case 5: matmul_block<5>(xr, K, W, N, c0, yr); break;
-            default: matmul_block<6>(xr, K, W, N, c0, yr); break;
-          }
-          continue;
-        }
+constexpr int64_t kBlock = 64, kBlockRows = 6;  // matmul_block's columns and most rows
+
+// y (M x width, stride ldy) = x (M x K) @ W[:, c0:c0 + width] for W (K x N): 64 columns in registers at a
+// time, 6 rows at a time; a narrower block (a width that is not a multiple of 64) in plain loops.
+void matmul_columns(const float* x, int64_t M, int64_t K, const float* W, int64_t N, int64_t c0, int64_t width,
+                    float* y, int64_t ldy) {
+  for (int64_t c = 0; c < width; c += kBlock) {
+    const int64_t w = std::min(kBlock, width - c);
+    for (int64_t r0 = 0; r0 < M; r0 += kBlockRows) {
+      const int64_t rows = std::min(kBlockRows, M - r0);
+      const float* xr = x + r0 * K;
+      float* yr = y + r0 * ldy + c;
+      if (w < kBlock) {
         for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < width; ++j) {
+          for (int64_t j = 0; j < w; ++j) {
             float s = 0.f;
-            for (int64_t k = 0; k < K; ++k) s += xr[r * K + k] * W[k * N + c0 + j];
-            yr[r * N + c0 + j] = s;
+            for (int64_t k = 0; k < K; ++k) s += xr[r * K + k] * W[k * N + c0 + c + j];
+            yr[r * ldy + j] = s;
           }
+        continue;
+      }
+      switch (rows) {
+        case 1: matmul_block<1>(xr, K, W, N, c0 + c, yr, ldy); break;
+        case 2: matmul_block<2>(xr, K, W, N, c0 + c, yr, ldy); break;
+        case 3: matmul_block<3>(xr, K, W, N, c0 + c, yr, ldy); break;
+        case 4: matmul_block<4>(xr, K, W, N, c0 + c, yr, ldy); break;
+        case 5: matmul_block<5>(xr, K, W, N, c0 + c, yr, ldy); break;
+        default: matmul_block<6>(xr, K, W, N, c0 + c, yr, ldy); break;
       }
     }
-  });
+  }
 }
 
 // x / rms(x) * w over each row of n (w may be null: no gain), as F.rms_norm computes it
@@ -431,23 +422,54 @@ class DecodeStep {
       }
       for (int64_t k = 0; k < K; ++k) rows[chosen[k]].push_back({b, weight[k]});
     }
-    for (int64_t e = 0; e < E; ++e) {
-      const auto& mine = rows[e];
-      const int64_t m = static_cast<int64_t>(mine.size());
-      if (!m) continue;
-      xe_.resize(m * D_); he_.resize(m * 2 * Hd); ae_.resize(m * Hd); ye_.resize(m * D_);
-      for (int64_t r = 0; r < m; ++r) {
-        const float a = L.scales_input ? mine[r].second : 1.f;
-        for (int64_t d = 0; d < D_; ++d) xe_[r * D_ + d] = h_[mine[r].first * D_ + d] * a;
+    // Every chosen expert's rows gathered (scaled by their weights where the router scales the input), then
+    // one parallel region over (expert, slice of 64 hidden units): a slice's gate and up columns, its SwiGLU,
+    // and its rows of the down product, a partial sum of the expert's output that each thread adds into a
+    // buffer of its own. No thread waits for another until the buffers are added up, and the down weights
+    // are read in whole rows.
+    std::vector<int64_t> first(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
+    xe_.resize(first[E] * D_);
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t r = 0; r < rows[e].size(); ++r) {
+        const float a = L.scales_input ? rows[e][r].second : 1.f;
+        const float* src = &h_[rows[e][r].first * D_];
+        float* dst = &xe_[(first[e] + r) * D_];
+        for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
       }
-      matmul(xe_.data(), m, D_, L.gate_up.data_ptr<float>() + e * D_ * 2 * Hd, 2 * Hd, he_.data());
-      for (int64_t r = 0; r < m; ++r) swiglu_rows(&he_[r * 2 * Hd], &he_[r * 2 * Hd + Hd], Hd, &ae_[r * Hd]);
-      matmul(ae_.data(), m, Hd, L.expert_down.data_ptr<float>() + e * Hd * D_, D_, ye_.data());
-      for (int64_t r = 0; r < m; ++r) {
-        const float a = L.scales_input ? 1.f : mine[r].second;
-        for (int64_t d = 0; d < D_; ++d) y_[mine[r].first * D_ + d] += ye_[r * D_ + d] * a;
+    const int64_t slices = (Hd + kBlock - 1) / kBlock;
+    std::vector<std::pair<int64_t, int64_t>> units;  // (expert, slice)
+    for (int64_t e = 0; e < E; ++e)
+      if (!rows[e].empty())
+        for (int64_t j = 0; j < slices; ++j) units.push_back({e, j});
+    const int64_t threads = at::get_num_threads();
+    ye_.assign(threads * B * D_, 0.f);
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
+      float* mine = &ye_[at::get_thread_num() * B * D_];
+      std::vector<float> gate(kBlockRows * kBlock), up(kBlockRows * kBlock), out(kBlockRows * D_);
+      for (int64_t u = u0; u < u1; ++u) {
+        const auto [e, j] = units[u];
+        const int64_t j0 = j * kBlock, width = std::min(kBlock, Hd - j0), m = first[e + 1] - first[e];
+        const float* gate_up = L.gate_up.data_ptr<float>() + e * D_ * 2 * Hd;
+        const float* down = L.expert_down.data_ptr<float>() + (e * Hd + j0) * D_;
+        for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
+          const int64_t n = std::min(kBlockRows, m - r0);
+          const float* x = &xe_[(first[e] + r0) * D_];
+          matmul_columns(x, n, D_, gate_up, 2 * Hd, j0, width, gate.data(), kBlock);
+          matmul_columns(x, n, D_, gate_up, 2 * Hd, Hd + j0, width, up.data(), kBlock);
+          for (int64_t r = 0; r < n; ++r)
+            swiglu_rows(&gate[r * kBlock], &up[r * kBlock], width, &gate[r * width]);  // packed to stride width
+          matmul_columns(gate.data(), n, width, down, D_, 0, D_, out.data(), D_);
+          for (int64_t r = 0; r < n; ++r) {
+            const auto& [row, weight] = rows[e][r0 + r];
+            const float a = L.scales_input ? 1.f : weight;
+            for (int64_t d = 0; d < D_; ++d) mine[row * D_ + d] += out[r * D_ + d] * a;
+          }
+        }
       }
-    }
+    });
+    for (int64_t t = 0; t < threads; ++t)
+      for (int64_t i = 0; i < B * D_; ++i) y_[i] += ye_[t * B * D_ + i];
   }
 
   at::Tensor embed_, norm_, head_, rope_;
@@ -457,7 +479,7 @@ class DecodeStep {
   std::vector<int64_t> row_;  // this step's entries' cache rows
   bool distinct_ = true;  // every entry in a row of its own
   // scratch, reused by every step (a step's buffers are sized by its rows)
-  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, he_, ae_, ye_;
+  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_;
 };
 
 }  // namespace
