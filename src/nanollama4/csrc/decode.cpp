@@ -342,11 +342,28 @@ class DecodeStep {
       w.resize(n);
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j] = dot(q, keys[j], Dh_) * scale);
-      float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
+      vec sums{};
+      int64_t j = 0;
+      for (; j + kLanes <= n; j += kLanes) {  // the softmax's exponentials 16 at a time
+        const vec e = vexp(load(&w[j]) - top);
+        store(&w[j], e);
+        sums += e;
+      }
+      float total = hsum(sums);
+      for (; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
       float* out = &att_[b * QD + h * Dh_];
+      if (Dh_ == 4 * kLanes) {  // a head of 64 (the demo's) in four registers
+        vec o0{}, o1{}, o2{}, o3{};
+        for (j = 0; j < n; ++j) {
+          const vec a = splat(w[j] / total);
+          const float* v = values[j];
+          o0 += a * load(v); o1 += a * load(v + 16); o2 += a * load(v + 32); o3 += a * load(v + 48);
+        }
+        store(out, o0); store(out + 16, o1); store(out + 32, o2); store(out + 48, o3);
+        return;
+      }
       std::fill(out, out + Dh_, 0.f);
-      for (int64_t j = 0; j < n; ++j) {
+      for (j = 0; j < n; ++j) {
         const float a = w[j] / total;
         for (int64_t d = 0; d < Dh_; ++d) out[d] += a * values[j][d];
       }
