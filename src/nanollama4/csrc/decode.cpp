@@ -7,7 +7,8 @@
 // the q/k/v products, RoPE, QK-norm or the NoPE temperature, the cache write and attention over the
 // row's visible slots, the output product, the router's top-k and the chosen experts' products, the
 // shared expert. Products parallelise over output columns (at::parallel_for, torch's threads), so a
-// one-row step streams each weight once on every core.
+// one-row step streams each weight once on every core; a layer's routed experts parallelise over slices of
+// their hidden units instead, all chosen experts in one region.
 //
 // The math is the model files' (model.py, attention.py, moe.py, router.py), and engine/fastdecode.py
 // describes the layers to this file and decides when it applies; the plain engine path is the
