@@ -6,6 +6,8 @@ the plain path wherever the step would not compute what the plain one does."""
 
 from __future__ import annotations
 
+import string
+
 import pytest
 import torch
 
@@ -168,6 +170,45 @@ def test_every_tile_of_rows_equals_the_plain_step_at_the_demo_shape(routing):
     finally:
         torch.set_num_threads(1)  # this file's threads (the one_thread fixture)
     assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+
+
+def prefill_all(model, only, monkeypatch, fail=False):
+    """Five requests admitted at one step (a chunk of 8 tokens a step): whole short prompts, one of 12 tokens
+    (two chunks) and a traced one. Each request's token ids and log-probabilities, and the prompt lengths
+    of each call of `Runner.prefill_together`."""
+    calls = []
+    together = Runner.prefill_together
+
+    def spy(self, prompts):
+        calls.append(sorted(len(p) for p in prompts))
+        if fail:
+            raise RuntimeError("a failure of the batched call")
+        return together(self, prompts)
+
+    monkeypatch.setattr(Runner, "prefill_together", spy)
+    engine = Engine(model, CharTokenizer(string.ascii_letters), max_batch=8)  # (a trace names tokens)
+    engine.runner.only, engine.prefill_chunk = only, 8
+    out = {}
+    prompts = {"a": [1, 2, 3], "b": list(range(4, 11)), "long": list(range(20, 32)), "c": [5], "traced": [7, 8, 9]}
+    engine.add(*(Request(list(p), 6, Sampling(temperature=0), emit=lambda e, i=i: out.setdefault(i, []).append(e),
+                         logprobs=2, trace=i == "traced", id=i) for i, p in prompts.items()))
+    engine.run()
+    tokens = {i: [(e.token_id, round(e.logprob, 4)) for e in ev if isinstance(e, TokenEvent)] for i, ev in out.items()}
+    return tokens, calls
+
+
+def test_prompts_that_go_in_whole_together_share_one_call(monkeypatch):
+    """The whole untraced prompts admitted at one step are prefilled by one call of the C++ step, a row each;
+    the longer one (two chunks) and the traced one go in alone. Every request's tokens and log-probabilities
+    equal the plain path's, where each prompt goes in alone; and when the shared call fails, each goes in
+    alone and gives the same."""
+    model = model_for(vocab_size=CharTokenizer(string.ascii_letters).vocab_size)
+    fast, calls = prefill_all(model, "fast", monkeypatch)
+    assert calls == [[1, 3, 7]]
+    plain, _ = prefill_all(model, "plain", monkeypatch)
+    assert fast == plain and all(len(t) == 6 for t in fast.values()) and len(fast) == 5
+    alone, calls = prefill_all(model, "fast", monkeypatch, fail=True)
+    assert calls == [[1, 3, 7]] and alone == plain
 
 
 def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(monkeypatch):

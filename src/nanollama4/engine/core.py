@@ -35,7 +35,7 @@ from ..observe import observe
 from ..tokenizer import Tokenizer, token_bytes, token_label
 from .cache import SlotCache, check_cache_fits, held
 from .request import Event, Finished, Request, TokenEvent
-from .runner import Runner
+from .runner import FastPrefill, Runner
 from .sampling import Sampling, TextStream, choose
 from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
@@ -179,14 +179,15 @@ class Engine:
                 continue
             self._start(r)
             self.scheduler.admit(r)
-        for r in self.scheduler.prefills():
+        prefills = self.scheduler.prefills()
+        together = {id(r) for r in self._prefill_together(prefills)}
+        for r in prefills:
+            if id(r) in together:
+                continue
             try:
                 self._prefill(r)
             except Exception as e:  # this request alone fails (the rows are untouched)
-                if self.fail_fast:
-                    raise
-                log.exception("%s: the prefill failed", r.id)
-                self._retire(r, "error", error=f"{type(e).__name__}: {e}")
+                self._failed(r, e, "the prefill failed")
         rows = self.rows
         if self.slide:  # a row predicts from at most context - 1 tokens; at context it slides
             for b, r in enumerate(rows):
@@ -202,12 +203,46 @@ class Engine:
         r.generator = r.sampling.generator(self.device)
         r.text = TextStream(self.tokenizer, r.sampling)
         r.tokens = list(r.prompt_ids)
-        r.prefill_cache, r.prefilled = self.runner.prefill_cache(len(r.prompt_ids), plain=r.trace), 0
+        r.prefill_cache, r.prefilled = None, 0  # (made at its first chunk, unless it is prefilled with others)
+
+    def _failed(self, r: Request, e: Exception, what: str) -> None:
+        """r alone ends with error e (the other requests and the rows are untouched)."""
+        if self.fail_fast:
+            raise e
+        log.exception("%s: %s", r.id, what)
+        self._retire(r, "error", error=f"{type(e).__name__}: {e}")
+
+    def _prefill_together(self, prefills: list[Request]) -> list[Request]:
+        """The prompts that go in whole at this step, untraced and unscored, through one call of the C++ step
+        (`Runner.prefill_together`), each then as `_prefilled`; the requests it took ([] where it took none)."""
+        whole = [r for r in prefills if not (r.prefilled or r.trace or r.prompt_logprobs)
+                 and self.scheduler.chunk(r)[1] == len(r.prompt_ids)]
+        if len(whole) < 2:
+            return []
+        try:
+            done = self.runner.prefill_together([r.prompt_ids for r in whole])
+        except Exception:  # each is prefilled alone instead, so that a failure ends only its own request
+            if self.fail_fast:
+                raise
+            log.exception("prompts prefilled together failed; each goes in alone")
+            return []
+        if done is None:
+            return []
+        for r, cache, logits in zip(whole, *done, strict=True):
+            r.prefilled = len(r.prompt_ids)
+            try:
+                self._prefilled(r, logits[None], cache, {})
+            except Exception as e:  # noqa: BLE001 (this request alone fails)
+                self._failed(r, e, "the prefill failed")
+        return whole
 
     def _prefill(self, r: Request) -> None:
         """The next chunk of r's prompt (`Scheduler.chunk`) into its one-row cache; after the last, its first
-        token is chosen and the cache copied into the row the scheduler seats it in."""
-        L, cache = len(r.prompt_ids), r.prefill_cache
+        token is chosen and the cache copied into the row the scheduler seats it in (`_prefilled`)."""
+        L = len(r.prompt_ids)
+        if r.prefill_cache is None:
+            r.prefill_cache = self.runner.prefill_cache(L, plain=r.trace)
+        cache = r.prefill_cache
         start, end = self.scheduler.chunk(r)
         ids = torch.tensor([r.prompt_ids[start:end]], device=self.device)
         with observe(self.model) if r.trace else nullcontext({}) as seen:
@@ -216,6 +251,12 @@ class Engine:
         r.prefilled = end
         if end < L:
             return
+        self._prefilled(r, logits, cache, seen)
+
+    def _prefilled(self, r: Request, logits: torch.Tensor, cache: KVCache | FastPrefill, seen: dict) -> None:
+        """r's whole prompt is in `cache`, logits (its positions or its last, vocab) from it: score the prompt
+        if asked, choose and send its first token, and seat it in a row (the cache copied there)."""
+        L = len(r.prompt_ids)
         r.prefill_cache = None
         logits = logits[..., :self.vocab].float()  # ids past the tokenizer's (a padded vocabulary) never come out
         if r.prompt_logprobs:

@@ -1,6 +1,7 @@
 """The engine's runner: the model's forward passes for a prefill and for one batched decode step.
 
-A prefill feeds one prompt into a fresh one-row cache. A decode step feeds every active row's newest
+A prefill feeds one prompt into a fresh one-row cache (or, through the C++ step, the prompts that go in
+whole at one step into the rows of one cache, in one call). A decode step feeds every active row's newest
 token at its own position, attending to the row's slots of the shared `SlotCache`. Four ways compute a
 decode step: the plain model (the reference), the C++ step (`ops.fastdecode`: the same math in one call,
 several times faster on a CPU where the plain step is bound by its count of operations), on CUDA the
@@ -18,12 +19,14 @@ thread count (a graph is specialised to it).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import statistics
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -45,14 +48,19 @@ _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(
 
 @dataclass
 class FastPrefill:
-    """A prompt's one-row slot cache and the C++ step over it; `SlotCache.load` moves it into the engine's row."""
+    """A prompt's row of a slot cache and the C++ step over that cache; `SlotCache.load` moves the row into the
+    engine's row. Prompts prefilled together share one cache, a row each (`Runner.prefill_together`)."""
 
     cache: SlotCache
     step: fastdecode.FastStep
+    row: int = 0
 
     @property
     def layers(self) -> list:
-        return self.cache.layers
+        """The row's part of each layer (k, v, pos with one row), as `SlotLayer.load` reads a prefilled cache."""
+        i = self.row
+        return [SimpleNamespace(k=layer.k[i:i + 1], v=layer.v[i:i + 1], pos=layer.pos[i:i + 1])
+                for layer in self.cache.layers]
 
 
 class Runner:
@@ -76,12 +84,32 @@ class Runner:
         """A one-row cache for a prompt of `tokens` tokens: for the C++ step (`FastPrefill`) where it decodes one
         row here and the prompt is short enough for its attention loops, else the plain model's KVCache."""
         cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
-        fast = None if plain or tokens > FAST_PREFILL_TOKENS or self.only == "plain" else self.fast_step()
-        chosen = self.choice.get((1, torch.get_num_threads()), ("fast", 0))[0]
-        if fast is not None and fast.usable(tokens) and chosen == "fast":  # (a prompt's tokens may compete)
+        if not plain and self._fast_prefills(tokens, tokens):
             cache = SlotCache(cfg, 1, dtype, self.device, tokens)
             return FastPrefill(cache, fastdecode.FastStep(self.model, cache.layers, tokens, checked=True))
         return KVCache(cfg, 1, tokens, dtype=dtype, device=self.device)
+
+    def _fast_prefills(self, longest: int, tokens: int) -> bool:
+        """Whether the C++ step prefills prompts of at most `longest` and `tokens` in all: it decodes one row
+        here, the prompts are short enough for its attention loops, and no capacity makes their tokens compete."""
+        fast = None if longest > FAST_PREFILL_TOKENS or self.only == "plain" else self.fast_step()
+        chosen = self.choice.get((1, torch.get_num_threads()), ("fast", 0))[0]
+        return fast is not None and fast.usable(tokens) and chosen == "fast"
+
+    def prefill_together(self, prompts: list[list[int]]) -> tuple[list[FastPrefill], torch.Tensor] | None:
+        """Whole prompts through the C++ step in one call, each in its row of one new slot cache: each prompt's
+        cache and the logits of its last token (prompts, vocab); None where the step would not prefill them
+        (`prefill_cache` then gives each its own). One call shares the products' weights among all the prompts'
+        tokens, where a call per prompt reads them again for each."""
+        longest = max(map(len, prompts))
+        if not self._fast_prefills(longest, sum(map(len, prompts))):
+            return None
+        cache = SlotCache(self.model.cfg, len(prompts), next(self.model.parameters()).dtype, self.device, longest)
+        step = fastdecode.FastStep(self.model, cache.layers, longest, checked=True)
+        logits = step([t for p in prompts for t in p], [i for p in prompts for i in range(len(p))],
+                      [row for row, p in enumerate(prompts) for _ in p])
+        last = torch.tensor(list(itertools.accumulate(map(len, prompts)))) - 1
+        return [FastPrefill(cache, step, row) for row in range(len(prompts))], logits[last]
 
     def prefill(self, ids: torch.Tensor, cache: KVCache | FastPrefill, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:
@@ -89,7 +117,7 @@ class Runner:
         into `cache` (which holds positions 0..start-1 already); `head=False`: only the cache is wanted."""
         T = ids.shape[1]
         if isinstance(cache, FastPrefill):
-            logits = cache.step(ids[0].tolist(), list(range(start, start + T)), [0] * T)
+            logits = cache.step(ids[0].tolist(), list(range(start, start + T)), [cache.row] * T)
             return (logits[-1:] if last_only else logits)[None]
         positions = torch.arange(start, start + T, device=ids.device)[None]
         return self.model(ids, cache=cache, positions=positions, last_only=last_only, head=head)
