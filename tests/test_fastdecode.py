@@ -201,7 +201,7 @@ def test_prompts_that_go_in_whole_together_share_one_call(monkeypatch):
     """The whole untraced prompts admitted at one step are prefilled by one call of the C++ step, a row each;
     the longer one (two chunks) and the traced one go in alone. Every request's tokens and log-probabilities
     equal the plain path's, where each prompt goes in alone; and when the shared call fails, each goes in
-    alone and gives the same."""
+    alone and gives the same. A call takes at most `TOGETHER_TOKENS` tokens, in the order admitted."""
     model = model_for(vocab_size=CharTokenizer(string.ascii_letters).vocab_size)
     fast, calls = prefill_all(model, "fast", monkeypatch)
     assert calls == [[1, 3, 7]]
@@ -209,6 +209,9 @@ def test_prompts_that_go_in_whole_together_share_one_call(monkeypatch):
     assert fast == plain and all(len(t) == 6 for t in fast.values()) and len(fast) == 5
     alone, calls = prefill_all(model, "fast", monkeypatch, fail=True)
     assert calls == [[1, 3, 7]] and alone == plain
+    monkeypatch.setattr("nanollama4.engine.core.TOGETHER_TOKENS", 8)  # calls of at most 8 tokens: b and c
+    bounded, calls = prefill_all(model, "fast", monkeypatch)
+    assert calls == [[1, 7]] and bounded == plain
 
 
 def test_the_runner_chooses_by_timing_and_keeps_the_plain_path_where_it_must(monkeypatch):

@@ -35,7 +35,7 @@ from ..observe import observe
 from ..tokenizer import Tokenizer, token_bytes, token_label
 from .cache import SlotCache, check_cache_fits, held
 from .request import Event, Finished, Request, TokenEvent
-from .runner import FastPrefill, Runner
+from .runner import FAST_PREFILL_TOKENS, FastPrefill, Runner
 from .sampling import Sampling, TextStream, choose
 from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
@@ -43,6 +43,7 @@ from .trace import StepObserver, StepTrace
 __all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event"]
 
 log = logging.getLogger("nanollama4.engine")
+TOGETHER_TOKENS = FAST_PREFILL_TOKENS  # the most prompt tokens one call of the C++ step prefills together
 NOT_FINITE = "the model's output is not finite; its weights may have diverged"
 
 
@@ -213,28 +214,38 @@ class Engine:
         self._retire(r, "error", error=f"{type(e).__name__}: {e}")
 
     def _prefill_together(self, prefills: list[Request]) -> list[Request]:
-        """The prompts that go in whole at this step, untraced and unscored, through one call of the C++ step
-        (`Runner.prefill_together`), each then as `_prefilled`; the requests it took ([] where it took none)."""
+        """The prompts that go in whole at this step, untraced and unscored, through the C++ step in calls of
+        up to `TOGETHER_TOKENS` tokens (`Runner.prefill_together`), each then as `_prefilled`; the requests
+        taken ([] where none). The bound keeps a call's buffers (some are per thread) as small as one long
+        prompt's."""
         whole = [r for r in prefills if not (r.prefilled or r.trace or r.prompt_logprobs)
                  and self.scheduler.chunk(r)[1] == len(r.prompt_ids)]
-        if len(whole) < 2:
-            return []
-        try:
-            done = self.runner.prefill_together([r.prompt_ids for r in whole])
-        except Exception:  # each is prefilled alone instead, so that a failure ends only its own request
-            if self.fail_fast:
-                raise
-            log.exception("prompts prefilled together failed; each goes in alone")
-            return []
-        if done is None:
-            return []
-        for r, cache, logits in zip(whole, *done, strict=True):
-            r.prefilled = len(r.prompt_ids)
+        groups: list[list[Request]] = [[]]
+        for r in whole:
+            if groups[-1] and sum(len(q.prompt_ids) for q in groups[-1]) + len(r.prompt_ids) > TOGETHER_TOKENS:
+                groups.append([])
+            groups[-1].append(r)
+        taken: list[Request] = []
+        for group in groups:
+            if len(group) < 2:
+                continue
             try:
-                self._prefilled(r, logits[None], cache, {})
-            except Exception as e:  # noqa: BLE001 (this request alone fails)
-                self._failed(r, e, "the prefill failed")
-        return whole
+                done = self.runner.prefill_together([r.prompt_ids for r in group])
+            except Exception:  # each is prefilled alone instead, so that a failure ends only its own request
+                if self.fail_fast:
+                    raise
+                log.exception("prompts prefilled together failed; each goes in alone")
+                continue
+            if done is None:
+                return taken
+            for r, cache, logits in zip(group, *done, strict=True):
+                r.prefilled = len(r.prompt_ids)
+                try:
+                    self._prefilled(r, logits[None], cache, {})
+                except Exception as e:  # noqa: BLE001 (this request alone fails)
+                    self._failed(r, e, "the prefill failed")
+            taken += group
+        return taken
 
     def _prefill(self, r: Request) -> None:
         """The next chunk of r's prompt (`Scheduler.chunk`) into its one-row cache; after the last, its first
