@@ -187,12 +187,18 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
             mask = cache.mask(positions, k_pos, self.chunk)
-        if (self.chunk is not None and cache is None and start is not None and start % self.chunk == 0 and T
-                and self.attend in BY_CHUNKS):
+        if cache is None and T and goes_by_chunks(self.attend, self.chunk, start):
             out = by_chunks(self.attend, q, k, v, positions, self.chunk)
         else:
             out = self.attend(q, k, v, positions, k_pos, self.chunk, mask)  # (B, T, H, Dh)
         return self.o_proj(out.reshape(B, T, H * Dh))
+
+
+def goes_by_chunks(attend: Callable[..., torch.Tensor], chunk: int | None, start: int | None) -> bool:
+    """Whether a chunked layer's pass over a whole sequence (no cache) numbered from `start` attends chunk by
+    chunk (`by_chunks`): it starts at a chunk boundary and its backend is one of BY_CHUNKS. The model and
+    explain's recorder (observe.py) decide alike, so an observed pass equals the plain one bit for bit."""
+    return chunk is not None and start is not None and start % chunk == 0 and attend in BY_CHUNKS
 
 
 def by_chunks(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import BY_CHUNKS, Attention, attention_mask, by_chunks, numbered_from
+from .attention import Attention, attention_mask, by_chunks, goes_by_chunks, numbered_from
 from .model import Transformer
 from .moe import MoE
 from .router import Routing
@@ -64,7 +64,7 @@ def _recording(attn: Attention, attend, seen: dict):
         # numbered from a chunk boundary (no cache: the keys' positions are the queries') goes chunk by chunk
         # there, as `Transformer.forward` decides it
         start = numbered_from(q_pos) if chunk is not None and mask is None and k_pos is q_pos else None
-        if start is not None and start % chunk == 0 and attend in BY_CHUNKS:
+        if goes_by_chunks(attend, chunk, start):
             return by_chunks(attend, q, k, v, q_pos, chunk)
         return attend(q, k, v, q_pos, k_pos, chunk, mask)
 

@@ -221,10 +221,13 @@ class Engine:
         whole = [r for r in prefills if not (r.prefilled or r.trace or r.prompt_logprobs)
                  and self.scheduler.chunk(r)[1] == len(r.prompt_ids)]
         groups: list[list[Request]] = [[]]
+        size = 0  # the last group's tokens
         for r in whole:
-            if groups[-1] and sum(len(q.prompt_ids) for q in groups[-1]) + len(r.prompt_ids) > TOGETHER_TOKENS:
+            if groups[-1] and size + len(r.prompt_ids) > TOGETHER_TOKENS:
                 groups.append([])
+                size = 0
             groups[-1].append(r)
+            size += len(r.prompt_ids)
         taken: list[Request] = []
         for group in groups:
             if len(group) < 2:

@@ -85,9 +85,15 @@ class Runner:
         row here and the prompt is short enough for its attention loops, else the plain model's KVCache."""
         cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
         if not plain and self._fast_prefills(tokens, tokens):
-            cache = SlotCache(cfg, 1, dtype, self.device, tokens)
-            return FastPrefill(cache, fastdecode.FastStep(self.model, cache.layers, tokens, checked=True))
+            return self._fast_cache(1, tokens)[0]
         return KVCache(cfg, 1, tokens, dtype=dtype, device=self.device)
+
+    def _fast_cache(self, rows: int, context: int) -> list[FastPrefill]:
+        """A new slot cache of `rows` rows for positions below `context` and the C++ step over it, a
+        FastPrefill per row."""
+        cache = SlotCache(self.model.cfg, rows, next(self.model.parameters()).dtype, self.device, context)
+        step = fastdecode.FastStep(self.model, cache.layers, context, checked=True)
+        return [FastPrefill(cache, step, row) for row in range(rows)]
 
     def _fast_prefills(self, longest: int, tokens: int) -> bool:
         """Whether the C++ step prefills prompts of at most `longest` and `tokens` in all: it decodes one row
@@ -104,12 +110,11 @@ class Runner:
         longest = max(map(len, prompts))
         if not self._fast_prefills(longest, sum(map(len, prompts))):
             return None
-        cache = SlotCache(self.model.cfg, len(prompts), next(self.model.parameters()).dtype, self.device, longest)
-        step = fastdecode.FastStep(self.model, cache.layers, longest, checked=True)
-        logits = step([t for p in prompts for t in p], [i for p in prompts for i in range(len(p))],
-                      [row for row, p in enumerate(prompts) for _ in p])
+        caches = self._fast_cache(len(prompts), longest)
+        logits = caches[0].step([t for p in prompts for t in p], [i for p in prompts for i in range(len(p))],
+                                [row for row, p in enumerate(prompts) for _ in p])
         last = torch.tensor(list(itertools.accumulate(map(len, prompts)))) - 1
-        return [FastPrefill(cache, step, row) for row in range(len(prompts))], logits[last]
+        return caches, logits[last]
 
     def prefill(self, ids: torch.Tensor, cache: KVCache | FastPrefill, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:

@@ -76,9 +76,9 @@ def compile_source(source: Path, stem: str, what: str, instead: str) -> ModuleTy
     saying what happens `instead`, when that fails or NANOLLAMA4_CPU_KERNELS=0.
 
     A build is named by a hash of the source, csrc/'s headers, the flags and the torch and Python versions,
-    and an existing build is imported directly, without asking ninja: two ninja binaries (the venv's, the system's) read
-    each other's build logs as stale, so leaving the decision to whichever is on PATH rebuilt the kernel
-    whenever PATH changed. A build that does run always says so, and always uses the same ninja.
+    and an existing build is imported directly, without asking ninja: two ninja binaries (the venv's, the
+    system's) read each other's build logs as stale, so leaving the decision to whichever is on PATH rebuilt
+    the kernel whenever PATH changed. A build that does run always says so, and always uses the same ninja.
     """
     if os.environ.get("NANOLLAMA4_CPU_KERNELS", "1") == "0":
         return None
