@@ -3,9 +3,13 @@
 Both speak the same small interface (`Tokenizer`): encode, decode, vocab_size, eos_id, save, name, fingerprint.
 A tokenizer a run trains has one special token after its vocabulary, the end of a document (Llama's
 `<|end_of_text|>`): training puts it after each file of a corpus of several (data.py), generation stops at
-it, and exports declare it as EOS. In a character tokenizer its spelling in a text is only characters; in
-byte-level BPE the tokenizers library reads the spelling as the token, as transformers and llama.cpp do.
-Tokenizers saved before it existed have none (`eos_id` None) and work as before.
+it, and exports declare it as EOS. Tokenizers saved before it existed have none (`eos_id` None).
+
+Text is text: `encode` never turns the spelling of a special token into that token, in either kind of
+tokenizer, whether the text is a training file, a prompt or a chat message (as nanoGPT's `encode_ordinary`
+does). Otherwise a client could write `<|eot|>` into a message and close its turn, or forge a system turn.
+Special tokens come only from the code that means them: the document boundary (data.py), an id a client
+sends as an id, and a chat template's own output, which reaches `encode_pieces` as `Markup` pieces.
 The fingerprint is a hash of the saved JSON, so that the data cache (data.py) can tell tokenizers apart
 without trusting file names. `load_tokenizer` reads either format back from its JSON file.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -35,6 +40,7 @@ class UnknownCharacters(TokenizerError):
 
 CHAR_KIND = "nanollama4-char"  # the "kind" key that marks our character-tokenizer JSON
 END_OF_TEXT = "<|end_of_text|>"  # the end-of-document token, as Llama spells it
+TEXT_RULE = "special-spellings-are-text\n"  # the encoding rule, in every fingerprint (see the module's docstring)
 _MAX_SHOWN = 20  # unknown characters listed in an error message
 
 
@@ -83,7 +89,9 @@ class _SavedAsJson:
         Path(path).write_text(self.to_json(), encoding="utf-8")
 
     def fingerprint(self) -> str:
-        return _fingerprint(self.to_json())
+        """Names the encoding rule too, so that a token cache made when a special token's spelling in a
+        training file became the token is not reused now that it stays text."""
+        return _fingerprint(TEXT_RULE + self.to_json())
 
 
 class CharTokenizer(_SavedAsJson):
@@ -103,6 +111,10 @@ class CharTokenizer(_SavedAsJson):
             raise TokenizerError(f"vocabulary entries must be single characters, got {bad[:_MAX_SHOWN]!r}")
         if len(set(self.chars)) != len(self.chars):
             raise TokenizerError("the character vocabulary has duplicates; each character must appear once")
+        surrogates = [c for c in self.chars if "\ud800" <= c <= "\udfff"]
+        if surrogates:  # JSON can spell one, no text holds one: exports and decoding would fail on it later
+            raise TokenizerError(f"the character vocabulary holds lone surrogates {surrogates[:_MAX_SHOWN]!r}, "
+                                 "which are not text; the tokenizer is corrupt: rebuild it from the corpus")
         self.stoi: dict[str, int] = {c: i for i, c in enumerate(self.chars)}
         self.replace = replace
         if replace is not None:
@@ -122,6 +134,11 @@ class CharTokenizer(_SavedAsJson):
     @property
     def eos_id(self) -> int | None:
         return len(self.chars) if self.end_of_text else None
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Spelling -> id of the special tokens: the end-of-text token, when the tokenizer has it."""
+        return {END_OF_TEXT: len(self.chars)} if self.end_of_text else {}
 
     def _replacement_id(self, replace: str) -> int:
         if replace not in self.stoi:
@@ -223,6 +240,9 @@ class BPETokenizer(_SavedAsJson):
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self.tokenizer = tokenizer
+        # The library then reads a special token's spelling in a text as the text it is. Set once here, never
+        # toggled: a setter racing an encode on another thread would fail on the Rust side.
+        tokenizer.encode_special_tokens = True
 
     @classmethod
     def train(cls, texts: str | Iterable[str], vocab_size: int, min_frequency: int = 2,
@@ -259,11 +279,18 @@ class BPETokenizer(_SavedAsJson):
         return self.tokenizer.token_to_id(END_OF_TEXT)
 
     def encode(self, text: str) -> list[int]:
+        """The ids of `text` as text: a special token's spelling in it is bytes like any other."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` of each text; the library encodes them in parallel on every core."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Spelling -> id of the tokens the library marks special (ours: end-of-text; Llama 4's: its
+        headers, end of turn, ...): what a chat template's markup may name."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(_as_int_list(ids), skip_special_tokens=False)
@@ -308,11 +335,54 @@ def check_prompt(text: str, fix: str, name: str = "prompt") -> None:
                               f"were not UTF-8); {fix}") from None
 
 
+class Markup(str):
+    """A piece of a chat template's own output that spells one special token: the token it becomes."""
+
+
+class Rendered(str):
+    """Text a chat template wrote, with its pieces: each `Markup` (the template's own special tokens) or plain
+    text (what the conversation said, and the template's other words), encoded as text."""
+
+    pieces: tuple[str, ...]
+
+    def __new__(cls, pieces: Iterable[str]) -> Rendered:
+        pieces = tuple(p for p in pieces if p)
+        rendered = super().__new__(cls, "".join(pieces))
+        rendered.pieces = pieces
+        return rendered
+
+
+def split_markup(text: str, specials: Iterable[str]) -> list[str]:
+    """`text` cut at each spelling of `specials` (the longest first where two start together), those pieces
+    as `Markup`. A one-character special is left as text: no text could then say that character."""
+    spellings = sorted((s for s in set(specials) if len(s) > 1), key=len, reverse=True)
+    if not spellings:
+        return [text]
+    cut = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
+    return [Markup(p) if i % 2 else p for i, p in enumerate(cut.split(text))]
+
+
+def encode_pieces(tokenizer: Tokenizer, pieces: Iterable[str]) -> list[int]:
+    """The ids of `pieces`: a `Markup` piece is its special token, any other piece is encoded as text. Pieces
+    are encoded apart, as the tokenizers library encodes the text between two special tokens."""
+    specials: dict[str, int] = getattr(tokenizer, "special_tokens", {})
+    ids: list[int] = []
+    for piece in pieces:
+        if isinstance(piece, Markup):
+            if piece not in specials:
+                raise TokenizerError(f"{piece!r} is not a special token of this tokenizer")
+            ids.append(specials[piece])
+        elif piece:
+            ids.extend(tokenizer.encode(piece))
+    return ids
+
+
 def prompt_ids(tokenizer: Tokenizer, text: str, fix: str, name: str = "prompt") -> list[int]:
     """A prompt's ids, every door's one check: `check_prompt`, then the tokenizer's own refusal (an unknown
-    character), then a prompt that encodes to no tokens."""
+    character), then a prompt that encodes to no tokens. A chat template's `Rendered` text is encoded by its
+    pieces (its markup as special tokens); any other text is text, whatever it spells."""
     check_prompt(text, fix, name)
-    ids = tokenizer.encode(text)
+    ids = encode_pieces(tokenizer, text.pieces) if isinstance(text, Rendered) else tokenizer.encode(text)
     if not ids:
         raise GenerationError(f"the {name} encodes to no tokens; {fix}")
     return ids
@@ -368,7 +438,9 @@ def _hf_from_str(content: str, path: Path) -> HFTokenizer:
 
 def replacing_unknown(tokenizer: Tokenizer, char: str) -> Tokenizer:
     """The tokenizer, mapping characters it does not know to `char` (byte-level BPE knows every character)."""
-    return CharTokenizer(tokenizer.chars, replace=char) if isinstance(tokenizer, CharTokenizer) else tokenizer
+    if isinstance(tokenizer, CharTokenizer):
+        return CharTokenizer(tokenizer.chars, replace=char, end_of_text=tokenizer.end_of_text)
+    return tokenizer
 
 
 def load_tokenizer(path: str | Path) -> CharTokenizer | BPETokenizer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import selectors
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 
 from ..errors import CheckpointError, Nanollama4Error
 from ..files import read_bytes, read_json
+from ..tokenizer import Markup, Rendered, split_markup
 
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names
 END_OF_TURN = "\n\n"  # the play template ends each message with a blank line; chat replies stop at one
@@ -66,11 +68,12 @@ class PlayFormat:
     stop: tuple[str, ...] = (END_OF_TURN,)  # a reply ends at its first blank line
     stop_ids: tuple[int, ...] = ()
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """messages: checked {role, content: str} objects (`api.chat_prompt` checks them)."""
+    def render(self, messages: list[dict[str, Any]]) -> Rendered:
+        """messages: checked {role, content: str} objects (`api.chat_prompt` checks them). All of it is text:
+        the play template has no markup."""
         parts = [f"{m['content']}{END_OF_TURN}" if m["role"] in ("system", "developer")
                  else f"{ROLE_NAMES[m['role']]}.\n{m['content']}{END_OF_TURN}" for m in messages]
-        return "".join(parts) + f"{ROLE_NAMES['assistant']}.\n"
+        return Rendered(["".join(parts) + f"{ROLE_NAMES['assistant']}.\n"])
 
     def close(self) -> None:
         """Nothing to stop: the play template renders in the caller's thread, in microseconds."""
@@ -86,13 +89,18 @@ class TemplateFormat:
     The template is untrusted code, so it runs in a `TemplateProcess` of its own, within the limits above
     (`RENDER_SECONDS`, `RENDER_CHARS`, `RENDER_MEMORY`). Loading it also renders a one-message conversation,
     so that a template which cannot render even that within its limits stops the command at once, not each
-    chat request later."""
+    chat request later.
+
+    `specials` are the spellings of the tokenizer's special tokens. Where the template writes one, it becomes
+    the token; where a message's text holds one, it stays text (`render` marks them apart), so that no client
+    can end its turn or open a system turn by writing the markup."""
 
     stop: tuple[str, ...] = ()
 
     def __init__(self, source: str, where: Path, bos_token: str | None, eos_token: str | None,
-                 stop_ids: tuple[int, ...]) -> None:
+                 stop_ids: tuple[int, ...], specials: tuple[str, ...] = ()) -> None:
         self.where, self.bos_token, self.eos_token, self.stop_ids = where, bos_token, eos_token, stop_ids
+        self.specials = specials
         if len(source) > TEMPLATE_CHARS:
             raise CheckpointError(f"{where}: the chat template is {len(source):,} characters, more than the "
                                   f"{TEMPLATE_CHARS:,} a template may be; fix or remove it")
@@ -109,10 +117,19 @@ class TemplateFormat:
         except ChatTemplateError:  # the template may refuse a conversation it finds too short: its right
             pass
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]]) -> Rendered:
         """The prompt for checked `messages`; a `ChatTemplateError` (a `TemplateLimit` past a limit) if the
-        template refuses them or cannot render them within its limits."""
-        return self.process.render({"messages": messages, "bos_token": self.bos_token, "eos_token": self.eos_token})
+        template refuses them or cannot render them within its limits.
+
+        Each special spelling in a message's text goes to the template broken by a guard (a random string
+        no message holds), so the rendered text's unbroken spellings are the template's own: those become
+        `Markup`, and the guard is taken out of the rest."""
+        texts = [str(v) for m in messages for v in m.values()]
+        guard = _guard(texts, self.specials)
+        shielded = [{k: _shield(v, self.specials, guard) if k in ("content", "name") else v for k, v in m.items()}
+                    for m in messages]
+        text = self.process.render({"messages": shielded, "bos_token": self.bos_token, "eos_token": self.eos_token})
+        return Rendered(p if isinstance(p, Markup) else p.replace(guard, "") for p in split_markup(text, self.specials))
 
     def close(self) -> None:
         self.process.close()
@@ -220,6 +237,23 @@ class TemplateProcess:
 ChatFormat = PlayFormat | TemplateFormat  # what `chat_format_of` gives and the server takes
 
 
+def _guard(texts: list[str], specials: tuple[str, ...]) -> str:
+    """A string that none of `texts` or `specials` holds: private-use delimiters around random digits (digits,
+    so that a template's upper() or lower() leaves it whole)."""
+    while True:
+        guard = f"\ue000{secrets.randbelow(10**16):016d}\ue001"
+        if not any(guard in t for t in (*texts, *specials)):
+            return guard
+
+
+def _shield(text: str, specials: tuple[str, ...], guard: str) -> str:
+    """`text` with `guard` after the first character of each special spelling in it, which no longer matches."""
+    for spelling in sorted(specials, key=len, reverse=True):
+        if len(spelling) > 1 and spelling in text:
+            text = text.replace(spelling, spelling[0] + guard + spelling[1:])
+    return text
+
+
 
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
@@ -272,4 +306,5 @@ def chat_format_of(path: str | Path, tokenizer: Any) -> ChatFormat:
     eos_id = inner.token_to_id(eos) if eos is not None and hasattr(inner, "token_to_id") else None
     if eos_id is not None and eos_id not in ends:
         ends.append(eos_id)
-    return TemplateFormat(source, where, bos, eos, tuple(i for i in ends if 0 <= i < tokenizer.vocab_size))
+    specials = tuple(getattr(tokenizer, "special_tokens", {}))
+    return TemplateFormat(source, where, bos, eos, tuple(i for i in ends if 0 <= i < tokenizer.vocab_size), specials)
