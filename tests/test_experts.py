@@ -334,3 +334,79 @@ def test_compare_adds_each_runs_specialisation_by_layer(tiny_run, tmp_path, caps
     assert "(untrained " + " / ".join(f"{u.token_mi.bits:.2f}" for u in want.untrained) in row
     assert "| broken | - |" in stdout and "- broken: " in stdout
     assert "What the experts learned" in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["same", "dotdot", "link"])
+def test_json_and_html_naming_one_file_is_one_line(how, tiny_run, corpus, tmp_path, capsys):
+    """Issue 69: `--json X --html X` wrote the JSON, then the page over it. Paths that name one file (through
+    ".." or a linked folder) are refused before any work, as the other output clashes are."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path)
+    out = tmp_path / "report.json"
+    page = {"same": out, "dotdot": tmp_path / "sub" / ".." / "report.json", "link": tmp_path / "alias" / "report.json"}
+    rc, stdout, err = run_cli(["experts", str(tiny_run), "--data", str(corpus), "--tokens", "64", "--json", str(out),
+                               "--html", str(page[how]), "--quiet"], capsys)
+    line = assert_cli_error(rc, err, "experts")
+    assert "one file" in line and f"--json {out}" in line and "own file name" in line
+    assert stdout == "" and not out.exists()
+    rc, _, err = run_cli(["experts", str(tiny_run), "--data", str(corpus), "--tokens", "64", "--json", str(out),
+                          "--html", str(tmp_path / "report.html"), "--quiet"], capsys)
+    assert rc == 0 and json.loads(out.read_text())["tokens"] == 64, err
+
+
+def _repeated(corpus, path, size: int):
+    """`corpus`'s text repeated into `path` until it is at least `size` bytes."""
+    block = corpus.read_text()
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(size // len(block) + 1):
+            f.write(block)
+    return path
+
+
+def test_data_with_tokens_reads_a_prefix_in_memory_bounded_by_what_is_routed(tiny_run, corpus, tmp_path, capsys):
+    """Issue 69: `experts --data FILE --tokens N` read and encoded all of FILE (1,000 tokens of a 50 MB text
+    took 6.44 GB before the allocator gave up). It reads in pieces, as training does, and stops at N tokens:
+    the peak of what Python allocates (tracemalloc: the text, its ids, the routes) stays a few MiB, about a
+    piece of text, where reading the 48 MiB file whole took more than the file."""
+    import tracemalloc
+
+    big = _repeated(corpus, tmp_path / "big.txt", 48 * 2**20)
+    argv = ["experts", str(tiny_run), "--data", str(big), "--tokens", "1000", "--batch", "2", "--quiet"]
+    rc, _, err = run_cli([*argv[:3], str(corpus), *argv[4:]], capsys)  # the imports and caches, first
+    assert rc == 0, err
+    tracemalloc.start()
+    try:
+        rc, stdout, err = run_cli(argv, capsys)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 0, err
+    assert f"text: {big}" in stdout
+    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB allocated to route 1,000 tokens of a 48 MiB file"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tmp_path, monkeypatch):
+    """`routes.text_ids` gives the first N ids of the whole text's encoding, having read about a piece of it
+    (counted where the text is read, `corpus.iter_corpus`), and with no N every id."""
+    from nanollama4 import corpus as corpus_module
+    from nanollama4.explain.routes import text_ids
+    from nanollama4.tokenizer import BPETokenizer
+
+    text = corpus.read_text()
+    tok = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
+    big = _repeated(corpus, tmp_path / "big.txt", 6 * corpus_module.READ_BYTES)
+    whole = np.asarray(tok.encode(big.read_text(encoding="utf-8")), dtype=np.int64)
+    read: list[int] = []
+    iter_corpus = corpus_module.iter_corpus
+
+    def counted(*args, **kwargs):
+        for piece in iter_corpus(*args, **kwargs):
+            read.append(len(piece))
+            yield piece
+
+    monkeypatch.setattr(corpus_module, "iter_corpus", counted)
+    got = text_ids([big], tok, 1000)
+    assert got.dtype == np.int64 and np.array_equal(got, whole[:1000])
+    assert sum(read) <= 2 * corpus_module.READ_BYTES, f"read {sum(read):,} characters for 1,000 tokens"
+    assert np.array_equal(text_ids([big], tok), whole)

@@ -262,9 +262,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
 def cmd_experts(args: argparse.Namespace) -> None:
     from .explain.experts import experts, training_routing
     from .explain.expertspage import check_experts_page_target, write_experts_page
-    from .explain.expertsview import check_json_target, show_experts, write_json
+    from .explain.expertsview import check_json_target, check_outputs_apart, show_experts, write_json
     from .explain.routes import model_and_text
 
+    if args.json and args.html:
+        check_outputs_apart(Path(args.json), Path(args.html))
     if args.json:
         check_json_target(Path(args.json))
     if args.html:
@@ -371,8 +373,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from .checkpoint import resolve_checkpoint
     from .evaluation import record_full_validation, validation_of_run
     from .runs import is_run_dir
+    from .runtext import FIX_EVAL
 
-    run = validation_of_run(args.run_dir, prefer=args.checkpoint, data=args.data)
+    run = validation_of_run(args.run_dir, prefer=args.checkpoint, data=args.data, fix=FIX_EVAL)
     loss, n_tokens, seq_len = run.loss(), len(run.tokens), run.window
     if run.whole_file:  # another text than the run's: all of it, and not kept as the run's validation loss
         print(f"loss on {args.data}: {loss:.4f} nats/token over all {n_tokens:,} of its tokens (non-overlapping "

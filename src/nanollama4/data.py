@@ -118,6 +118,17 @@ def _ids_below(bin_path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) 
     return int(np.memmap(bin_path, dtype=dtype, mode="r", shape=(n_tokens,)).max()) < vocab_size
 
 
+def text_digest(files: Sequence[Path], invalid_utf8: str = "error") -> tuple[str, bool]:
+    """(sha256, visible) of a corpus's text as `iter_corpus` reads it, piece by piece: the key of its token
+    cache and what a run records of its text (train_state.json's corpus_sha256, val_sha256), so that a reader
+    can tell it is the same text before tokenizing it (runtext.py); and whether any character is visible."""
+    digest, visible = hashlib.sha256(), False
+    for piece in iter_corpus(files, invalid_utf8):
+        digest.update(piece.encode("utf-8"))
+        visible = visible or bool(piece.strip())
+    return digest.hexdigest(), visible
+
+
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -136,6 +147,7 @@ class TokenDataset:
         self.val_fraction = val_fraction
         self.header = header or {}
         self.from_cache = False  # set by build(): True when the cache was reused without tokenizing
+        self.val_header: dict[str, Any] | None = None  # a validation text of its own: its header (`with_validation`)
         self.cache_path: Path | None = None
         n = len(tokens)
         self.n_val = int(n * val_fraction)
@@ -161,13 +173,9 @@ class TokenDataset:
             raise DataError(f"cannot create the cache folder {cache_dir} ({e.strerror}); "
                             "set NANOLLAMA4_CACHE to a writable folder") from e
         check_disk_for(files, dtype, cache_dir)  # before a byte is read: a pass over a huge corpus takes long
-        digest, visible = hashlib.sha256(), False
-        for piece in iter_corpus(files, invalid_utf8):  # a first pass: the key, and whether there is text
-            digest.update(piece.encode("utf-8"))
-            visible = visible or bool(piece.strip())
+        content_sha, visible = text_digest(files, invalid_utf8)  # a first pass: the key, and whether there is text
         if not visible:
             raise empty_corpus(files)
-        content_sha = digest.hexdigest()
         fingerprint = tokenizer.fingerprint()
         end = getattr(tokenizer, "eos_id", None) if documents else None
         stem = f"tokens-{content_sha[:16]}-{tokenizer.name}-{fingerprint[:16]}{'-documents' if end is not None else ''}"
@@ -197,6 +205,7 @@ class TokenDataset:
         joined = TokenDataset(self.tokens, val_fraction=0.0, header=self.header)
         joined.val_tokens, joined.n_val = other.tokens, len(other.tokens)
         joined.from_cache, joined.cache_path = self.from_cache, self.cache_path
+        joined.val_header = other.header
         return joined
 
     # ------------------------------------------------------------------------------------------ sampling

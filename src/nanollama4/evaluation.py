@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from .checkpoint import LINKS, STEP_NAME, load_run, load_train_state, resolve_checkpoint
-from .corpus import find_corpus_files
-from .data import default_cache_dir, windows
+from .data import windows
 from .errors import CheckpointError, TrainingError
 from .files import atomic_write, read_json
 from .model import Transformer
-from .runs import corpus_of, saved_train_config, token_dataset
+from .runs import saved_train_config
+from .runtext import FIX_OTHERS, read_run_text
 from .runtime import pick_device
 from .tokenizer import Tokenizer
 
@@ -98,26 +98,21 @@ class RunValidation:
 
 
 def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,
-                      max_tokens: int | None = None) -> RunValidation:
-    """The run's `prefer` checkpoint and its validation tokens (the first `max_tokens` when given). `data`
-    names the run's corpus at a new place, or another text: then every token of it is scored (`whole_file`)."""
+                      max_tokens: int | None = None, fix: str = FIX_OTHERS) -> RunValidation:
+    """The run's `prefer` checkpoint and its validation tokens (the first `max_tokens` when given), read back
+    by `runtext.read_run_text`, which refuses a text that is not the one the run recorded (ending its line
+    with `fix`). `data` names the run's corpus at a new place, or another text: then every token of it is
+    scored (`whole_file`)."""
     model, tokenizer, tc_dict = load_run(path, prefer=prefer)
     tc = saved_train_config(path, tc_dict)
     state, _ = load_train_state(resolve_checkpoint(path, prefer=prefer))
-    given, data = data, corpus_of(path, state, data)
-    dataset = token_dataset(find_corpus_files(data), tokenizer, default_cache_dir(), tc, data,
-                            advice="pass the text the run was trained on")
+    text = read_run_text(path, state, tc, tokenizer, data, fix=fix)
     try:
         device = pick_device(tc.device)
     except TrainingError:  # trained on a GPU this machine lacks: evaluate wherever we can
         device = pick_device("auto")
-    if tc.val_data is not None and given is None:  # the run's own validation text
-        held = token_dataset(find_corpus_files(tc.val_data), tokenizer, default_cache_dir(), tc, tc.val_data,
-                             advice="pass the validation text the run was trained with")
-        dataset = dataset.with_validation(held)
-    trained_on = state.get("corpus_sha256")  # recorded since Interop II; older runs take --data as their corpus
-    other = given is not None and trained_on is not None and dataset.header.get("content_sha256") != trained_on
-    tokens = dataset.tokens if other else dataset.val_tokens
+    other = not text.own
+    tokens = text.dataset.tokens if other else text.dataset.val_tokens
     tokens = tokens if max_tokens is None else tokens[:max_tokens]
     return RunValidation(model.to(device), tokenizer, tokens, tc.seq_len or model.cfg.max_seq_len, device,
                          bool(tc.bf16), whole_file=other)

@@ -37,7 +37,8 @@ from .metrics import Telemetry
 from .model import Transformer
 from .ops import build_model
 from .optim import make_optimizer, optimizer_kind
-from .runs import check_budget_ahead, corpus_of, fit_seq_len, fit_world, token_dataset
+from .runs import check_budget_ahead, fit_seq_len, fit_world, token_dataset
+from .runtext import read_run_text
 from .runtime import available_memory, pick_device
 from .tokenizer import BPETokenizer, CharTokenizer, Tokenizer, load_tokenizer, tokenizer_from_json
 
@@ -131,15 +132,15 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
     model = load_model(ckpt, merged=False)  # a LoRA run's adapters stay apart, training
     check_vocab(tokenizer, model.cfg, ckpt)
     check_budget_ahead(tc, state, run_dir)
-    data = corpus_of(run_dir, state, data)
+    new_text = (f"to train its weights on new text, start a new run from them: nanollama4 train --init-from "
+                f"{run_dir} --data NEW_TEXT --out NEW_RUN")
+    text = read_run_text(run_dir, state, tc, tokenizer, data, cache_dir, advice="resume on the text the run was "
+                         "trained on", fix=f"pass --data with the text it was trained on; {new_text}", another=False)
+    if not text.own:
+        raise TrainingError(f"{text.data or 'the default corpus'} is not the text {run_dir} was trained on (--data "
+                            f"on --resume names the same text at a new place); {new_text}")
     tc = fit_world(fit_seq_len(tc, model.cfg), saved, int(state.get("world_size", 1)), world)
-    run = _assemble(tc, run_dir, data, cache_dir, find_corpus_files(data), tokenizer, model, world, device)
-    trained_on = state.get("corpus_sha256")
-    if trained_on is not None and run.dataset.header.get("content_sha256") != trained_on:
-        raise TrainingError(f"{data or 'the default corpus'} is not the text {run_dir} was trained on (--data on "
-                            "--resume names the same text at a new place); to train its weights on new text, start "
-                            f"a new run from them: nanollama4 train --init-from {run_dir} --data NEW_TEXT "
-                            "--out NEW_RUN")
+    run = _assemble(tc, run_dir, text.data, cache_dir, [], tokenizer, model, world, device, dataset=text.dataset)
     try:
         load_optimizer_state(run.optimizer, read_safetensors(ckpt / "optimizer.safetensors"),
                              read_json(ckpt / "optimizer.json"), part=run.parallel.part)
@@ -153,15 +154,18 @@ def resume_run(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path
 
 def _assemble(tc: TrainConfig, run_dir: Path, data: str | None, cache_dir: Path | None, files: list[Path],
               tokenizer: Tokenizer, model: Transformer, world: World, device: torch.device | None,
-              advice: str = "resume on the text the run was trained on") -> Run:
+              advice: str = "resume on the text the run was trained on", dataset: TokenDataset | None = None
+              ) -> Run:
     """The parts a new and a resumed run share: the token cache, validation batches, device, the model's
-    spread over the ranks, the optimizer (whose kind tc names: `optim.optimizer_kind`)."""
-    dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data, advice)
-    if tc.val_data is not None:  # a validation text of its own: all of the corpus trains
-        held = token_dataset(find_corpus_files(tc.val_data), tokenizer, cache_dir or default_cache_dir(), tc,
-                             tc.val_data, "give a validation text in the training text's characters (or "
-                             "--set tokenizer=bpe, which encodes any text)")
-        dataset = dataset.with_validation(held)
+    spread over the ranks, the optimizer (whose kind tc names: `optim.optimizer_kind`). `dataset`: the text
+    already read (a resume's, by `runtext.read_run_text`), else `files` are read, with tc.val_data."""
+    if dataset is None:
+        dataset = token_dataset(files, tokenizer, cache_dir or default_cache_dir(), tc, data, advice)
+        if tc.val_data is not None:  # a validation text of its own: all of the corpus trains
+            held = token_dataset(find_corpus_files(tc.val_data), tokenizer, cache_dir or default_cache_dir(), tc,
+                                 tc.val_data, "give a validation text in the training text's characters (or "
+                                 "--set tokenizer=bpe, which encodes any text)")
+            dataset = dataset.with_validation(held)
     dataset.get_batch("train", 1, tc.seq_len, torch.Generator())  # fail early if the corpus is too short
     val_batches = dataset.fixed_batches("val", tc.eval_batches, tc.batch_size, tc.seq_len, seed=tc.seed + 1)
     device = device or pick_device(tc.device)

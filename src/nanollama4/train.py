@@ -145,7 +145,8 @@ def validate_and_save(run: Run, metrics: MetricsFile, elapsed: float) -> None:
     optimizer_state = optimizer_tensors(run.optimizer, whole=run.parallel.whole)
     if run.world.main:
         state = {"data": run.data, "best_val_loss": run.best, "val_loss": val, "elapsed": elapsed,
-                 "world_size": run.world.size, "corpus_sha256": run.dataset.header.get("content_sha256")}
+                 "world_size": run.world.size, "corpus_sha256": run.dataset.header.get("content_sha256"),
+                 "val_sha256": (run.dataset.val_header or {}).get("content_sha256")}  # read back by runtext.py
         save_checkpoint(run.dir, run.step, run.model, run.optimizer, run.tokenizer.save, run.tc.to_dict(), state,
                         _rng_state(run.batches), best=is_best, tensors=tensors, optimizer_state=optimizer_state)
         # with each checkpoint, so that a resume that fails before saving leaves the run as it was: every

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import Nanollama4Error, shown
+from ..runtext import FIX_OTHERS
 from .experts import experts
 from .routes import model_and_text
 
@@ -30,7 +31,7 @@ def specialisation_section(paths: Sequence[Path], names: Sequence[str], max_toke
     rows, notes = [], []
     for path, name in zip(paths, names, strict=True):
         try:
-            model, tokenizer, ids, _ = model_and_text(path, None, max_tokens)
+            model, tokenizer, ids, _ = model_and_text(path, None, max_tokens, fix=FIX_OTHERS)
             if not any(True for _ in model.moe_layers()):
                 rows.append([name, "-", "dense: no experts", "-"])
                 continue

@@ -39,6 +39,20 @@ def check_json_target(out: Path) -> None:
     check_output_target(out, "--json", _is_ours, "a file nanollama4 experts wrote")
 
 
+def check_outputs_apart(json_out: Path, html_out: Path) -> None:
+    """Refuse, before any work, --json and --html naming one file: the page, written second, would replace
+    the JSON (a file of ours, so neither target check objects). One file: the same path once links and
+    ".." are resolved, the same file where it exists (a hard link), or names that differ only in letter
+    case, which some filesystems (macOS, Windows) take for one name."""
+    a, b = os.path.realpath(json_out), os.path.realpath(html_out)
+    same = a.casefold() == b.casefold()
+    if not same and os.path.exists(a) and os.path.exists(b):
+        same = os.path.samefile(a, b)
+    if same:
+        raise ConfigError(f"--json {json_out} and --html {html_out} are one file, which the page would take over "
+                          "from the JSON; give each its own file name")
+
+
 def _is_ours(path: Path) -> bool:
     if not path.is_file():  # a pipe or a device is not opened to look
         return False

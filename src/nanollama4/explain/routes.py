@@ -11,6 +11,7 @@ of `experts.analyse` are all read from these arrays.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,15 +117,18 @@ class _outputs:
             h.remove()
 
 
-def model_and_text(path: str | Path, data: str | Path | None = None, max_tokens: int | None = None
-                   ) -> tuple[Transformer, Tokenizer, np.ndarray, str]:
+def model_and_text(path: str | Path, data: str | Path | None = None, max_tokens: int | None = None,
+                   fix: str | None = None) -> tuple[Transformer, Tokenizer, np.ndarray, str]:
     """The model at `path` (a run, a checkpoint folder or a transformers folder, as `generate` loads it), the
     ids of the text to route (the first `max_tokens`) and where that text came from: `data` (a file, a folder
-    or a glob, read whole) when given, else a run's validation text; a folder with no run needs `data`."""
-    from ..corpus import find_corpus_files, read_corpus
+    or a glob, read in pieces: `text_ids`) when given, else a run's validation text, read back only where it
+    is the text the run recorded (`runtext.read_run_text`, whose refusal ends with `fix`); a folder with no
+    run needs `data`."""
+    from ..corpus import check_fits_in_memory, find_corpus_files
     from ..evaluation import validation_of_run
     from ..hf import load_any
     from ..runs import is_run_dir
+    from ..runtext import FIX_EXPERTS
 
     if data is None:
         if not Path(path).exists():
@@ -132,20 +136,61 @@ def model_and_text(path: str | Path, data: str | Path | None = None, max_tokens:
         if not Path(path).is_dir() or not is_run_dir(Path(path)):
             raise DataError(f"{path} is not a run folder, so it has no validation text of its own; pass --data TEXT "
                             "(a text file, a folder or a quoted glob) to route")
-        run = validation_of_run(path, max_tokens=max_tokens)
+        run = validation_of_run(path, max_tokens=max_tokens, fix=fix or FIX_EXPERTS)
         ids, source = np.asarray(run.tokens, dtype=np.int64), f"the validation text of {path}"
         model, tokenizer = run.model, run.tokenizer
     else:
-        files = find_corpus_files(data)  # a missing or empty source is one line before the model is read
+        files = find_corpus_files(data)  # a missing source is one line before the model is read
+        if max_tokens is None:  # all of it is routed: its ids and routes must fit (with a prefix, they do)
+            check_fits_in_memory(files)
         model, tokenizer = load_any(path)
-        text = read_corpus(files)
-        if max_tokens is not None and isinstance(tokenizer, CharTokenizer):
-            text = text[:max_tokens]  # one token a character: encode no more than is read
         try:
-            ids = np.asarray(tokenizer.encode(text)[:max_tokens], dtype=np.int64)
+            ids = text_ids(files, tokenizer, max_tokens)
         except UnknownCharacters as e:
             raise DataError(f"--data {data}: {e.listing}; give a text in the model's alphabet") from None
         source = str(data)
     if len(ids) == 0:
         raise DataError(f"{source} has no tokens to route; give some text")
     return model, tokenizer, ids, source
+
+
+def text_ids(files: list[Path], tokenizer: Tokenizer, max_tokens: int | None = None) -> np.ndarray:
+    """The ids of the files' text, or of its first `max_tokens` tokens, read and encoded in pieces as training
+    reads a corpus (`corpus.iter_corpus`, `corpus.encoded_pieces`: the ids are those of the whole text), and
+    no further than those tokens: memory holds the ids routed and a piece or two of text (about a MiB),
+    whatever the size of the files (a whole 50 MB text read to route 1,000 of its tokens once took 6 GB).
+    A character tokenizer's ids are one a character, so its pieces are cut anywhere, to the characters
+    needed; a BPE's are cut where no token can span the cut, so a text that has no such line break reads on
+    until one comes."""
+    from ..corpus import empty_corpus, encoded_pieces, iter_corpus
+
+    chunks: list[np.ndarray] = []
+    n, visible, whole = 0, False, True
+    text = iter_corpus(files)
+    try:
+        pieces = ((p, tokenizer.encode(p)) for p in _cut(text, max_tokens)) \
+            if isinstance(tokenizer, CharTokenizer) else encoded_pieces(text, tokenizer)
+        for piece, encoded in pieces:
+            visible = visible or bool(piece.strip())
+            chunks.append(np.asarray(encoded, dtype=np.int64)[:None if max_tokens is None else max_tokens - n])
+            n += len(chunks[-1])
+            if max_tokens is not None and n >= max_tokens:
+                whole = False
+                break
+    finally:
+        text.close()  # a prefix: the file is closed now, not when the generator is collected
+    if whole and not visible:
+        raise empty_corpus(files)
+    return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+
+
+def _cut(pieces: Iterator[str], max_tokens: int | None) -> Iterator[str]:
+    """The text of `pieces` up to its first `max_tokens` characters (all of it for None)."""
+    left = max_tokens
+    for piece in pieces:
+        if left is not None:
+            piece = piece[:left]
+            left -= len(piece)
+        yield piece
+        if left == 0:
+            return

@@ -264,6 +264,9 @@ def _time_products(names: tuple[str, ...], d_model: int, hidden: int, n_experts:
     counts[0] += rows - counts.sum()
     expert = torch.repeat_interleave(torch.arange(n_experts), counts).to(device)
     counts = counts.to(device)
+    # The output's gradient as training hands it: a dense tensor. (`.sum().backward()` would hand an expanded
+    # one of stride 0, which torch's CPU grouped_mm backward refuses on some instruction sets.)
+    dy = torch.randn(rows, d_model, generator=g).to(device, dtype)
     times = {}
     for name in names:
         weights = (gate_up, down) if name in CASTS_WEIGHTS else (gate_up.to(dtype), down.to(dtype))
@@ -271,7 +274,8 @@ def _time_products(names: tuple[str, ...], d_model: int, hidden: int, n_experts:
         for i in range(4):  # the first run warms up (a product's first use sets it up), then the best of 3
             _synchronize(device)
             t = time.perf_counter()
-            PRODUCTS[name](x, *weights, counts, expert).float().sum().backward()
+            out = PRODUCTS[name](x, *weights, counts, expert)
+            out.backward(dy.to(out.dtype))
             _synchronize(device)
             best = best if i == 0 else min(best, time.perf_counter() - t)
         times[name] = best

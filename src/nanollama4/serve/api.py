@@ -15,7 +15,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import resources
 from typing import Any
 
@@ -43,6 +43,60 @@ ENDPOINTS: dict[str, tuple[type[Body], type[Reply]]] = {"/v1/completions": (BODI
 # decoding thread needs: on a small CPU a write per token slows a fast stream measurably, one per 5 ms far
 # less (benchmarks/RESULTS.md, "Serving"), and 5 ms is far below what a reader of a stream can notice.
 STREAM_INTERVAL = 0.005
+
+
+class TemplateQueue:
+    """The chat requests that wait for a checkpoint's template. It renders in a process of its own, waited on
+    by one thread of this pool, never by the event loop: however long a template takes (up to its limit),
+    /health, completions and signals are answered. One renders, up to `max_queue` wait their turn; past
+    that a chat request is told to come back (429). Once the server stops accepting (`stop`), those still
+    waiting are refused at once (503), as new requests are: only the render under way goes on, within its
+    limit, so a stop never waits on a queue of renders."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="chat-template")
+        self.max_queue = max_queue
+        self.jobs: set[Future] = set()  # rendering or waiting
+        self.stopped = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: asyncio.Future | None = None  # done once stopped: wakes those waiting
+
+    async def run(self, work: Callable[[], Params]) -> Params:
+        """`work()` in its turn on the pool's thread."""
+        if self.stopped:
+            raise _closing()
+        if len(self.jobs) > self.max_queue:
+            raise ApiError(429, f"{len(self.jobs)} chat requests wait for the chat template already; retry in a "
+                           "moment", kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        if self.stopping is None:
+            self.loop = asyncio.get_running_loop()
+            self.stopping = self.loop.create_future()
+        job = self.pool.submit(work)
+        turn = asyncio.wrap_future(job)
+        self.jobs.add(job)
+        try:
+            await asyncio.wait([turn, self.stopping], return_when=asyncio.FIRST_COMPLETED)
+            if not turn.done() and job.cancel():  # stopped before its turn came: it never renders
+                raise _closing()
+            return await turn
+        finally:
+            job.cancel()  # (a request cancelled while it waits leaves the queue; a render under way goes on)
+            self.jobs.discard(job)
+
+    def stop(self) -> None:
+        """Refuse new requests and those waiting (503). Callable from a signal handler: it only sets a flag
+        and schedules the wake-up on the event loop."""
+        self.stopped = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        if self.stopping is not None and not self.stopping.done():
+            self.stopping.set_result(None)
+
+
+def _closing() -> ApiError:
+    return ApiError(503, "the server is shutting down; try again once it is back", kind="server_error")
 
 
 class Session:
@@ -100,8 +154,8 @@ class Session:
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}; retry in a moment", kind="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-        except Closing as e:
-            raise ApiError(503, f"{e}; try again once it is back", kind="server_error") from None
+        except Closing:
+            raise _closing() from None
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Event]]]:
         """The events in order, as many at a time as have arrived."""
@@ -135,7 +189,9 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
     tokens are written at most once every `stream_interval` seconds (those that came meanwhile together).
 
     Requests pass `guard.Guard` first: a Host that `hosts` allows (default: a server bound to 127.0.0.1),
-    an Origin that is the server's own or in `origins`, and JSON bodies declared as such."""
+    an Origin that is the server's own or in `origins`, and JSON bodies declared as such.
+
+    `app.state.stop_accepting()` begins a stop (the server calls it on SIGTERM): every queue refuses from then on."""
     created = int(time.time())
     page = _page(engine, model_name)
 
@@ -151,34 +207,34 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
                             f"{model_name!r}", param="model", code="model_not_found").response()
         return JSONResponse(card)
 
+    # chat requests waiting for a checkpoint's template (the play template renders in place, in microseconds)
+    templates = TemplateQueue(engine.max_queue) if isinstance(chat, TemplateFormat) else None
+
+    def stop_accepting() -> tuple[int, int]:
+        """The one way the server stops taking work: the engine's queue and the template's refuse new
+        requests (503) and the template's refuses those still waiting for it. Callable from a signal handler.
+        Gives (requests that go on: in the engine or rendering, requests refused from the template's queue)."""
+        decoding, waiting = engine.busy
+        queued = len(templates.jobs) if templates is not None else 0
+        engine.stop_accepting()
+        if templates is not None:
+            templates.stop()
+        return decoding + waiting + min(queued, 1), max(queued - 1, 0)
+
     async def health(_: HttpRequest) -> Response:
         decoding, waiting = engine.busy
         state = {"status": "closing" if engine.closing else "ok", "model": model_name, "decoding": decoding,
-                 "waiting": waiting, "max_batch": engine.max_batch, "max_queue": engine.max_queue,
-                 "finished": dict(engine.finished)}
+                 "waiting": waiting, "template_queue": len(templates.jobs) if templates is not None else 0,
+                 "max_batch": engine.max_batch, "max_queue": engine.max_queue, "finished": dict(engine.finished)}
         return JSONResponse(state, status_code=503 if engine.closing else 200)
 
     async def index(_: HttpRequest) -> Response:
         return HTMLResponse(page)
 
-    # A checkpoint's template renders in a process of its own, waited on by one thread of this pool, never by
-    # the event loop: however long a template takes (up to its limit), /health, completions and signals are
-    # answered. Renders take turns; past max_queue waiting, a chat request is told to come back.
-    templates = ThreadPoolExecutor(1, thread_name_prefix="chat-template") if isinstance(chat, TemplateFormat) else None
-    rendering = [0]
-
     async def parsed(body: Any, schema: type[Body]) -> Params:
         if templates is None or schema is not BODIES["chat"]:
             return parse_request(body, schema, engine, model_name, chat)
-        if rendering[0] > engine.max_queue:  # one renders, up to max_queue wait their turn
-            raise ApiError(429, f"{rendering[0]} chat requests wait for the chat template already; retry in a moment",
-                           kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        rendering[0] += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(templates, parse_request, body, schema, engine,
-                                                                    model_name, chat)
-        finally:
-            rendering[0] -= 1
+        return await templates.run(lambda: parse_request(body, schema, engine, model_name, chat))
 
     def endpoint(schema: type[Body], reply: type[Reply]) -> Callable[[HttpRequest], Any]:
         async def handle(http: HttpRequest) -> Response:
@@ -213,8 +269,10 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
     routes = [Route("/", index), Route("/favicon.ico", no_icon), Route("/health", health), Route("/v1/models", models),
               Route("/v1/models/{name:path}", model),
               *[Route(path, endpoint(schema, reply), methods=["POST"]) for path, (schema, reply) in ENDPOINTS.items()]]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
-                     middleware=[Middleware(Guard, hosts=hosts or HostRule(), origins=origins)])
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
+                    middleware=[Middleware(Guard, hosts=hosts or HostRule(), origins=origins)])
+    app.state.stop_accepting = stop_accepting
+    return app
 
 
 async def _read_json(http: HttpRequest) -> Any:

@@ -26,14 +26,17 @@ from typing import Any
 from ..errors import CheckpointError, Nanollama4Error
 from ..files import read_bytes, read_json
 from ..tokenizer import Markup, Rendered, split_markup
+from .logs import printable
 
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names
 END_OF_TURN = "\n\n"  # the play template ends each message with a blank line; chat replies stop at one
 TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")  # where checkpoints keep it
 # What a checkpoint's template may cost (it is code from a download): real chat templates render in
 # milliseconds, write a few kilobytes and need a few megabytes beyond the interpreter's own.
-RENDER_SECONDS = 2.0  # a conversation's render; past it the template's process is killed
-START_SECONDS = 20.0  # starting that process and compiling the template
+RENDER_SECONDS = 2.0  # a conversation's render; past it the process rendering it is killed
+START_SECONDS = 20.0  # starting the template's process and compiling the template (a 1 MiB one takes ~15 s)
+ANSWER_GRACE = 5.0  # beyond RENDER_SECONDS, the wait for that process to say so; past it, it is stuck and killed
+ERROR_CHARS = 300  # characters of a template's error text (its raise_exception message) a client and the log get
 RENDER_CHARS = 1 << 22  # characters a render may write, and items any string or list it builds may hold
 RENDER_MEMORY = 256 << 20  # bytes of address space the template's process may take beyond what it had at start
 TEMPLATE_CHARS = 1 << 20  # characters of a template's source (real ones: a few thousand)
@@ -139,9 +142,11 @@ class TemplateFormat:
 
 
 class TemplateProcess:
-    """The process a template renders in (`template_worker.py`), started on first need and killed when a
-    render outlasts `RENDER_SECONDS`; the next render starts a fresh one. Renders take turns (one lock):
-    the server calls `render` from a thread of its own, never from its event loop."""
+    """The process that holds the compiled template (`template_worker.py`): it renders each conversation in
+    a child forked from it and kills the child past `seconds`, so a render past its limit costs a fork (a few
+    milliseconds), never a recompile (seconds for a large template). Only if that process itself dies or
+    stops answering is it killed and started again, compiling the template, by the next render. Renders take
+    turns (one lock): the server calls `render` from a thread of its own, never from its event loop."""
 
     def __init__(self, source: str, where: Path, seconds: float = RENDER_SECONDS, chars: int = RENDER_CHARS,
                  memory: int = RENDER_MEMORY) -> None:
@@ -163,38 +168,40 @@ class TemplateProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self.pending = b""
         setup = {"source": self.source, "parent": os.getpid(), "paths": paths,
-                 "limits": {"chars": self.chars, "memory": self.memory}}
+                 "limits": {"chars": self.chars, "memory": self.memory, "message": ERROR_CHARS}}
         reply = self._ask(setup, START_SECONDS, "to load")
         if "error" in reply:
             self._kill()
             what = "is not valid Jinja" if reply.get("kind") == "refused" else "cannot be loaded"
-            raise CheckpointError(f"{self.where}: the chat template {what} ({reply['error']}); fix or remove it")
+            raise CheckpointError(f"{self.where}: the chat template {what} ({printable(str(reply['error']))}); "
+                                  "fix or remove it")
 
     def render(self, request: dict[str, Any], doing: str = "on these messages") -> str:
         """The template rendered for `request` ({messages, bos_token, eos_token}), within its limits."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
-            reply = self._ask(request, self.seconds, doing)
+            reply = self._ask({**request, "seconds": self.seconds}, self.seconds, doing, grace=ANSWER_GRACE)
         if isinstance(reply.get("text"), str):
             return reply["text"]
-        error = str(reply.get("error"))
+        error = str(reply.get("error"))  # at most ERROR_CHARS: the process cuts it
         if reply.get("kind") == "refused":
             raise ChatTemplateError(f"the model's chat template ({self.where.name}) refused these messages: {error}")
-        raise TemplateLimit(self.where.name, error)
+        raise TemplateLimit(self.where.name, f"took over {self.seconds:g} s {doing}" if reply.get("kind") == "time"
+                            else error)
 
-    def _ask(self, message: dict[str, Any], seconds: float, doing: str) -> dict[str, Any]:
-        """Send one line and wait at most `seconds` for the answer; past that, or on any failure on the way
-        (so that no answer is left behind for the next request to read), the process is killed."""
+    def _ask(self, message: dict[str, Any], seconds: float, doing: str, grace: float = 0.0) -> dict[str, Any]:
+        """Send one line and wait at most `seconds` (+ `grace`) for the answer; past that, or on any failure on
+        the way (so that no answer is left behind for the next request to read), the process is killed."""
         try:
-            return self._exchange(message, seconds, doing)
+            return self._exchange(message, seconds, doing, grace)
         except BaseException:
             self._kill()
             raise
 
-    def _exchange(self, message: dict[str, Any], seconds: float, doing: str) -> dict[str, Any]:
+    def _exchange(self, message: dict[str, Any], seconds: float, doing: str, grace: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + seconds + grace
         try:
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")
             self.proc.stdin.flush()

@@ -9,7 +9,6 @@ same engine, and rows never see each other.
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import torch
@@ -20,8 +19,7 @@ from ..engine.scheduler import QueueFull
 from ..errors import Nanollama4Error
 from ..model import Transformer
 from ..tokenizer import Tokenizer
-
-log = logging.getLogger("nanollama4.serve")
+from .logs import log
 
 __all__ = ["BackgroundEngine", "Request", "TokenEvent", "Finished", "Event", "QueueFull", "Closing", "log"]
 

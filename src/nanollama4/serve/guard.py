@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import logging
 import socket
 import sys
 from collections.abc import Iterable
@@ -33,8 +32,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import ConfigError
-
-log = logging.getLogger("nanollama4.serve")
+from .logs import log
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARDS = ("0.0.0.0", "::", "")

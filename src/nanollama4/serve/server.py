@@ -1,6 +1,7 @@
 """The process of `nanollama4 serve`: bind the socket, run uvicorn over the app, stop cleanly.
 
-SIGTERM and Ctrl-C stop the server gracefully: it stops accepting connections, lets the streams in
+SIGTERM and Ctrl-C stop the server gracefully: it stops accepting connections and requests (those still
+waiting for a checkpoint's chat template too: `api.create_app`'s `stop_accepting`), lets the streams in
 flight finish (cancelling any still open after GRACE seconds), stops the engine and returns, so the
 command exits 0.
 """
@@ -94,12 +95,11 @@ def serve(model: Transformer, tokenizer: Tokenizer, name: str, host: str = "127.
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE, lifespan="off",
                             access_log=False, http=guarded_protocol(request_timeout, max_connections))
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:  # the signal: new requests get 503 from now on
-            engine.stop_accepting()
+        def handle_exit(self, sig: int, frame) -> None:  # the signal: new and waiting requests get 503 from now on
+            going_on, refused = app.state.stop_accepting()
             if not self.should_exit:
-                decoding, waiting = engine.busy
-                log.info("stopping: new requests get 503; %d in flight have up to %d s to finish",
-                         decoding + waiting, GRACE)
+                log.info("stopping: new requests get 503%s; %d in flight have up to %d s to finish",
+                         f", as do the {refused} waiting for the chat template" if refused else "", going_on, GRACE)
             super().handle_exit(sig, frame)
 
     server = Server(config)

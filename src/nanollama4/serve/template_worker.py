@@ -2,27 +2,38 @@
 
 A chat template comes with a downloaded checkpoint, so it is untrusted code: Jinja's sandbox keeps it from
 reaching Python's internals, but not from looping for hours or building a string of gigabytes. It therefore
-runs here, in a process of its own that `chat.TemplateProcess` starts, feeds and, past its time limit,
-kills: the server's event loop, its other requests and its signals never wait on a template. This process
-bounds what the sandbox does not:
+runs here, in processes of their own that `chat.TemplateProcess` starts and feeds: the server's event loop,
+its other requests and its signals never wait on a template. This process compiles the template once and
+keeps it; each conversation is rendered in a child forked from it, which is killed past its time limit.
+Compiling a large template takes seconds (about 15 s for one of 1 MiB), forking takes milliseconds, so a
+render past its limit costs only its own request: the next one starts from the compiled template at once.
+Bounded here, beyond what the sandbox bounds:
 
-- its address space (`RLIMIT_AS`), so a template that builds something huge fails with a MemoryError here
-  instead of swapping out the server;
+- the render's time (the request's "seconds"): past it the child is killed;
+- its address space (`RLIMIT_AS`), so a template that builds something huge fails with a MemoryError
+  instead of swapping out the server (the compile runs under the same ceiling);
 - the size of any string or list an operator builds (`*`, `**`, `+`), checked before it is built; these
   operators are also the ones Jinja would otherwise fold while compiling, so `"a" * 3000000000` costs
   nothing when the template is loaded;
-- the size of what a render writes, counted as it is written.
+- the size of what a render writes, counted as it is written;
+- the length of an error's text (a template's `raise_exception` message can be as long as a render).
 
 It is run as a file (`python -I template_worker.py`), so it imports nothing of nanollama4's and nothing
 from the working folder: only the standard library and Jinja. It speaks JSON lines on stdin/stdout: first
-{"source", "limits"} (answered {"ok": true} or an error), then one {"messages", "bos_token",
-"eos_token"} per conversation, answered {"text": ...} or {"error": ..., "kind": ...}.
+{"source", "parent", "paths", "limits"} (answered {"ok": true} or an error), then one {"messages",
+"bos_token", "eos_token", "seconds"} per conversation, answered {"text": ...} or {"error": ..., "kind": ...}
+(kind "time" when the render ran past its seconds).
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import select
+import signal
 import sys
+import time
 from datetime import datetime
 from typing import Any
 
@@ -79,12 +90,10 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 
 def _end_with(parent: int) -> None:
-    """Die with the server, even in the middle of a render: Linux sends SIGKILL when the parent goes
-    (elsewhere the parent's timeout and the closed stdin end this process)."""
+    """Die with `parent`, even in the middle of a render: Linux sends SIGKILL when the parent goes
+    (elsewhere the parent's timeout and the closed pipes end this process)."""
     try:
         import ctypes
-        import os
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the parent went before the request took hold
@@ -93,18 +102,23 @@ def _end_with(parent: int) -> None:
         pass
 
 
-def _limit_memory(extra: int) -> None:
+def _limit_memory(extra: int, final: bool) -> tuple[int, int] | None:
     """At most `extra` bytes of address space beyond what the process holds now (which counts what the
-    system maps into every process: a locale archive alone is 200 MB on some systems)."""
+    system maps into every process: a locale archive alone is 200 MB on some systems). `final`: the hard
+    limit too, for good; otherwise the soft one only, which this process can lift again (returned: the
+    limits to restore). None where there is no such limit or no /proc: the parent's timeout still holds."""
     try:
-        import os
         import resource
 
         with open("/proc/self/statm") as f:
             now = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (now + extra, now + extra))
-    except (ImportError, ValueError, OSError):  # no such limit or /proc here: the parent's timeout still holds
-        pass
+        before = resource.getrlimit(resource.RLIMIT_AS)
+        hard = before[1]
+        ceiling = now + extra if hard == resource.RLIM_INFINITY else min(now + extra, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (ceiling, ceiling if final else hard))
+        return before
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 def _render(template: Any, request: dict[str, Any], max_chars: int) -> str:
@@ -118,31 +132,99 @@ def _render(template: Any, request: dict[str, Any], max_chars: int) -> str:
     return "".join(parts)
 
 
-def _answer(work: Any) -> dict[str, Any]:
-    """Run `work`, and say what became of it in the protocol's terms."""
+def _cut(text: str, limit: int) -> str:
+    """At most `limit` characters of `text`, saying how many more there were."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters cut)"
+
+
+def _answer(work: Any, message_chars: int) -> dict[str, Any]:
+    """Run `work`, and say what became of it in the protocol's terms (an error's text at most
+    `message_chars` long: it is the template's to write, and goes into an HTTP answer and a log line)."""
     from jinja2 import TemplateError
 
     try:
         return work()
     except Refused as e:
-        return {"error": str(e), "kind": e.kind}
+        reply = {"error": str(e), "kind": e.kind}
     except TemplateError as e:
-        return {"error": str(e), "kind": "refused"}
+        reply = {"error": str(e), "kind": "refused"}
     except MemoryError:
-        return {"error": "needs more memory than a template may take", "kind": "memory"}
+        reply = {"error": "needs more memory than a template may take", "kind": "memory"}
     except RecursionError:
-        return {"error": "recursion too deep", "kind": "refused"}
+        reply = {"error": "recursion too deep", "kind": "refused"}
     except Exception as e:  # a template's expression failed (a TypeError in its own arithmetic, say)
-        return {"error": f"{type(e).__name__}: {e}", "kind": "refused"}
+        reply = {"error": f"{type(e).__name__}: {e}", "kind": "refused"}
+    reply["error"] = _cut(reply["error"], message_chars)
+    return reply
+
+
+def _line(reply: dict[str, Any]) -> bytes:
+    return json.dumps(reply).encode() + b"\n"
+
+
+def _in_a_child(work: Any, seconds: float, memory: int, message_chars: int, answer_bytes: int) -> bytes:
+    """The answer line of `work`, run in a child forked from this process (the compiled template is already
+    in it), under its own memory ceiling; past `seconds` the child is killed and the answer says so. Nothing
+    a render does outlives it, and nothing here waits on more than `seconds` of it."""
+    keeper = os.getpid()
+    reading, writing = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, write the answer into the pipe, and go
+        status = 1
+        try:
+            os.close(reading)
+            quiet = os.open(os.devnull, os.O_RDWR)  # stdin/stdout are the keeper's conversation with the server
+            os.dup2(quiet, 0)
+            os.dup2(quiet, 1)
+            _end_with(keeper)
+            _limit_memory(memory, final=True)
+            left = memoryview(_line(_answer(work, message_chars)))
+            while left:
+                left = left[os.write(writing, left):]
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(writing)
+    try:
+        return _collect(reading, seconds, answer_bytes)
+    finally:
+        os.close(reading)
+        try:
+            os.kill(pid, signal.SIGKILL)  # done or not, it has nothing left to do
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+
+
+def _collect(fd: int, seconds: float, answer_bytes: int) -> bytes:
+    """The line a child writes into `fd`, read within `seconds` and at most `answer_bytes` long."""
+    deadline = time.monotonic() + seconds
+    chunks, size = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return _line({"error": f"took over {seconds:g} s", "kind": "time"})
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > answer_bytes:
+            return _line({"error": "answered more than its limit", "kind": "too_large"})
+        chunks.append(chunk)
+    answer = b"".join(chunks)
+    if not answer.endswith(b"\n") or answer.count(b"\n") != 1:
+        return _line({"error": "ran out of memory or failed", "kind": "failed"})
+    return answer
 
 
 def main() -> None:
-    send = sys.stdout.write
+    out = sys.stdout.buffer
     setup = json.loads(sys.stdin.readline())
     limits = setup["limits"]
     _end_with(int(setup["parent"]))
     sys.path[:0] = setup["paths"]  # where the parent found Jinja (-I leaves out user and environment paths)
-    max_chars = int(limits["chars"])
+    max_chars, memory, message_chars = int(limits["chars"]), int(limits["memory"]), int(limits["message"])
+    answer_bytes = 12 * max_chars + 4096  # JSON's escapes: up to 12 bytes a character
     holder: dict[str, Any] = {}
 
     def compile_it() -> dict[str, Any]:
@@ -150,20 +232,27 @@ def main() -> None:
             env = _environment(max_chars)
         except ImportError as e:
             return {"error": f"Jinja cannot be imported here ({e})", "kind": "failed"}
-        _limit_memory(int(limits["memory"]))
-        holder["template"] = env.from_string(setup["source"])
+        before = _limit_memory(memory, final=False)  # lifted after: this process only forks and relays
+        try:
+            holder["template"] = env.from_string(setup["source"])
+        finally:
+            if before is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_AS, before)
         return {"ok": True}
 
-    reply = _answer(compile_it)
-    send(json.dumps(reply) + "\n")
-    sys.stdout.flush()
+    out.write(_line(_answer(compile_it, message_chars)))
+    out.flush()
     if "template" not in holder:
         return
+    gc.collect()
+    gc.freeze()  # a child's collections then leave the template's pages shared with this process, uncopied
     for line in sys.stdin:
         request = json.loads(line)
-        reply = _answer(lambda r=request: {"text": _render(holder["template"], r, max_chars)})
-        send(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        out.write(_in_a_child(lambda r=request: {"text": _render(holder["template"], r, max_chars)},
+                              float(request["seconds"]), memory, message_chars, answer_bytes))
+        out.flush()
 
 
 if __name__ == "__main__":
