@@ -363,40 +363,11 @@ def _repeated(corpus, path, size: int):
     return path
 
 
-def test_data_with_tokens_reads_a_prefix_in_memory_bounded_by_what_is_routed(tiny_run, corpus, tmp_path, capsys):
-    """Issue 69: `experts --data FILE --tokens N` read and encoded all of FILE (1,000 tokens of a 50 MB text
-    took 6.44 GB before the allocator gave up). It reads in pieces, as training does, and stops at N tokens:
-    the peak of what Python allocates (tracemalloc: the text, its ids, the routes) stays a few MiB, about a
-    piece of text, where reading the 48 MiB file whole took more than the file."""
-    import tracemalloc
-
-    big = _repeated(corpus, tmp_path / "big.txt", 48 * 2**20)
-    argv = ["experts", str(tiny_run), "--data", str(big), "--tokens", "1000", "--batch", "2", "--quiet"]
-    rc, _, err = run_cli([*argv[:3], str(corpus), *argv[4:]], capsys)  # the imports and caches, first
-    assert rc == 0, err
-    tracemalloc.start()
-    try:
-        rc, stdout, err = run_cli(argv, capsys)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert rc == 0, err
-    assert f"text: {big}" in stdout
-    assert peak < 12 * 2**20, f"{peak / 2**20:.1f} MiB allocated to route 1,000 tokens of a 48 MiB file"
-
-
-@pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tmp_path, monkeypatch):
-    """`routes.text_ids` gives the first N ids of the whole text's encoding, having read about a piece of it
-    (counted where the text is read, `corpus.iter_corpus`), and with no N every id."""
+def _counting_reads(monkeypatch) -> list[int]:
+    """The length of every piece of text read from now on (`corpus.iter_corpus`, which every reader of a text
+    file goes through), in a list that grows as they are read."""
     from nanollama4 import corpus as corpus_module
-    from nanollama4.explain.routes import text_ids
-    from nanollama4.tokenizer import BPETokenizer
 
-    text = corpus.read_text()
-    tok = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
-    big = _repeated(corpus, tmp_path / "big.txt", 6 * corpus_module.READ_BYTES)
-    whole = np.asarray(tok.encode(big.read_text(encoding="utf-8")), dtype=np.int64)
     read: list[int] = []
     iter_corpus = corpus_module.iter_corpus
 
@@ -406,7 +377,47 @@ def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tm
             yield piece
 
     monkeypatch.setattr(corpus_module, "iter_corpus", counted)
-    got = text_ids([big], tok, 1000)
+    return read
+
+
+def test_data_with_tokens_reads_only_the_prefix_it_routes(tiny_run, corpus, tmp_path, monkeypatch, capsys):
+    """Issue 69: `experts --data FILE --tokens N` read and encoded all of FILE (1,000 tokens of a 50 MB text
+    took 6.44 GB before the allocator gave up). It reads in pieces, as training does, and stops at N tokens:
+    of a 48 MiB file, a piece or two (READ_BYTES each) is read."""
+    from nanollama4.corpus import READ_BYTES
+
+    big = _repeated(corpus, tmp_path / "big.txt", 48 * 2**20)
+    read = _counting_reads(monkeypatch)
+    out = tmp_path / "report.json"
+    rc, stdout, err = run_cli(["experts", str(tiny_run), "--data", str(big), "--tokens", "1000", "--batch", "2",
+                               "--json", str(out), "--quiet"], capsys)
+    assert rc == 0, err
+    assert f"text: {big}" in stdout and json.loads(out.read_text())["tokens"] == 1000
+    assert 0 < sum(read) <= 2 * READ_BYTES, f"{sum(read):,} characters read to route 1,000 tokens"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tmp_path, monkeypatch):
+    """`routes.text_ids` gives the first N ids of the whole text's encoding, having read about a piece of it
+    and allocated little more (tracemalloc's peak), and with no N every id."""
+    import tracemalloc
+
+    from nanollama4.corpus import READ_BYTES
+    from nanollama4.explain.routes import text_ids
+    from nanollama4.tokenizer import BPETokenizer
+
+    text = corpus.read_text()
+    tok = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
+    big = _repeated(corpus, tmp_path / "big.txt", 6 * READ_BYTES)
+    whole = np.asarray(tok.encode(big.read_text(encoding="utf-8")), dtype=np.int64)
+    read = _counting_reads(monkeypatch)
+    tracemalloc.start()
+    try:
+        got = text_ids([big], tok, 1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert got.dtype == np.int64 and np.array_equal(got, whole[:1000])
-    assert sum(read) <= 2 * corpus_module.READ_BYTES, f"read {sum(read):,} characters for 1,000 tokens"
+    assert sum(read) <= 2 * READ_BYTES, f"read {sum(read):,} characters for 1,000 tokens"
+    assert peak < 3 * READ_BYTES + 2**20, f"{peak / 2**20:.1f} MiB allocated for 1,000 tokens"
     assert np.array_equal(text_ids([big], tok), whole)

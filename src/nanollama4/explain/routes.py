@@ -160,16 +160,21 @@ def text_ids(files: list[Path], tokenizer: Tokenizer, max_tokens: int | None = N
     no further than those tokens: memory holds the ids routed and a piece or two of text (about a MiB),
     whatever the size of the files (a whole 50 MB text read to route 1,000 of its tokens once took 6 GB).
     A character tokenizer's ids are one a character, so its pieces are cut anywhere, to the characters
-    needed; a BPE's are cut where no token can span the cut, so a text that has no such line break reads on
-    until one comes."""
-    from ..corpus import empty_corpus, encoded_pieces, iter_corpus
+    needed. A BPE's are cut where no token can span the cut (so a text with no such line break reads on
+    until one comes), and for a prefix encoded one piece of ENCODE_PIECE characters at a time rather than
+    in training's parallel groups, whose ids would be a MiB of text's, however few are routed."""
+    from ..corpus import ENCODE_PIECE, empty_corpus, encodable_pieces, encoded_pieces, iter_corpus
 
     chunks: list[np.ndarray] = []
     n, visible, whole = 0, False, True
     text = iter_corpus(files)
     try:
-        pieces = ((p, tokenizer.encode(p)) for p in _cut(text, max_tokens)) \
-            if isinstance(tokenizer, CharTokenizer) else encoded_pieces(text, tokenizer)
+        if isinstance(tokenizer, CharTokenizer):
+            pieces = ((p, tokenizer.encode(p)) for p in _cut(text, max_tokens))
+        elif max_tokens is not None:
+            pieces = ((p, tokenizer.encode(p)) for p in encodable_pieces(text, ENCODE_PIECE))
+        else:
+            pieces = encoded_pieces(text, tokenizer)
         for piece, encoded in pieces:
             visible = visible or bool(piece.strip())
             chunks.append(np.asarray(encoded, dtype=np.int64)[:None if max_tokens is None else max_tokens - n])
