@@ -296,7 +296,9 @@ SAMPLING = [(["generate", "RUN", "--top-p", "0"], "top_p (0.0) must be a number 
             (["generate", "RUN", "--temperature", "2.5"], "temperature (2.5) must be a number from 0 (greedy) to 2"),
             (["generate", "RUN", "--min-p", "1.5"], "min_p (1.5) must be a number in [0, 1]"),
             (["generate", "RUN", "--repetition-penalty", "3"],
-             "repetition_penalty (3.0) must be a number in (0, 2] (1: none; above 1 repeats less)"),
+             "repetition_penalty (3.0) must be a number from 0.01 to 2 (1: none; above 1 repeats less)"),
+            (["generate", "RUN", "--repetition-penalty", "1e-300"],  # was a traceback: logits divided by it overflow
+             "repetition_penalty (1e-300) must be a number from 0.01 to 2 (1: none; above 1 repeats less)"),
             (["generate", "RUN", "--seed", str(2**64)], f"seed ({2**64}) must be an integer from 0 to 2^63 - 1"),
             (["generate", "RUN", "--top-k", "0"], "top_k (0) must be a positive integer")]
 

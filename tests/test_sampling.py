@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanollama4.engine import Engine, Request, Sampling, TokenEvent
-from nanollama4.engine.sampling import choose, distribution
+from nanollama4.engine.sampling import MIN_PENALTY, SamplingError, choose, distribution
 from nanollama4.generation import generate_ids, sample
 from nanollama4.tokenizer import CharTokenizer
 from tests.helpers import random_model, run_cli
@@ -43,6 +43,18 @@ def test_adjust_is_the_reference_penalty_on_each_rows_own_history():
     torch.testing.assert_close(got[1], penalised(logits[1], [3], 2.0))
     assert torch.equal(Sampling().adjust(logits, [[0], [1]]), logits)  # no penalty: the logits as they are
     assert Sampling(repetition_penalty=1.3).reads_history and not Sampling(repetition_penalty=1.0).reads_history
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-39, 0.0099, 0.0, -1.0, 2.01])
+def test_a_penalty_past_its_limits_is_refused_before_it_can_overflow_the_logits(penalty):
+    """1e-300 divided a held logit into inf and the draw failed (a 500 from the server, a traceback from
+    generate); the floor, 0.01, keeps every finite float32 logit of a trained model finite."""
+    with pytest.raises(SamplingError, match=r"^repetition_penalty \(.+\) must be a number from 0\.01 to 2 "):
+        Sampling(repetition_penalty=penalty)
+    logits = torch.tensor([[30.0, -30.0, 1e30]])
+    adjusted = Sampling(repetition_penalty=MIN_PENALTY, temperature=1e-5).adjust(logits, [[0, 1, 2]])
+    assert torch.isfinite(adjusted).all() and torch.isfinite(distribution(logits, Sampling(
+        repetition_penalty=MIN_PENALTY, temperature=1e-5), [[0, 1, 2]])).all()
 
 
 def test_generate_with_the_penalty_equals_the_plain_loop_and_changes_the_text(model):

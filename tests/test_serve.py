@@ -233,7 +233,8 @@ def test_bad_requests_get_the_apis_error_object_and_the_server_goes_on(served, b
 
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("top_p", 0.0), ("min_p", 1.5), ("top_k", 0),
-                                             ("seed", -1), ("repetition_penalty", 0)])
+                                             ("seed", -1), ("repetition_penalty", 0),
+                                             ("repetition_penalty", 1e-300)])  # was a 500: the logits overflowed
 def test_the_api_refuses_a_sampling_value_with_the_limit_python_and_the_cli_use(served, field, value):
     """The error object's message is the Python API's SamplingError, word for word (tests/test_engine.py checks
     the command line prints it too)."""

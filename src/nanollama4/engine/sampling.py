@@ -39,7 +39,12 @@ TopP = Annotated[float, Rule("a number in (0, 1]", lambda v: 0 < v <= 1)]
 MinP = Annotated[float, Rule("a number in [0, 1]", lambda v: 0 <= v <= 1)]
 Stops = Annotated[tuple[str, ...], Rule("non-empty strings", lambda v: all(v))]
 StopIds = Annotated[tuple[int, ...], Rule("token ids (integers >= 0)", lambda v: all(i >= 0 for i in v))]
-Penalty = Annotated[float, Rule("a number in (0, 2] (1: none; above 1 repeats less)", lambda v: 0 < v <= 2)]
+# A floor, as the temperature has one: a held token's positive logit is divided by the penalty, so 1e-300 made
+# it inf (float32 ends near 3.4e38) and the draw failed ("probability tensor contains inf/nan": a 500, a
+# traceback). At 0.01 a held logit is 100 times itself, which already always repeats; none overflows there.
+MIN_PENALTY = 0.01
+Penalty = Annotated[float, Rule(f"a number from {MIN_PENALTY:g} to 2 (1: none; above 1 repeats less)",
+                                lambda v: MIN_PENALTY <= v <= 2)]
 
 
 def _listlike(v: Any) -> bool:
