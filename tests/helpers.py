@@ -212,3 +212,38 @@ def host_reads(fn) -> list[str]:
                 parent = parent.cpu_parent
             ops[f"{e.name} in {parent.name if parent is not None else '?'}"] += 1
     return [*methods.seen, *(f"{k} (x{n})" for k, n in ops.items())]
+
+
+# ---------------------------------------------------------------------------------------------- two code paths
+# Two code paths (the C++ step and torch's, a batch and a row alone, one pass and chunk by chunk) sum in other
+# orders, so their float32 log-probabilities differ by rounding: ~1e-6 over these models' vocabularies and
+# widths. LOGPROB_TOLERANCE is 100x that, yet far below any gap between two tokens that is not a tie.
+LOGPROB_TOLERANCE = 1e-4
+
+
+def assert_same_greedy(a: list[tuple[int, float]], b: list[tuple[int, float]], tol: float = LOGPROB_TOLERANCE) -> None:
+    """Two greedy decodes of one prompt by two code paths, as (token id, its log-probability) pairs: the same
+    tokens, each log-probability within `tol`, up to the first place where they chose differently, which must
+    be a near tie (each chose its own maximum, so the two maxima lie within `tol`); after it they need not
+    agree. Bit-for-bit equality belongs within one path."""
+    assert len(a) == len(b), (len(a), len(b))
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b, strict=True)):
+        assert abs(la - lb) <= tol, f"token {i}: log-probabilities {la} and {lb} differ by more than {tol}"
+        if ta != tb:
+            return  # a near tie broken apart: what follows continues other texts
+
+
+def assert_same_greedy_ids(model: torch.nn.Module, prompt: list[int], a: list[int], b: list[int],
+                           tol: float = LOGPROB_TOLERANCE) -> None:
+    """Two code paths' greedy continuations of `prompt`, as token ids: the same, or the same up to a near tie,
+    where the model itself (one plain pass over the prompt and the shared tokens) gives the two choices
+    log-probabilities within `tol` of each other; past that the texts differ and are not compared."""
+    assert len(a) == len(b), (len(a), len(b))
+    split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    if split is None:
+        return
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + a[:split]]))[0, -1].float()
+    logp = torch.log_softmax(logits, -1)
+    gap = abs(logp[a[split]].item() - logp[b[split]].item())
+    assert gap <= tol, f"token {split}: {a[split]} against {b[split]}, log-probabilities {gap:.2e} apart (no tie)"

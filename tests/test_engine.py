@@ -10,7 +10,7 @@ from nanollama4.config import ModelConfig
 from nanollama4.engine import Engine, Finished, Request, Sampling, SamplingError, TokenEvent, filter_logits
 from nanollama4.generation import generate_ids, sample
 from nanollama4.ops import build_model
-from tests.helpers import assert_cli_error, random_model, run_cli
+from tests.helpers import assert_cli_error, assert_same_greedy_ids, random_model, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +37,11 @@ PROMPTS = [ids(3, 1), ids(17, 2), ids(8, 3), ids(40, 4)]
 def test_several_prompts_together_equal_each_alone(model, settings):
     together = generate_ids(model, PROMPTS, 24, **settings)
     alone = [generate_ids(model, [p], 24, **settings)[0] for p in PROMPTS]
-    assert together == alone
+    if settings["temperature"] == 0:  # a batch and a row alone may take two paths (the C++ step's tiles)
+        for p, x, y in zip(PROMPTS, together, alone, strict=True):
+            assert_same_greedy_ids(model, p, x, y)
+    else:  # the same seeded draws: apart only within rounding (~1e-7) of an edge between two tokens
+        assert together == alone
     assert all(len(row) == 24 for row in together) and len({tuple(r) for r in together}) == len(PROMPTS)
 
 
@@ -45,7 +49,7 @@ def test_greedy_engine_equals_the_cacheless_reference(model):
     """`sample` recomputes the whole context per token: the engine's cached steps pick the same tokens."""
     for p in PROMPTS[:2]:
         want = sample(model, torch.tensor([p]), 20, temperature=0)[0, len(p):].tolist()
-        assert generate_ids(model, [p], 20, temperature=0)[0] == want
+        assert_same_greedy_ids(model, p, generate_ids(model, [p], 20, temperature=0)[0], want)
 
 
 def test_a_long_prompt_admitted_mid_stream_changes_no_other_row(model):

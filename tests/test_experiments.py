@@ -160,8 +160,12 @@ def test_chunking_at_the_training_window_changes_nothing_in_training():
         loss = m.loss(x[:, :-1], x[:, 1:]).total
         loss.backward()
         losses.append(loss.item())
-    assert losses[0] == losses[1]
-    assert all(torch.equal(a.grad, b.grad) for a, b in zip(full.parameters(), chunked.parameters(), strict=True))
+    # Two code paths (one causal pass, and chunk by chunk), so float32 sums in other orders: a loss of ~4.6
+    # within 1e-5 (~40 ulp), gradients within 1e-4 of their size; a mask that let a token see across a
+    # chunk boundary would move both by orders more (the long window below).
+    assert abs(losses[0] - losses[1]) <= 1e-5
+    for a, b in zip(full.parameters(), chunked.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4 * a.grad.abs().max().item() + 1e-9)
     long = torch.randint(0, cfg.vocab_size, (1, 48))
     with torch.no_grad():
         assert not torch.allclose(full(long), chunked(long))

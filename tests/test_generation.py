@@ -22,7 +22,7 @@ from nanollama4.memory import kv_cache
 from nanollama4.model import Transformer
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import BPETokenizer, CharTokenizer
-from tests.helpers import randomize_
+from tests.helpers import assert_same_greedy_ids, randomize_
 
 # Chunked RoPE layers (chunk 4), NoPE every 2nd layer with temperature tuning at a small floor, MoE top-2 of 4.
 CHUNKED = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=64,
@@ -172,7 +172,8 @@ def test_batch_of_different_lengths_equals_each_alone(chunked_model):
     together = generate_ids(chunked_model, prompts, 30, temperature=0)
     alone = [generate_ids(chunked_model, [p], 30, temperature=0)[0] for p in prompts]
     assert [len(x) for x in together] == [30, 30, 30]
-    assert together == alone
+    for p, x, y in zip(prompts, together, alone, strict=True):  # a batch and a row alone: maybe two paths
+        assert_same_greedy_ids(chunked_model, p, x, y)
     assert all(len(set(row[15:])) > 5 for row in alone)  # no row is stuck repeating a token
 
 
