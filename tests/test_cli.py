@@ -380,6 +380,52 @@ def test_a_signal_while_the_command_starts_is_status_130_and_one_line(sig, tiny_
     assert "Traceback" not in err + out
 
 
+# A command whose end a SIGTERM reaches where Python cannot raise it: in a finalizer (the import system runs
+# one after each import; before the fix Python printed "Exception ignored in ..." with a KeyboardInterrupt
+# traceback and went on, the stop lost), or while `main` reports the command's error (before the fix a
+# traceback, "During handling of the above exception ...").
+SIGNAL_AT_THE_END = """
+import os, signal, sys, time
+from nanollama4 import commands
+from nanollama4.cli import main
+from nanollama4.errors import ConfigError
+
+def term_here():
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(100_000):  # Python runs the handler here, at a loop's turn
+        pass
+
+class Late:
+    def __del__(self):
+        term_here()
+
+class Failed(ConfigError):
+    def __str__(self):
+        term_here()
+        return "the command failed"
+
+def finalizer(args):
+    Late()  # dropped at once: its finalizer runs here
+    time.sleep(5)  # the command goes on, unless the signal still stops it
+    return 0
+
+def error(args):
+    raise Failed("")
+
+commands.cmd_params = {"finalizer": finalizer, "error": error}[sys.argv[1]]
+sys.exit(main(["params", "--preset", "tiny"]))
+"""
+
+
+@pytest.mark.parametrize(("where", "status", "said"), [
+    ("finalizer", 130, "nanollama4 params: interrupted; nothing more was saved"),
+    ("error", 2, "nanollama4 params: error: the command failed")])
+def test_a_sigterm_at_a_commands_end_is_never_a_traceback(where, status, said):
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT_THE_END, where], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stderr.strip()) == (status, said), done.stderr
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process `pid` has a handler for `sig` (the SigCgt mask in /proc/PID/status)."""
     try:

@@ -355,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM before the training loop takes over the signals (loading torch, a checkpoint or the data) ends
     # the command like Ctrl-C: status 130 and a line saying so, not a silent 143
     in_charge = not under_torchrun and threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if in_charge else None
+    stopping = _Stopping(sys.unraisablehook) if in_charge else None
+    previous = signal.signal(signal.SIGTERM, stopping.handler) if stopping else None
+    previous_hook = sys.unraisablehook
+    if stopping:
+        sys.unraisablehook = stopping.unraisable
     try:
         if args.command in ("train", "generate", "eval", "serve"):
             from .runtime import tune_allocator
@@ -368,17 +372,23 @@ def main(argv: list[str] | None = None) -> int:
                 load(spec)
         return args.func(args) or 0
     except Nanollama4Error as e:  # a message meant for people; anything else is a bug and keeps its traceback
+        if stopping is not None:  # first, before any call: the command is over (`_Stopping`)
+            stopping.running = False
         where = f" (rank {os.environ.get('RANK', '?')})" if under_torchrun else ""
         print(f"nanollama4 {args.command}{where}: error: {e}", file=sys.stderr)
         if under_torchrun:
             _leave_now(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        if stopping is not None:
+            stopping.running = False
         print(f"nanollama4 {args.command}: interrupted; nothing more was saved", file=sys.stderr)
         if under_torchrun:
             _leave_now(EXIT_CTRL_C)
         return EXIT_CTRL_C
     except BaseException:
+        if stopping is not None:
+            stopping.running = False
         if under_torchrun and not isinstance(sys.exc_info()[1], SystemExit):
             import traceback
 
@@ -386,12 +396,49 @@ def main(argv: list[str] | None = None) -> int:
             _leave_now(1)
         raise
     finally:
+        if stopping is not None:
+            stopping.running = False
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
 
 
-def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001
-    raise KeyboardInterrupt
+class _Stopping:
+    """SIGTERM while a command runs ends it as Ctrl-C does (a KeyboardInterrupt: the command's own stop, or
+    status 130 and one line), except where that exception would come out as a traceback:
+
+    - once the command has ended and `main` reports and restores (`running` False): the signal is dropped,
+      the process being about to exit with the command's own status (after `main`, the previous handler,
+      usually the default, ends it);
+    - inside a finalizer or a weakref callback (the import system runs one after each import), where Python
+      prints the exception as "Exception ignored in ..." with its traceback and goes on, the stop lost: the
+      traceback is left out and the signal sent again a moment later, when the command is back in its own
+      code.
+
+    `running` is set False as the first statement of each of `main`'s handlers and of its `finally`: an
+    assignment, where Python runs no signal handler (it runs them at calls and loops), so none can raise
+    between the command's end and it."""
+
+    def __init__(self, hook: Callable[[Any], object]) -> None:
+        self.running = True
+        self.hook = hook  # the unraisable hook before ours: everything else goes there
+
+    def handler(self, signum: int, frame: object) -> None:  # noqa: ARG002
+        if self.running:
+            raise KeyboardInterrupt
+
+    def unraisable(self, unraisable: Any) -> None:
+        tb = unraisable.exc_traceback
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and tb is not None \
+                and tb.tb_frame.f_code is _Stopping.handler.__code__:
+            if self.running:
+                again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+                again.daemon = True
+                again.start()
+            return
+        self.hook(unraisable)
 
 
 def _leave_now(code: int) -> None:
