@@ -703,6 +703,23 @@ def test_a_budget_of_years_is_refused_and_of_weeks_warned(corpus, tmp_path, caps
                           "alone lasts 20.0 h)"), err
 
 
+def test_a_thread_count_past_what_serve_takes_is_refused_before_the_run_starts(corpus, run_copy, tmp_path):
+    """`--set threads=100000` crashed the process in torch.set_num_threads (SIGSEGV, status 139) after the run
+    folder was locked, leaving run.lock; bounded at 1,024 as `serve --threads` is, it is one line. In a process
+    of its own: the crash is what is tested."""
+    words = "must be a whole number from 0 (all cores, watched) to 1,024"
+    path = run_copy / "step-0000004" / "train_config.json"  # a saved config that says it is refused the same way
+    path.write_text(json.dumps({**json.loads(path.read_text()), "threads": 100_000}))
+    before = snapshot(run_copy, lock=True)
+    for argv in (["--preset", "tiny", "--data", str(corpus), "--out", str(tmp_path / "r"), "--set", "threads=100000"],
+                 ["--resume", str(run_copy)]):
+        done = subprocess.run([sys.executable, "-m", "nanollama4.cli", "train", *argv, "--max-steps", "8", "--quiet"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (done.returncode, done.stderr)
+        assert done.stderr.startswith("nanollama4 train: error: ") and f"threads (100000) {words}" in done.stderr
+    assert not (tmp_path / "r").exists() and snapshot(run_copy, lock=True) == before
+
+
 def test_the_summary_names_the_router_and_the_tokenizer_the_weights_came_with():
     """A fine-tune (--init-from, LoRA or not) of a BPE model said "char vocabulary": the summary read the run's
     tokenizer setting (char by default) instead of the tokenizer the weights brought. It also left the router

@@ -74,6 +74,9 @@ InvalidUtf8 = Annotated[Literal["error", "replace"], Rule("'error' (stop, naming
 Held = Annotated[float, Rule("a share in (0, 0.5]: the end of the corpus kept for validation",
                                     lambda v: 0 < v <= 0.5)]
 Text = Annotated[str, Rule("the path of a text (file, folder or glob) or None", bool)]
+MAX_THREADS = 1024  # as serve --threads: torch.set_num_threads(100000) crashed the process (SIGSEGV, run.lock left)
+Threads = Annotated[int, Rule(f"a whole number from 0 (all cores, watched) to {MAX_THREADS:,}",
+                              lambda v: 0 <= v <= MAX_THREADS)]
 Weights = Annotated[str, Rule("the path of a run, a checkpoint or a transformers folder, or None", bool)]
 LoraRank = Annotated[int, at_least(0, "a whole number >= 0 (0: train every weight)")]
 LoraAlpha = Annotated[float, above(0, "a positive number or None (= lora_rank)")]
@@ -233,7 +236,7 @@ class TrainConfig(Composed):
     tokenizer: TokenizerKind = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: Count = 2048  # vocabulary size when tokenizer = "bpe"
     documents: Documents = "auto"  # end-of-text token after each file: "auto" (if several files), "files" or "none"
-    threads: Whole = 0  # torch CPU threads; 0 = all cores, fewer while other work slows the step (threads.py)
+    threads: Threads = 0  # torch CPU threads; 0 = all cores, fewer while other work slows the step (threads.py)
     device: Device = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: InvalidUtf8 = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
     val_fraction: Held = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
