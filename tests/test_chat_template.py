@@ -234,3 +234,102 @@ def test_serve_stops_on_sigterm_while_a_template_renders(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_render_past_its_time_costs_its_request_only_not_a_recompile():
+    """The template is compiled once, when it loads (seconds for a large one); a render past its limit is
+    killed, and the next render starts from the compiled template at once, however often that happens."""
+    from nanollama4.serve.chat import TemplateLimit, TemplateProcess
+
+    source = LOOPS_ON_A_REPLY + "{{ a }}" * 20_000  # 140,000 characters: about a second to compile
+    start = time.monotonic()
+    process = TemplateProcess(source, Path("chat_template.jinja"), seconds=0.5)
+    load = time.monotonic() - start
+    try:
+        for _ in range(2):
+            with pytest.raises(TemplateLimit, match="took over 0.5 s"):
+                process.render({"messages": MESSAGES})
+            start = time.monotonic()
+            assert process.render({"messages": MESSAGES[:1]}) == "ok"
+            after = time.monotonic() - start
+            assert after < load / 4, f"a render after a killed one took {after:.2f} s; loading took {load:.2f} s"
+    finally:
+        process.close()
+
+
+# raise_exception with a text of 20 * 2**18 characters (5 MB), each piece a screen clear and a forged log line
+SHOUTS = ('{% if messages|length > 1 %}{% set ns = namespace(s="\\x1b[2J\\n2026-01-01 nanollama4.serve: forged ") %}'
+          '{% for i in range(18) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ raise_exception(ns.s) }}{% endif %}ok')
+
+
+def test_a_templates_error_text_is_bounded_and_logged_on_one_escaped_line(tmp_path, caplog):
+    import logging
+
+    import httpx
+
+    from nanollama4.serve.engine import BackgroundEngine
+    from tests.test_serve import running
+
+    folder = checkpoint(tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text(SHOUTS)
+    model, tokenizer = load_any(folder)
+    chat = chat_format_of(folder, tokenizer)
+    engine = BackgroundEngine(model, tokenizer, max_batch=2, max_queue=2).start()
+    caplog.set_level(logging.INFO)
+    try:
+        with running(engine, "shouts", {"chat": chat}) as url:
+            r = httpx.post(f"{url}/v1/chat/completions", json={"model": "shouts", "messages": MESSAGES}, timeout=60)
+    finally:
+        engine.close(cancel=True, timeout=30)
+        chat.close()
+    assert r.status_code == 400 and len(r.content) < 2000
+    message = r.json()["error"]["message"]
+    assert message.startswith("the model's chat template (chat_template.jinja) refused these messages: \x1b[2J\n")
+    assert message.endswith("more characters cut)")
+    lines = [rec.getMessage() for rec in caplog.records if "refused these messages" in rec.getMessage()]
+    assert len(lines) == 1 and len(lines[0]) < 2000
+    assert "\\x1b[2J\\n2026-01-01 nanollama4.serve: forged" in lines[0]
+    assert not re.search(r"[\x00-\x1f\x7f]", lines[0])
+
+
+def test_sigterm_refuses_the_chats_waiting_for_a_slow_template_at_once(tmp_path):
+    """Eight chats wait behind a template that takes its whole 2 s each: on SIGTERM the render under way
+    ends within its limit, the seven waiting are refused at once (503), and the log holds no traceback."""
+    import httpx
+
+    folder = checkpoint(tmp_path / "hf")
+    (folder / "chat_template.jinja").write_text(LOOPS_ON_A_REPLY)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", str(folder), "--port", "0", "--name", "m"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    answers: list[tuple[int, float, str]] = []  # status, when, message
+    try:
+        url = re.search(r"http://127\.0\.0\.1:\d+", proc.stdout.readline())[0]
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+
+        def ask() -> None:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            answers.append((r.status_code, time.monotonic(), r.json()["error"]["message"]))
+
+        asking = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
+        for t in asking:
+            t.start()
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{url}/health").json().get("template_queue") != 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in asking:
+            t.join(40)
+        assert proc.wait(40) == 0
+        assert time.monotonic() - stop < 10  # the render under way (2 s at most), then the stop
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stderr.read()
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    refused = [(when - stop, message) for status, when, message in answers if status == 503]
+    assert len(answers) == 8 and len(refused) >= 6, answers  # the render under way may end in a 400 of its own
+    assert all(message == "the server is shutting down; try again once it is back" for _, message in refused)
+    assert max(after for after, _ in refused) < 1.5, refused  # not one render (2 s) after another
+    assert re.search(r"stopping: new requests get 503, as do the \d waiting for the chat template", log), log

@@ -904,6 +904,24 @@ def test_a_client_that_hangs_up_mid_body_is_one_log_line(served, caplog):
     assert httpx.get(f"{served.url}/health").status_code == 200
 
 
+def test_a_clients_text_reaches_the_log_escaped_and_bounded(served, caplog):
+    """A 100 KB model name made a 100 KB log line; a control character a client or a checkpoint wrote
+    (a screen clear, a newline that forges a line of the log, a bidi override) reached the terminal raw."""
+    import logging
+
+    from nanollama4.serve.engine import log
+
+    caplog.set_level(logging.INFO)
+    r = httpx.post(f"{served.url}/v1/completions", json={**OK, "model": "m" * 100_000}, timeout=60)
+    assert r.status_code == 404
+    line = next(rec.getMessage() for rec in caplog.records if "404 the model" in rec.getMessage())
+    assert len(line) < 2100 and line.endswith("more characters cut)")
+    log.info("from a client: %s", "hi\x1b[2J\n2026-01-01 nanollama4.serve: forged\u202e\ud800")
+    line = caplog.records[-1].getMessage()
+    assert line == "from a client: hi\\x1b[2J\\n2026-01-01 nanollama4.serve: forged\\u202e\\ud800"
+    caplog.records[-1].getMessage().encode()  # a lone surrogate could not even be written
+
+
 def test_a_traced_step_carries_the_distribution_it_was_sampled_from(served):
     """Beside the temperature-1 odds, each listed token's probability after the request's temperature and
     top-k, and the chosen token's under both: top_k 3 leaves the other listed tokens at 0."""

@@ -142,11 +142,12 @@ class TemplateFormat:
 
 
 class TemplateProcess:
-    """The process that holds the compiled template (`template_worker.py`): it renders each conversation in
-    a child forked from it and kills the child past `seconds`, so a render past its limit costs a fork (a few
-    milliseconds), never a recompile (seconds for a large template). Only if that process itself dies or
-    stops answering is it killed and started again, compiling the template, by the next render. Renders take
-    turns (one lock): the server calls `render` from a thread of its own, never from its event loop."""
+    """The process that holds the compiled template (`template_worker.py`): conversations render in a process
+    forked from it, which it kills past `seconds` and replaces by a fresh fork, so a render past its limit
+    costs its request and a fork (milliseconds), never a recompile (seconds for a large template). Only if
+    the process itself dies or stops answering is it killed, and started again (compiling the template) by
+    the next render. Renders take turns (one lock): the server calls `render` from a thread of its own,
+    never from its event loop."""
 
     def __init__(self, source: str, where: Path, seconds: float = RENDER_SECONDS, chars: int = RENDER_CHARS,
                  memory: int = RENDER_MEMORY) -> None:
@@ -236,8 +237,14 @@ class TemplateProcess:
         self.proc = None
 
     def close(self) -> None:
-        """Stop the process (the server does when it stops; a process left behind also ends with its parent)."""
+        """Stop the process (the server does when it stops; a process left behind also ends with its parent).
+        Its end of input first: it then reaps its renderer and exits, leaving no zombie where nothing reaps."""
         with self.lock:
+            if self.proc is not None and self.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(1)
             self._kill()
 
 

@@ -4,12 +4,12 @@ A chat template comes with a downloaded checkpoint, so it is untrusted code: Jin
 reaching Python's internals, but not from looping for hours or building a string of gigabytes. It therefore
 runs here, in processes of their own that `chat.TemplateProcess` starts and feeds: the server's event loop,
 its other requests and its signals never wait on a template. This process compiles the template once and
-keeps it; each conversation is rendered in a child forked from it, which is killed past its time limit.
-Compiling a large template takes seconds (about 15 s for one of 1 MiB), forking takes milliseconds, so a
-render past its limit costs only its own request: the next one starts from the compiled template at once.
-Bounded here, beyond what the sandbox bounds:
+keeps it; conversations are rendered by a `Renderer` forked from it, which is killed past a render's time
+limit and replaced by a fresh fork. Compiling a large template takes seconds (about 15 s for one of 1 MiB),
+forking takes milliseconds, so a render past its limit costs only its own request. Bounded here, beyond
+what the sandbox bounds:
 
-- the render's time (the request's "seconds"): past it the child is killed;
+- a render's time (the request's "seconds"): past it the renderer is killed;
 - its address space (`RLIMIT_AS`), so a template that builds something huge fails with a MemoryError
   instead of swapping out the server (the compile runs under the same ceiling);
 - the size of any string or list an operator builds (`*`, `**`, `+`), checked before it is built; these
@@ -162,64 +162,93 @@ def _line(reply: dict[str, Any]) -> bytes:
     return json.dumps(reply).encode() + b"\n"
 
 
-def _in_a_child(work: Any, seconds: float, memory: int, message_chars: int, answer_bytes: int) -> bytes:
-    """The answer line of `work`, run in a child forked from this process (the compiled template is already
-    in it), under its own memory ceiling; past `seconds` the child is killed and the answer says so. Nothing
-    a render does outlives it, and nothing here waits on more than `seconds` of it."""
-    keeper = os.getpid()
-    reading, writing = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: render, write the answer into the pipe, and go
-        status = 1
+class Renderer:
+    """A process forked from this one, with the compiled template in it, that renders conversations one
+    after another under its own memory ceiling. One that runs past a render's time, runs out of memory or
+    fails is killed and replaced by a fresh fork, so a bad render costs its own request and a fork (a few
+    milliseconds), never a recompile (seconds for a large template)."""
+
+    def __init__(self, template: Any, max_chars: int, memory: int, message_chars: int) -> None:
+        keeper = os.getpid()
+        request_in, self.request_out = os.pipe()
+        self.answer_in, answer_out = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.close(self.request_out)
+                os.close(self.answer_in)
+                quiet = os.open(os.devnull, os.O_RDWR)  # stdin/stdout are the keeper's conversation with the server
+                os.dup2(quiet, 0)
+                os.dup2(quiet, 1)
+                _end_with(keeper)
+                _limit_memory(memory, final=True)
+                with os.fdopen(request_in, "rb") as requests:
+                    for line in requests:
+                        def render(line: bytes = line) -> dict[str, Any]:
+                            return {"text": _render(template, json.loads(line), max_chars)}
+
+                        _write_all(answer_out, _line(_answer(render, message_chars)))
+            finally:
+                os._exit(0)
+        os.close(request_in)
+        os.close(answer_out)
+
+    def render(self, request: bytes, seconds: float, answer_bytes: int) -> tuple[bytes, bool]:
+        """The answer line for `request` (a protocol line) within `seconds` and `answer_bytes`, and whether
+        this process can render the next one (it rendered this one, or the template refused it)."""
+        deadline = time.monotonic() + seconds
         try:
-            os.close(reading)
-            quiet = os.open(os.devnull, os.O_RDWR)  # stdin/stdout are the keeper's conversation with the server
-            os.dup2(quiet, 0)
-            os.dup2(quiet, 1)
-            _end_with(keeper)
-            _limit_memory(memory, final=True)
-            left = memoryview(_line(_answer(work, message_chars)))
-            while left:
-                left = left[os.write(writing, left):]
-            status = 0
-        finally:
-            os._exit(status)
-    os.close(writing)
-    try:
-        return _collect(reading, seconds, answer_bytes)
-    finally:
-        os.close(reading)
+            _write_all(self.request_out, request)
+        except OSError:  # the process is gone (killed from outside)
+            return _line({"error": "ran out of memory or failed", "kind": "failed"}), False
+        answer = _collect(self.answer_in, deadline, seconds, answer_bytes)
+        return answer, answer.startswith(b'{"text"') or json.loads(answer).get("kind") == "refused"
+
+    def end(self) -> None:
+        """Kill it and reap it (it holds nothing that outlives a render)."""
+        for fd in (self.request_out, self.answer_in):
+            os.close(fd)
         try:
-            os.kill(pid, signal.SIGKILL)  # done or not, it has nothing left to do
+            os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        os.waitpid(pid, 0)
+        os.waitpid(self.pid, 0)
 
 
-def _collect(fd: int, seconds: float, answer_bytes: int) -> bytes:
-    """The line a child writes into `fd`, read within `seconds` and at most `answer_bytes` long."""
-    deadline = time.monotonic() + seconds
-    chunks, size = [], 0
-    while True:
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    left = memoryview(data)
+    while left:
+        left = left[os.write(fd, left):]
+
+
+def _collect(fd: int, deadline: float, seconds: float, answer_bytes: int) -> bytes:
+    """The line a renderer writes into `fd` (it writes nothing more until it is asked again), read by
+    `deadline` (`seconds` after the request went) and at most `answer_bytes` long."""
+    chunks, size = [b""], 0
+    while not chunks[-1].endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             return _line({"error": f"took over {seconds:g} s", "kind": "time"})
         chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
         size += len(chunk)
+        if not chunk:  # it died
+            return _line({"error": "ran out of memory or failed", "kind": "failed"})
         if size > answer_bytes:
             return _line({"error": "answered more than its limit", "kind": "too_large"})
         chunks.append(chunk)
-    answer = b"".join(chunks)
-    if not answer.endswith(b"\n") or answer.count(b"\n") != 1:
-        return _line({"error": "ran out of memory or failed", "kind": "failed"})
-    return answer
+    return b"".join(chunks)
 
 
 def main() -> None:
-    out = sys.stdout.buffer
-    setup = json.loads(sys.stdin.readline())
+    requests, out = sys.stdin.buffer, sys.stdout.buffer
+    setup = json.loads(requests.readline())
     limits = setup["limits"]
     _end_with(int(setup["parent"]))
     sys.path[:0] = setup["paths"]  # where the parent found Jinja (-I leaves out user and environment paths)
@@ -247,12 +276,18 @@ def main() -> None:
     if "template" not in holder:
         return
     gc.collect()
-    gc.freeze()  # a child's collections then leave the template's pages shared with this process, uncopied
-    for line in sys.stdin:
-        request = json.loads(line)
-        out.write(_in_a_child(lambda r=request: {"text": _render(holder["template"], r, max_chars)},
-                              float(request["seconds"]), memory, message_chars, answer_bytes))
-        out.flush()
+    gc.freeze()  # a renderer's collections then leave the template's pages shared with this process, uncopied
+    renderer = Renderer(holder["template"], max_chars, memory, message_chars)
+    try:
+        for line in requests:
+            answer, healthy = renderer.render(line, float(json.loads(line)["seconds"]), answer_bytes)
+            out.write(answer)
+            out.flush()
+            if not healthy:  # a fresh one, while the server reads the answer
+                renderer.end()
+                renderer = Renderer(holder["template"], max_chars, memory, message_chars)
+    finally:
+        renderer.end()
 
 
 if __name__ == "__main__":
