@@ -123,6 +123,22 @@ def test_parse_overrides_rejects_unknown_key_listing_valid_ones():
         assert valid in message
 
 
+def test_a_key_runs_used_to_take_is_refused_naming_its_name_now(capsys):
+    """`--set router_noise=...` (a key runs used to take; old runs' files still load with it) said only
+    "unknown key" and listed some eighty others."""
+    from tests.helpers import assert_cli_error, run_cli
+
+    rc, _, err = run_cli(["config", "--set", "router_noise=learned"], capsys)
+    assert assert_cli_error(rc, err, "config") == (
+        "nanollama4 config: error: unknown key 'router_noise': it is softmax.noise now (the softmax router's own "
+        "setting); --set softmax.noise=learned")
+    rc, _, err = run_cli(["train", "--set", "muon_lr=0.01", "--max-steps", "1"], capsys)
+    assert assert_cli_error(rc, err, "train").endswith("'muon_lr': it is muon.lr now (the muon optimizer's own "
+                                                       "setting); --set muon.lr=0.01")
+    with pytest.raises(ValueError, match=r"^unknown key 'router_noise_std': it is softmax\.noise_std now"):
+        parse_overrides(["router_noise_std=0.5"])
+
+
 @pytest.mark.parametrize("pair,field", [
     ("n_experts=eight", "n_experts"), ("rope_theta=big", "rope_theta"), ("use_qk_norm=maybe", "use_qk_norm"),
     ("d_model=64.5", "d_model"), ("n_layers=none", "n_layers"), ("attention_chunk_size=x", "attention_chunk_size"),

@@ -80,6 +80,11 @@ def test_precedence_command_line_over_file_over_preset_over_defaults(tmp_path):
     ("[model]\nvocab_size = 99\n", r"vocab_size cannot be set: vocab_size is the tokenizer's"),
     ("[model]\npreset = \"huge\"\n", r"unknown preset 'huge'"),
     ("[trian]\nlr = 1\n", r"run\.toml: unknown key 'trian'; a config file holds data, \[model\], \[train\]"),
+    # a key runs used to take: its name now and where to write it (it used to list every key, not this one)
+    ("[model]\nrouter_noise = \"learned\"\n", r"^\S*run\.toml: \[model\] has no key 'router_noise': it is "
+     r"softmax\.noise now \(the softmax router's own setting\); write noise = \"learned\" under \[model\.softmax\]$"),
+    ("[train]\nmuon_lr = 0.01\n", r"\[train\] has no key 'muon_lr': it is muon\.lr now \(the muon optimizer's own "
+     r"setting\); write lr = 0\.01 under \[train\.muon\]$"),
     ("data = 3\n", r"run\.toml: data = 3 takes a path"),
     ("[model\nn_experts = 2\n", r"run\.toml: not valid TOML"),
 ])

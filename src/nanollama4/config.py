@@ -32,7 +32,7 @@ from .fields import (
     read_text,
     size,
 )
-from .parts import OPTIMIZERS, ROUTERS, Composed, code_of, declared_hint, kind_of_key, own_keys
+from .parts import OPTIMIZERS, ROUTERS, Composed, code_of, declared_hint, kind_of_key, own_keys, renamed, renamed_words
 
 RouterKind = str  # "sigmoid", "softmax", or a kind your own code registers (router.py; plugins.py)
 RouterNoise = Literal["none", "fixed", "learned"]
@@ -396,6 +396,9 @@ def split_overrides(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     for pair in pairs:
         key = pair.split("=", 1)[0].strip()
         cls = config_of(key)
+        new = renamed(ModelConfig, key) or renamed(TrainConfig, key)
+        if cls is None and new is not None:  # a key older runs took: its name now, not the list of every key
+            raise ConfigError(renamed_words(key, new, pair.split("=", 1)[1].strip() if "=" in pair else "..."))
         if cls is None:
             model_keys = [f.name for f in plain_fields(ModelConfig)] + own_keys(ModelConfig)
             train_keys = [f.name for f in plain_fields(TrainConfig)] + own_keys(TrainConfig)

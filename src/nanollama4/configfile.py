@@ -40,7 +40,7 @@ from .config import ModelConfig, TrainConfig, config_of, preset
 from .errors import ConfigError
 from .fields import field_help, options_of, plain_fields
 from .files import read_bytes
-from .parts import declared_hint, own_fields
+from .parts import declared_hint, own_fields, renamed
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -170,6 +170,12 @@ def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile)
         owner = config_of(key)
         if owner is not cls:
             other = next((t for t, c in TABLES.items() if c is owner), None)
+            moved = next(((t, new) for t, c in TABLES.items() if (new := renamed(c, key))), None)
+            if other is None and moved is not None:  # a key older runs took: where it is written now
+                (home, (new_key, whose)) = moved
+                kind, _, name = new_key.partition(".")
+                raise ConfigError(f"{where} has no key {key!r}: it is {new_key} now ({whose}); write {name} = "
+                                  f"{_toml_value(value)} under [{home}.{kind}]")
             if other is None and "." not in key:
                 raise ConfigError(f"{where} has no key {key!r}; valid keys: {', '.join(sorted(known))}")
             if other is not None:

@@ -241,6 +241,24 @@ def kind_of_key(cls: Any, key: str) -> tuple[Registry[Any], Any] | None:
     return None if registry is None else (registry, registry[kind_name])
 
 
+def renamed(cls: Any, key: str) -> tuple[str, str] | None:
+    """Where a flat key that older runs saved (`Kind.formerly`: "router_noise") is set now, as (its KIND.KEY,
+    words naming whose setting it is): ("softmax.noise", "the softmax router's own setting"); None for any
+    other key. A run's files still load with the old key; a key a person types is refused, naming the new one
+    instead of only saying "unknown key"."""
+    for registry in cls.KINDS.values():
+        for kind in registry.values():
+            name = getattr(kind, "formerly", {}).get(key)
+            if name is not None:
+                return f"{kind.name}.{name}", f"the {kind.name} {registry.field}'s own setting"
+    return None
+
+
+def renamed_words(key: str, new: tuple[str, str], value: str = "...") -> str:
+    """The refusal of `key`, which is `new` (`renamed`) now, with the --set that sets it."""
+    return f"unknown key {key!r}: it is {new[0]} now ({new[1]}); --set {new[0]}={value}"
+
+
 def declared_hint(cls: Any, key: str) -> Any:
     """The declared type of `key` in config class `cls`: one of its fields, or "kind.key" of a kind it names;
     else a ConfigError listing what there is."""
@@ -249,6 +267,9 @@ def declared_hint(cls: Any, key: str) -> Any:
         return hints(cls)[key]
     found = kind_of_key(cls, key)
     if found is None:
+        new = renamed(cls, key)
+        if new is not None:
+            raise ConfigError(renamed_words(key, new))
         raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(sorted(plain | set(own_keys(cls))))}")
     registry, kind = found
     name = key.partition(".")[2]
