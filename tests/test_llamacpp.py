@@ -4,6 +4,8 @@ differently is refused with each difference named. Where llama.cpp's tools are b
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,82 @@ def test_the_cli_refuses_in_one_line_and_never_replaces_a_file(runs, tiny_run, t
     rc, _, err = run_cli(["export", str(runs["char"]), str(link), "--format", "gguf"], capsys)
     assert_cli_error(rc, err, "export")
     assert not (tmp_path / "elsewhere.gguf").exists()
+
+
+# An export killed as it writes: the kernel's SIGKILL once the header is in the file (what an out-of-memory kill
+# or `kill -9` does to a 620 MB export), so its cleanup never runs.
+KILLED_EXPORT = """
+import os, signal, sys
+import gguf
+from nanollama4.checkpoint import load_run
+from nanollama4.llamacpp import export_gguf
+
+def killed(self, *args, **kwargs):
+    written(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+written, gguf.GGUFWriter.write_kv_data_to_file = gguf.GGUFWriter.write_kv_data_to_file, killed
+model, tokenizer, _ = load_run(sys.argv[1])
+export_gguf(model, tokenizer, sys.argv[2])
+"""
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended (not reused in the moment a test takes)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(runs, tmp_path, capsys):
+    """It stayed for good (a hidden .NAME.gguf.tmp-* of the model's size) and nothing ever removed it."""
+    out = tmp_path / "model.gguf"
+    done = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(runs["char"]), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -9, done.stderr
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".model.gguf.tmp-") and left.read_bytes()[:4] == b"GGUF" and not out.exists()
+    rc, stdout, err = run_cli(["export", str(runs["char"]), str(out), "--format", "gguf"], capsys)
+    assert rc == 0, err
+    assert f"note: removed {left.name} (" in stdout and "the temporary file of an export that was killed" in stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_only_a_dead_exports_own_temporary_file_is_removed(runs, tmp_path, capsys):
+    """What is not certainly a killed export's file stays: a live export's (its pid alive, or its lock held,
+    as by an export in another container whose pid means nothing here), a link, a file that is not GGUF, a
+    name no export gives."""
+    import fcntl
+
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    gone = dead_pid()
+    header = b"GGUF" + bytes(20)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        keep = {f".a.gguf.tmp-{live.pid}-abcdefgh": header,  # its writer is running
+                f".b.gguf.tmp-{gone}-abcdefgh": header,  # locked below: a writer elsewhere
+                f".c.gguf.tmp-{gone}-abcdefgh": b"mine",  # not what an export writes
+                f".d.gguf.tmp-{gone}-abcdefg": header,  # not a name an export gives
+                ".e.gguf.tmp-abcdefgh": header}  # the name exports gave before their pid was in it
+        for name, data in keep.items():
+            (folder / name).write_bytes(data)
+        (tmp_path / "elsewhere.gguf").write_bytes(header)
+        (folder / f".f.gguf.tmp-{gone}-abcdefgh").symlink_to(tmp_path / "elsewhere.gguf")
+        (folder / f".g.gguf.tmp-{gone}-abcdefgh").write_bytes(b"")  # killed before its first byte: removed
+        (folder / f".h.gguf.tmp-{gone}-abcdefgh").write_bytes(header)  # removed
+        with open(folder / f".b.gguf.tmp-{gone}-abcdefgh", "rb") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            rc, stdout, err = run_cli(["export", str(runs["char"]), str(folder / "new.gguf"), "--format", "gguf"],
+                                      capsys)
+        assert rc == 0, err
+    finally:
+        live.kill()
+        live.wait()
+    assert stdout.count("note: removed") == 2 and f".g.gguf.tmp-{gone}" in stdout and f".h.gguf.tmp-{gone}" in stdout
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*keep, f".f.gguf.tmp-{gone}-abcdefgh", "new.gguf"])
+    assert all((folder / name).read_bytes() == data for name, data in keep.items())
+    assert (folder / f".f.gguf.tmp-{gone}-abcdefgh").is_symlink() and (tmp_path / "elsewhere.gguf").exists()
 
 
 def test_rope_scaling_travels_as_llama_cpp_frequency_factors(tmp_path):

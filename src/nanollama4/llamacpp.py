@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,9 @@ NOPE_EVERY = 4
 TEMPERATURE_FLOOR = 8192
 TEMPERATURE_SCALE = 0.1
 QK_NORM_OFF_AT_EXPERTS = 128
+# The temporary file an export writes beside its target, .NAME.tmp-PID-XXXXXXXX (mkstemp's 8 characters): the
+# writer's pid in the name, so that one left by a killed export can be told from one being written.
+TMP_NAME = re.compile(r"\..+\.tmp-(\d{1,10})-[a-z0-9_]{8}")
 
 
 @dataclass(frozen=True)
@@ -199,11 +204,12 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
     if len(tokens) != cfg.vocab_size:
         raise CheckpointError(f"the tokenizer has {len(tokens)} tokens and the model {cfg.vocab_size}; export a run "
                               "whose tokenizer is its own")
-    tmp = None
+    tmp, fd = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-        os.close(fd)
+        notes += clear_stale_exports(path.parent)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-")
+        _hold(fd)  # held until the end: a live export's file is never taken for a stale one
         tmp = Path(tmp_name)
         w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA4])
         w.add_name(name)
@@ -254,4 +260,72 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
     finally:
         if tmp is not None and tmp.exists():
             tmp.unlink()
+        if fd is not None:
+            os.close(fd)
     return notes
+
+
+def _hold(fd: int) -> None:
+    """Lock the open file `fd` for as long as it stays open (flock: released by the kernel when the process
+    ends, however it ends); where there are no such locks (Windows) the pid in the name alone says."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def clear_stale_exports(folder: Path) -> list[str]:
+    """Remove the temporary files that exports killed while writing left in `folder`, and say so (a note each).
+
+    `export_gguf` removes its temporary file when it fails, but a SIGKILL, an out-of-memory kill or a power cut
+    skip that, and the hidden file (as big as the model: 620 MB seen) stayed for good. One is removed only when
+    all of this holds: its name is one `export_gguf` gives (`TMP_NAME`); it is a regular file of this user,
+    opened without following a link; it holds GGUF's magic or nothing yet; the process named in it is gone; and
+    no process holds its lock (`_hold`: a live export in another container or on another machine, where the
+    pid says nothing, still holds it). Anything else is left alone."""
+    notes: list[str] = []
+    try:
+        import fcntl
+        entries = [e for e in os.scandir(folder) if TMP_NAME.fullmatch(e.name)]
+    except (ImportError, OSError):
+        return notes
+    for entry in entries:
+        if _alive(int(TMP_NAME.fullmatch(entry.name).group(1))):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # a link (ELOOP), gone meanwhile, not ours to read
+            continue
+        try:
+            held = os.fstat(fd)
+            if not stat.S_ISREG(held.st_mode) or held.st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a live export holds it
+            if os.pread(fd, 4, 0) not in (b"", b"GGUF"):
+                continue
+            now = os.lstat(entry.path)
+            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):  # replaced since it was opened
+                continue
+            os.unlink(entry.path)
+            notes.append(f"removed {entry.name} ({held.st_size / 2**20:,.1f} MiB), the temporary file of an export "
+                         "that was killed while writing")
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return notes
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` may still be running here (one we may not signal is running; pid 0 is no writer's
+    and names a process group, so it counts as alive: its file is left)."""
+    if pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
