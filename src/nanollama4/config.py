@@ -236,7 +236,7 @@ class TrainConfig(Composed):
     tokenizer: TokenizerKind = "char"  # "char" (the tutorial's) or "bpe" (byte-level BPE trained on the corpus)
     bpe_vocab_size: Count = 2048  # vocabulary size when tokenizer = "bpe"
     documents: Documents = "auto"  # end-of-text token after each file: "auto" (if several files), "files" or "none"
-    threads: Threads = 0  # torch CPU threads; 0 = all cores, fewer while other work slows the step (threads.py)
+    threads: Threads = 0  # torch CPU threads; 0 = all cores, fewer while other work holds or slows them (threads.py)
     device: Device = "auto"  # "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N", "mps" or "xpu"
     invalid_utf8: InvalidUtf8 = "error"  # a corpus byte that is not UTF-8: "error" (name file and offset) or "replace"
     val_fraction: Held = 0.1  # the corpus's last share held out for validation (in [0, 0.5])
