@@ -3,10 +3,10 @@
 All the cores is fastest on a quiet machine, and far the slowest on a busy one: torch's threads split each
 operation evenly and then wait at its end for the slowest, so a thread whose core another process holds
 makes every one of a step's hundreds of operations wait for the scheduler to hand the core back. On two
-cores with one taken by another process, two threads trained at a fifth of one thread's speed; beside a
-dozen busy processes, at a hundredth of what the machine gave one thread (benchmarks/threads.py,
-RESULTS.md). Letting idle threads sleep instead of spin (OpenMP's passive wait) cost a sixth of the quiet
-speed and still trailed one thread under load, so the count is watched instead, two ways:
+cores with one taken by another process, two threads trained at a fifth of one thread's speed
+(benchmarks/threads.py, RESULTS.md); at a load of 13 on two cores `make demo`'s recipe trained 74 tokens/s
+where alone it trains ~11,000. Letting idle threads sleep instead of spin (OpenMP's passive wait) cost a
+sixth of the quiet speed and still trailed one thread under load, so the count is watched instead, two ways:
 
 - `Machine` reads how much of the CPUs we may run on other processes used (the kernel's busy time on
   those CPUs less our own CPU time): before the first step (a fifth of a second's look) and over each
