@@ -347,3 +347,19 @@ def test_a_registered_optimizer_trains_and_resumes_through_train(sgd, corpus, tm
     resumed = train(None, resume_config(run, max_steps=5), run, resume=True, progress=False)
     assert resumed.step == 5 and math.isfinite(resumed.val_loss)
 
+
+
+def test_newton_schulz_iterates_in_float32_where_the_cpu_emulates_bf16(monkeypatch):
+    """On an AVX2-only CPU torch emulates bf16 products (24x float32's time on a Zen 3: the GPU check's dry run
+    took over 15 minutes in Muon's step); with AMX or AVX512_BF16, and on a GPU, bf16 as torch's Muon."""
+    import nanollama4.optim as optim
+    from nanollama4.runtime import cpu_flags
+
+    for flags, want in (("fpu avx2 fma", torch.float32), ("avx2 avx512f avx512_bf16", torch.bfloat16),
+                        ("avx2 amx_bf16", torch.bfloat16)):
+        monkeypatch.setattr(optim, "cpu_flags", lambda f=flags: cpu_flags(f"flags\t: {f}\n"))
+        optim._cpu_iterates_in_float32.cache_clear()
+        assert optim.newton_schulz_dtype(torch.device("cpu")) == want, flags
+        assert optim.newton_schulz_dtype(torch.device("cuda")) == torch.bfloat16
+        assert orthogonalize(torch.randn(2, 8, 12)).dtype == want, flags  # the dtype it iterated in
+    optim._cpu_iterates_in_float32.cache_clear()

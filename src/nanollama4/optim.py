@@ -45,6 +45,7 @@ one subclass, here or in a module of your own loaded with --import:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -56,6 +57,7 @@ from torch.optim.adamw import adamw
 from .config import Decay, NonNegative, TrainConfig, Turns
 from .errors import ConfigError
 from .parts import OPTIMIZERS, Kind
+from .runtime import cpu_flags, native_bf16
 
 # The quintic Newton-Schulz coefficients of Keller Jordan's Muon (those torch.optim.Muon uses): chosen for
 # the steepest slope at zero, so that 5 iterations push every singular value into roughly [0.7, 1.2].
@@ -64,11 +66,27 @@ NS_STEPS = 5
 STACK_ELEMENTS = 1 << 21  # `orthogonalize_all` stacks matrices of one shape up to about this many values a call
 
 
+@functools.cache
+def _cpu_iterates_in_float32() -> bool:
+    """Whether this CPU lacks bf16 product instructions (its x86 flags list neither AMX nor AVX512_BF16)."""
+    flags = cpu_flags()
+    return flags is not None and native_bf16(flags) is None
+
+
+def newton_schulz_dtype(device: torch.device) -> torch.dtype:
+    """bf16, as torch.optim.Muon iterates, where its products are native (a GPU; a CPU with AMX or
+    AVX512_BF16); float32 on a CPU where torch emulates bf16 (most laptops, AVX2-only): there a bf16 batched
+    product took 24x float32's (8 matrices of 256 x 384 on a Zen 3 core) and the optimizer step dwarfed
+    the model's. float32 iterates at least as accurately; the update differs by bf16's rounding."""
+    return torch.float32 if device.type == "cpu" and _cpu_iterates_in_float32() else torch.bfloat16
+
+
 def orthogonalize(g: torch.Tensor, steps: int = NS_STEPS, eps: float = 1e-7) -> torch.Tensor:
     """An approximately semi-orthogonal matrix near each matrix of g (..., rows, cols): U V^T of its SVD,
-    its singular values brought near 1 by Newton-Schulz iterations in bf16 (as torch.optim.Muon does)."""
+    its singular values brought near 1 by Newton-Schulz iterations in bf16 (as torch.optim.Muon does), or
+    float32 where the CPU has no bf16 products (`newton_schulz_dtype`)."""
     a, b, c = NS_COEFFICIENTS
-    x = g.bfloat16().reshape(-1, *g.shape[-2:])
+    x = g.to(newton_schulz_dtype(g.device)).reshape(-1, *g.shape[-2:])
     wide = x.size(-2) <= x.size(-1)
     if not wide:  # iterate on the smaller Gram matrix
         x = x.mT
