@@ -137,6 +137,23 @@ def test_read_bytes_refuses_fifos_and_devices_without_blocking_and_bounds_the_si
     assert read_bytes(big, 101) == b"#" * 101
 
 
+def test_read_bytes_takes_memory_for_what_the_file_holds_not_for_its_limit(tmp_path):
+    """A run's JSON files are read under a 256 MiB limit; each read of a small one set the whole limit aside."""
+    import tracemalloc
+
+    small, larger = tmp_path / "small.json", tmp_path / "larger.json"
+    small.write_bytes(b"{}")
+    larger.write_bytes(b"x" * (3 << 20))  # a few reads of a MiB, joined
+    tracemalloc.start()
+    try:
+        assert read_bytes(small, 256 << 20) == b"{}"
+        assert tracemalloc.get_traced_memory()[1] < 2 << 20
+        assert read_bytes(larger, 256 << 20) == b"x" * (3 << 20)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
+
+
 def test_read_json_refuses_a_whole_number_too_long_to_be_ours_in_one_line(tmp_path):
     """json.loads raises a plain ValueError (Python's 4,300-digit limit) for such a number: it was a traceback."""
     path = tmp_path / "config.json"

@@ -165,15 +165,20 @@ def read_bytes(path: Path, limit: int, what: str = "a file of ours",
                error: type[Nanollama4Error] = CheckpointError) -> bytes:
     """The bytes of the small file at `path` (a config, a JSON file): a regular file of at most `limit` bytes,
     else one `error` naming it (`what`: the file's kind, in words). The read itself stops at `limit` + 1
-    bytes, so a file that grows after its size was checked is refused too, never read whole."""
+    bytes, so a file that grows after its size was checked is refused too, never read whole. It reads a MiB at
+    a time: `read(limit + 1)` would set aside the whole limit (256 MiB for JSON) for a file of a kilobyte."""
     with _open_regular(path, error, f"{what} is a plain file") as f:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise error(f"{path} is {size:,} bytes, more than the {limit:,} {what} may be")
+        chunks, total = [], 0
         try:
-            data = f.read(limit + 1)
+            while total <= limit and (chunk := f.read(min(1 << 20, limit + 1 - total))):
+                chunks.append(chunk)
+                total += len(chunk)
         except OSError as e:
             raise error(f"cannot read {path} ({e.strerror})") from None
+        data = b"".join(chunks)
     if len(data) > limit:
         raise error(f"{path} grew past the {limit:,} bytes {what} may be while it was read")
     return data
