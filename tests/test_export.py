@@ -5,7 +5,10 @@ anything is written, and a model trained with bias balancing exports with --drop
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,3 +148,50 @@ def test_a_run_trained_before_the_end_of_text_token_loads_trains_on_and_exports_
     assert rc == 0, err
     _, tok, _ = load_run(old, prefer="last")
     assert tok.eos_id is None
+
+
+def test_only_a_dead_exports_own_temporary_folder_is_removed(runs, tmp_path, capsys):
+    """A transformers export killed while writing left its hidden .NAME.tmp-PID-* folder (as big as the model)
+    for good; the next export into the folder removes it, and leaves what is not certainly one: a live
+    export's (its pid alive, or its lock held), a link, a folder holding anything an export does not write,
+    a GGUF export's file, a name no export gives."""
+    import fcntl
+
+    from tests.test_llamacpp import dead_pid
+
+    folder = tmp_path / "exports"
+    folder.mkdir()
+    gone = dead_pid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    files = {"config.json": b"{}", "model.safetensors": b"x" * 1000}
+    try:
+        keep = {f".a.tmp-{live.pid}-abcdefgh": files,  # its writer is running
+                f".b.tmp-{gone}-abcdefgh": files,  # locked below: a writer elsewhere
+                f".c.tmp-{gone}-abcdefgh": {**files, "notes.txt": b"mine"},  # not only what an export writes
+                f".d.tmp-{gone}-abcdefg": files}  # not a name an export gives
+        for name, content in keep.items():
+            (folder / name).mkdir()
+            for f, data in content.items():
+                (folder / name / f).write_bytes(data)
+        (tmp_path / "elsewhere").mkdir()
+        (folder / f".e.tmp-{gone}-abcdefgh").symlink_to(tmp_path / "elsewhere")
+        (folder / f".f.gguf.tmp-{gone}-abcdefgh").write_bytes(b"GGUF")  # a GGUF export's: not a folder
+        for name in (f".g.tmp-{gone}-abcdefgh", f".h.tmp-{gone}-abcdefgh"):  # removed
+            (folder / name).mkdir()
+        for f, data in files.items():
+            (folder / f".h.tmp-{gone}-abcdefgh" / f).write_bytes(data)
+        held = os.open(folder / f".b.tmp-{gone}-abcdefgh", os.O_RDONLY)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            rc, stdout, err = run_cli(["export", str(runs["char"]), str(folder / "new")], capsys)
+        finally:
+            os.close(held)
+        assert rc == 0, err
+    finally:
+        live.kill()
+        live.wait()
+    assert stdout.count("note: removed") == 2 and f".h.tmp-{gone}-abcdefgh (0.0 MiB)" in stdout, stdout
+    left = sorted(p.name for p in folder.iterdir())
+    assert left == sorted([*keep, f".e.tmp-{gone}-abcdefgh", f".f.gguf.tmp-{gone}-abcdefgh", "new"])
+    assert all((folder / name / f).read_bytes() == data for name, c in keep.items() for f, data in c.items())
+    assert (folder / f".e.tmp-{gone}-abcdefgh").is_symlink() and (tmp_path / "elsewhere").is_dir()

@@ -314,8 +314,9 @@ def cmd_export(args: argparse.Namespace) -> None:
         model, tokenizer = _without_bias(args)
     else:
         model, tokenizer, _ = load_run(args.run_dir, prefer=args.checkpoint)
-    eos = tokenizer.eos_id
-    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias, bos_token_id=eos, eos_token_id=eos)
+    eos, notes = tokenizer.eos_id, []
+    export_hf(model, out, tokenizer.save_hf, drop_bias=args.drop_bias, bos_token_id=eos, eos_token_id=eos,
+              notes=notes)
     print(f"exported {args.run_dir} ({args.checkpoint} checkpoint) to {out}: config.json, model.safetensors, "
           f"generation_config.json, tokenizer.json{', tokenizer_config.json' if eos is not None else ''}")
     if eos is None:
@@ -323,6 +324,8 @@ def cmd_export(args: argparse.Namespace) -> None:
               "export declares no EOS, so transformers' generate stops on length only")
     if padding_note(model.cfg):
         print(padding_note(model.cfg))
+    for note in notes:
+        print(f"note: {note}")
 
 
 def _export_gguf(args: argparse.Namespace, out: Path) -> None:

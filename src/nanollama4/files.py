@@ -21,6 +21,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -307,3 +308,48 @@ def check_output_target(out: Path, flag: str, ours: Callable[[Path], bool], whos
         raise ConfigError(f"{flag} {out}: give a file path in an existing, writable folder")
     if os.path.lexists(out) and not ours(out):
         raise ConfigError(f"{flag} {out} exists and is not {whose}; pick a new file name{fix}")
+
+
+# ---------------------------------------------------------------------------------------------- exports' temporaries
+# The temporary an export writes beside its target (a GGUF file, a transformers folder), .NAME.tmp-PID-XXXXXXXX
+# (mkstemp's and mkdtemp's 8 characters): the writer's pid in the name, so that one left by a killed export can
+# be told from one being written.
+EXPORT_TMP = re.compile(r"\..+\.tmp-(\d{1,10})-[a-z0-9_]{8}")
+
+
+def hold_lock(fd: int) -> None:
+    """Lock the open file or folder `fd` for as long as it stays open (flock: released by the kernel when the
+    process ends, however it ends), so that an export's temporary is never taken for one a killed export left;
+    where there are no such locks (Windows) the pid in its name alone says."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def lock_is_free(fd: int) -> bool:
+    """Whether no process holds `hold_lock`'s lock on `fd` (it is then ours until `fd` closes)."""
+    try:
+        import fcntl
+    except ImportError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` may still be running here (one we may not signal is running; pid 0 is no writer's
+    and names a process group, so it counts as alive: its temporary is left)."""
+    if pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

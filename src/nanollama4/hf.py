@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,17 @@ from .checkpoint import (
 )
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .files import read_json, read_safetensors, regular_file, safetensors_shapes, write_failed
+from .files import (
+    EXPORT_TMP,
+    hold_lock,
+    lock_is_free,
+    pid_alive,
+    read_json,
+    read_safetensors,
+    regular_file,
+    safetensors_shapes,
+    write_failed,
+)
 from .model import Transformer
 from .ops import install
 from .router import SigmoidRouter, router_class
@@ -359,7 +370,8 @@ def hf_tensors(model: Transformer, drop_bias: bool = False) -> dict[str, torch.T
 
 def export_hf(model: Transformer, path: str | os.PathLike[str],
               tokenizer_save: Callable[[Path], Any] | None = None, drop_bias: bool = False,
-              bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
+              bos_token_id: int | None = None, eos_token_id: int | None = None,
+              notes: list[str] | None = None) -> Path:
     """Write `model` (and the tokenizer, through `tokenizer_save(file)`: a tokenizer's `save_hf`) as a
     reference checkpoint directory that transformers' from_pretrained loads.
 
@@ -372,17 +384,23 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
 
     Everything is written into a temporary folder beside `path` that is renamed into place at the end (over
     `path` when that is an empty folder): a failed export (a full disk, a kill) leaves no half-written folder
-    that a retry would refuse."""
+    that a retry would refuse. One that a killed export left is removed first (`clear_stale_export_folders`),
+    a note each appended to `notes` when given."""
     path = Path(path)
     check_export_target(path)
     hf_config = config_to_hf(model.cfg, bos_token_id, eos_token_id)
     tensors = hf_tensors(model, drop_bias)
     hf_config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "_from_model_config": True}
-    tmp = None
+    tmp, fd = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+        found = clear_stale_export_folders(path.parent)
+        if notes is not None:
+            notes += found
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-"))
+        fd = os.open(tmp, os.O_RDONLY)
+        hold_lock(fd)  # held until the end: a live export's folder is never taken for a stale one
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -401,7 +419,58 @@ def export_hf(model: Transformer, path: str | os.PathLike[str],
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
     return path
+
+
+EXPORT_FILES = frozenset({"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                          "tokenizer_config.json"})  # what `export_hf` writes into its temporary folder
+
+
+def clear_stale_export_folders(folder: Path) -> list[str]:
+    """Remove the temporary folders that transformers exports killed while writing left in `folder`, and say so
+    (a note each), as `llamacpp.clear_stale_exports` does for GGUF files: a SIGKILL or an out-of-memory kill
+    skips `export_hf`'s own clean-up, and the hidden folder, as big as the model, stayed for good. One is
+    removed only when all of this holds: its name is one `export_hf` gives (`files.EXPORT_TMP`); it is a
+    folder of this user, opened without following a link; it holds nothing but regular files of the names
+    an export writes; the process named in it is gone; and no process holds its lock. Anything else is left."""
+    notes: list[str] = []
+    if os.name != "posix":  # no O_NOFOLLOW, no flock: nothing is removed
+        return notes
+    try:
+        entries = [e for e in os.scandir(folder) if EXPORT_TMP.fullmatch(e.name)]
+    except OSError:
+        return notes
+    for entry in entries:
+        if pid_alive(int(EXPORT_TMP.fullmatch(entry.name).group(1))):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
+        except OSError:  # a link (ELOOP), a file (a GGUF export's), gone meanwhile
+            continue
+        try:
+            held = os.fstat(fd)
+            if held.st_uid != os.getuid() or not lock_is_free(fd):
+                continue
+            names = os.listdir(fd)
+            inside = [os.stat(n, dir_fd=fd, follow_symlinks=False) for n in names]
+            if not set(names) <= EXPORT_FILES or not all(stat.S_ISREG(st.st_mode) for st in inside):
+                continue
+            now = os.lstat(entry.path)
+            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):  # replaced since it was opened
+                continue
+            for name in names:
+                os.unlink(name, dir_fd=fd)
+            os.rmdir(entry.path)
+            size = sum(st.st_size for st in inside)
+            notes.append(f"removed {entry.name} ({size / 2**20:,.1f} MiB), the temporary folder of an export that "
+                         "was killed while writing")
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return notes
 
 
 def config_of_any(path: str | Path) -> ModelConfig:

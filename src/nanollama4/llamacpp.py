@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .files import write_failed
+from .files import EXPORT_TMP as TMP_NAME
+from .files import hold_lock, lock_is_free, pid_alive, write_failed
 from .hf import hf_expert_width, hf_tensors
 from .model import Transformer
 from .rope import rope_frequencies
@@ -41,9 +41,6 @@ NOPE_EVERY = 4
 TEMPERATURE_FLOOR = 8192
 TEMPERATURE_SCALE = 0.1
 QK_NORM_OFF_AT_EXPERTS = 128
-# The temporary file an export writes beside its target, .NAME.tmp-PID-XXXXXXXX (mkstemp's 8 characters): the
-# writer's pid in the name, so that one left by a killed export can be told from one being written.
-TMP_NAME = re.compile(r"\..+\.tmp-(\d{1,10})-[a-z0-9_]{8}")
 
 
 @dataclass(frozen=True)
@@ -209,7 +206,7 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
         path.parent.mkdir(parents=True, exist_ok=True)
         notes += clear_stale_exports(path.parent)
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-{os.getpid()}-")
-        _hold(fd)  # held until the end: a live export's file is never taken for a stale one
+        hold_lock(fd)  # held until the end: a live export's file is never taken for a stale one
         tmp = Path(tmp_name)
         w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA4])
         w.add_name(name)
@@ -265,16 +262,6 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
     return notes
 
 
-def _hold(fd: int) -> None:
-    """Lock the open file `fd` for as long as it stays open (flock: released by the kernel when the process
-    ends, however it ends); where there are no such locks (Windows) the pid in the name alone says."""
-    try:
-        import fcntl
-    except ImportError:
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX)
-
-
 def clear_stale_exports(folder: Path) -> list[str]:
     """Remove the temporary files that exports killed while writing left in `folder`, and say so (a note each).
 
@@ -282,16 +269,17 @@ def clear_stale_exports(folder: Path) -> list[str]:
     skip that, and the hidden file (as big as the model: 620 MB seen) stayed for good. One is removed only when
     all of this holds: its name is one `export_gguf` gives (`TMP_NAME`); it is a regular file of this user,
     opened without following a link; it holds GGUF's magic or nothing yet; the process named in it is gone; and
-    no process holds its lock (`_hold`: a live export in another container or on another machine, where the
-    pid says nothing, still holds it). Anything else is left alone."""
+    no process holds its lock (`files.hold_lock`: a live export in another container or on another machine,
+    where the pid says nothing, still holds it). Anything else is left alone."""
     notes: list[str] = []
+    if os.name != "posix":  # no O_NOFOLLOW, no flock: nothing is removed
+        return notes
     try:
-        import fcntl
         entries = [e for e in os.scandir(folder) if TMP_NAME.fullmatch(e.name)]
-    except (ImportError, OSError):
+    except OSError:
         return notes
     for entry in entries:
-        if _alive(int(TMP_NAME.fullmatch(entry.name).group(1))):
+        if pid_alive(int(TMP_NAME.fullmatch(entry.name).group(1))):
             continue
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -301,7 +289,8 @@ def clear_stale_exports(folder: Path) -> list[str]:
             held = os.fstat(fd)
             if not stat.S_ISREG(held.st_mode) or held.st_uid != os.getuid():
                 continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while a live export holds it
+            if not lock_is_free(fd):  # a live export holds it
+                continue
             if os.pread(fd, 4, 0) not in (b"", b"GGUF"):
                 continue
             now = os.lstat(entry.path)
@@ -315,17 +304,3 @@ def clear_stale_exports(folder: Path) -> list[str]:
         finally:
             os.close(fd)
     return notes
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` may still be running here (one we may not signal is running; pid 0 is no writer's
-    and names a process group, so it counts as alive: its file is left)."""
-    if pid <= 0 or pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
