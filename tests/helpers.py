@@ -234,16 +234,19 @@ def assert_same_greedy(a: list[tuple[int, float]], b: list[tuple[int, float]], t
 
 
 def assert_same_greedy_ids(model: torch.nn.Module, prompt: list[int], a: list[int], b: list[int],
-                           tol: float = LOGPROB_TOLERANCE) -> None:
+                           tol: float = LOGPROB_TOLERANCE, adjust=None) -> None:
     """Two code paths' greedy continuations of `prompt`, as token ids: the same, or the same up to a near tie,
     where the model itself (one plain pass over the prompt and the shared tokens) gives the two choices
-    log-probabilities within `tol` of each other; past that the texts differ and are not compared."""
+    log-probabilities within `tol` of each other; past that the texts differ and are not compared.
+    `adjust(logits (1, V), history)`: what the decoding did to the logits first (a repetition penalty)."""
     assert len(a) == len(b), (len(a), len(b))
     split = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
     if split is None:
         return
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + a[:split]]))[0, -1].float()
-    logp = torch.log_softmax(logits, -1)
+        logits = model(torch.tensor([prompt + a[:split]]))[0, -1:].float()
+    if adjust is not None:
+        logits = adjust(logits, [prompt + a[:split]])
+    logp = torch.log_softmax(logits[0], -1)
     gap = abs(logp[a[split]].item() - logp[b[split]].item())
     assert gap <= tol, f"token {split}: {a[split]} against {b[split]}, log-probabilities {gap:.2e} apart (no tie)"

@@ -13,7 +13,7 @@ from nanollama4.engine import Engine, Request, Sampling, TokenEvent
 from nanollama4.engine.sampling import MIN_PENALTY, SamplingError, choose, distribution
 from nanollama4.generation import generate_ids, sample
 from nanollama4.tokenizer import CharTokenizer
-from tests.helpers import random_model, run_cli
+from tests.helpers import assert_same_greedy_ids, random_model, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,10 @@ def test_generate_with_the_penalty_equals_the_plain_loop_and_changes_the_text(mo
         got = generate_ids(model, [prompt], 40, repetition_penalty=1.8, **settings)[0]
         g = torch.Generator().manual_seed(4) if "seed" in settings else None
         want = sample(model, torch.tensor([prompt]), 40, Sampling(repetition_penalty=1.8, **settings), g)[0, 6:]
-        assert got == want.tolist()
+        if "seed" in settings:  # the same seeded draws: apart only within rounding (~1e-7) of an edge
+            assert got == want.tolist()
+        else:  # two code paths: the same greedy tokens up to a near tie of the penalised logits
+            assert_same_greedy_ids(model, prompt, got, want.tolist(), adjust=Sampling(repetition_penalty=1.8).adjust)
     assert generate_ids(model, [prompt], 40, temperature=0)[0] != generate_ids(model, [prompt], 40, temperature=0,
                                                                              repetition_penalty=1.8)[0]
 
