@@ -341,6 +341,49 @@ def lock_is_free(fd: int) -> bool:
     return True
 
 
+def clear_stale_temporaries(folder: Path, opens: int, ours: Callable[[int, os.stat_result], int | None],
+                            remove: Callable[[int, str], None], what: str) -> list[str]:
+    """Remove the temporaries that exports killed while writing left in `folder`, and say so (a note each).
+
+    An export removes its temporary when it fails, but a SIGKILL, an out-of-memory kill or a power cut skip
+    that, and the hidden file or folder, as big as the model, stayed for good. One is removed only when all
+    of this holds: its name is one an export gives (`EXPORT_TMP`); the process named in it is gone; it is of
+    this user, opened (with `opens`) without following a link; no process holds its lock (`hold_lock`: a live
+    export in another container or on another machine, where the pid says nothing, still holds it); and
+    `ours(fd, stat)` finds in it only what the export writes, giving its size (None: not ours). `remove(fd,
+    path)` then removes it. Anything else is left alone."""
+    notes: list[str] = []
+    if os.name != "posix":  # no O_NOFOLLOW, no flock: nothing is removed
+        return notes
+    try:
+        entries = [e for e in os.scandir(folder) if EXPORT_TMP.fullmatch(e.name)]
+    except OSError:
+        return notes
+    for entry in entries:
+        if pid_alive(int(EXPORT_TMP.fullmatch(entry.name).group(1))):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | opens)
+        except OSError:  # a link (ELOOP), the other kind of temporary, gone meanwhile, not ours to read
+            continue
+        try:
+            held = os.fstat(fd)
+            if held.st_uid != os.getuid() or not lock_is_free(fd):
+                continue
+            size = ours(fd, held)
+            now = os.lstat(entry.path)
+            if size is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):  # replaced since opened
+                continue
+            remove(fd, entry.path)
+            notes.append(f"removed {entry.name} ({size / 2**20:,.1f} MiB), the temporary {what} of an export that "
+                         "was killed while writing")
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return notes
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` may still be running here (one we may not signal is running; pid 0 is no writer's
     and names a process group, so it counts as alive: its temporary is left)."""

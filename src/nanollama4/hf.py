@@ -32,10 +32,8 @@ from .checkpoint import (
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .files import (
-    EXPORT_TMP,
+    clear_stale_temporaries,
     hold_lock,
-    lock_is_free,
-    pid_alive,
     read_json,
     read_safetensors,
     regular_file,
@@ -429,48 +427,22 @@ EXPORT_FILES = frozenset({"model.safetensors", "config.json", "generation_config
 
 
 def clear_stale_export_folders(folder: Path) -> list[str]:
-    """Remove the temporary folders that transformers exports killed while writing left in `folder`, and say so
-    (a note each), as `llamacpp.clear_stale_exports` does for GGUF files: a SIGKILL or an out-of-memory kill
-    skips `export_hf`'s own clean-up, and the hidden folder, as big as the model, stayed for good. One is
-    removed only when all of this holds: its name is one `export_hf` gives (`files.EXPORT_TMP`); it is a
-    folder of this user, opened without following a link; it holds nothing but regular files of the names
-    an export writes; the process named in it is gone; and no process holds its lock. Anything else is left."""
-    notes: list[str] = []
-    if os.name != "posix":  # no O_NOFOLLOW, no flock: nothing is removed
-        return notes
-    try:
-        entries = [e for e in os.scandir(folder) if EXPORT_TMP.fullmatch(e.name)]
-    except OSError:
-        return notes
-    for entry in entries:
-        if pid_alive(int(EXPORT_TMP.fullmatch(entry.name).group(1))):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY)
-        except OSError:  # a link (ELOOP), a file (a GGUF export's), gone meanwhile
-            continue
-        try:
-            held = os.fstat(fd)
-            if held.st_uid != os.getuid() or not lock_is_free(fd):
-                continue
-            names = os.listdir(fd)
-            inside = [os.stat(n, dir_fd=fd, follow_symlinks=False) for n in names]
-            if not set(names) <= EXPORT_FILES or not all(stat.S_ISREG(st.st_mode) for st in inside):
-                continue
-            now = os.lstat(entry.path)
-            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):  # replaced since it was opened
-                continue
-            for name in names:
-                os.unlink(name, dir_fd=fd)
-            os.rmdir(entry.path)
-            size = sum(st.st_size for st in inside)
-            notes.append(f"removed {entry.name} ({size / 2**20:,.1f} MiB), the temporary folder of an export that "
-                         "was killed while writing")
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return notes
+    """Remove the temporary folders that transformers exports killed while writing left in `folder`
+    (`files.clear_stale_temporaries`'s rules), each holding only regular files of the names `export_hf` writes."""
+
+    def ours(fd: int, held: os.stat_result) -> int | None:
+        names = os.listdir(fd)
+        inside = [os.stat(n, dir_fd=fd, follow_symlinks=False) for n in names]
+        if not set(names) <= EXPORT_FILES or not all(stat.S_ISREG(st.st_mode) for st in inside):
+            return None
+        return sum(st.st_size for st in inside)
+
+    def remove(fd: int, path: str) -> None:
+        for name in os.listdir(fd):
+            os.unlink(name, dir_fd=fd)
+        os.rmdir(path)
+
+    return clear_stale_temporaries(folder, os.O_DIRECTORY, ours, remove, "folder")
 
 
 def config_of_any(path: str | Path) -> ModelConfig:

@@ -27,8 +27,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
-from .files import EXPORT_TMP as TMP_NAME
-from .files import hold_lock, lock_is_free, pid_alive, write_failed
+from .files import clear_stale_temporaries, hold_lock, write_failed
 from .hf import hf_expert_width, hf_tensors
 from .model import Transformer
 from .rope import rope_frequencies
@@ -263,44 +262,10 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
 
 
 def clear_stale_exports(folder: Path) -> list[str]:
-    """Remove the temporary files that exports killed while writing left in `folder`, and say so (a note each).
+    """Remove the temporary files that GGUF exports killed while writing left in `folder` (`files.
+    clear_stale_temporaries`'s rules), each a regular file holding GGUF's magic or nothing yet."""
 
-    `export_gguf` removes its temporary file when it fails, but a SIGKILL, an out-of-memory kill or a power cut
-    skip that, and the hidden file (as big as the model: 620 MB seen) stayed for good. One is removed only when
-    all of this holds: its name is one `export_gguf` gives (`TMP_NAME`); it is a regular file of this user,
-    opened without following a link; it holds GGUF's magic or nothing yet; the process named in it is gone; and
-    no process holds its lock (`files.hold_lock`: a live export in another container or on another machine,
-    where the pid says nothing, still holds it). Anything else is left alone."""
-    notes: list[str] = []
-    if os.name != "posix":  # no O_NOFOLLOW, no flock: nothing is removed
-        return notes
-    try:
-        entries = [e for e in os.scandir(folder) if TMP_NAME.fullmatch(e.name)]
-    except OSError:
-        return notes
-    for entry in entries:
-        if pid_alive(int(TMP_NAME.fullmatch(entry.name).group(1))):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:  # a link (ELOOP), gone meanwhile, not ours to read
-            continue
-        try:
-            held = os.fstat(fd)
-            if not stat.S_ISREG(held.st_mode) or held.st_uid != os.getuid():
-                continue
-            if not lock_is_free(fd):  # a live export holds it
-                continue
-            if os.pread(fd, 4, 0) not in (b"", b"GGUF"):
-                continue
-            now = os.lstat(entry.path)
-            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):  # replaced since it was opened
-                continue
-            os.unlink(entry.path)
-            notes.append(f"removed {entry.name} ({held.st_size / 2**20:,.1f} MiB), the temporary file of an export "
-                         "that was killed while writing")
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    return notes
+    def ours(fd: int, held: os.stat_result) -> int | None:
+        return held.st_size if stat.S_ISREG(held.st_mode) and os.pread(fd, 4, 0) in (b"", b"GGUF") else None
+
+    return clear_stale_temporaries(folder, os.O_NONBLOCK, ours, lambda fd, path: os.unlink(path), "file")
