@@ -16,6 +16,7 @@ without trusting file names. `load_tokenizer` reads either format back from its 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -352,14 +353,40 @@ class Rendered(str):
         return rendered
 
 
+@functools.lru_cache(maxsize=8)
+def _markup(specials: frozenset[str]) -> tuple[re.Pattern | None, re.Pattern | None, tuple[int, ...]]:
+    """For `split_markup` and `break_markup`: where a spelling may start (its first two characters: a few
+    patterns, so a scan is linear in the text however many special tokens there are; Llama 4 has over a
+    thousand), the places between those two characters, and the spellings' lengths, longest first."""
+    pairs = sorted({s[:2] for s in specials if len(s) > 1})
+    if not pairs:
+        return None, None, ()
+    starts = re.compile("(?=" + "|".join(re.escape(p) for p in pairs) + ")")
+    between = re.compile("|".join(f"(?<={re.escape(p[0])})(?={re.escape(p[1])})" for p in pairs))
+    return starts, between, tuple(sorted({len(s) for s in specials if len(s) > 1}, reverse=True))
+
+
 def split_markup(text: str, specials: Iterable[str]) -> list[str]:
-    """`text` cut at each spelling of `specials` (the longest first where two start together), those pieces
-    as `Markup`. A one-character special is left as text: no text could then say that character."""
-    spellings = sorted((s for s in set(specials) if len(s) > 1), key=len, reverse=True)
-    if not spellings:
-        return [text]
-    cut = re.compile("(" + "|".join(map(re.escape, spellings)) + ")")
-    return [Markup(p) if i % 2 else p for i, p in enumerate(cut.split(text))]
+    """`text` cut at each spelling of `specials` (the longest where two start at one place), those pieces as
+    `Markup`. A one-character special is left as text: no text could then say that character."""
+    specials = frozenset(specials)
+    starts, _, lengths = _markup(specials)
+    pieces, done = [], 0
+    for m in starts.finditer(text) if starts is not None else ():
+        i = m.start()
+        spelling = next((text[i:i + n] for n in lengths if i >= done and text[i:i + n] in specials), None)
+        if spelling is not None:
+            pieces += [text[done:i], Markup(spelling)]
+            done = i + len(spelling)
+    return [p for p in (*pieces, text[done:]) if p]
+
+
+def break_markup(text: str, specials: Iterable[str], guard: str) -> str:
+    """`text` with `guard` put between the first two characters of wherever a spelling of `specials` could
+    start, so that none of them is left whole in it (`split_markup` finds none); taking `guard` out gives the
+    text back."""
+    _, between, _ = _markup(frozenset(specials))
+    return text if between is None else between.sub(guard, text)
 
 
 def encode_pieces(tokenizer: Tokenizer, pieces: Iterable[str]) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import CheckpointError, Nanollama4Error
 from ..files import read_bytes, read_json
-from ..tokenizer import Markup, Rendered, split_markup
+from ..tokenizer import Markup, Rendered, break_markup, split_markup
 from .logs import printable
 
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names
@@ -124,12 +124,12 @@ class TemplateFormat:
         """The prompt for checked `messages`; a `ChatTemplateError` (a `TemplateLimit` past a limit) if the
         template refuses them or cannot render them within its limits.
 
-        Each special spelling in a message's text goes to the template broken by a guard (a random string
-        no message holds), so the rendered text's unbroken spellings are the template's own: those become
-        `Markup`, and the guard is taken out of the rest."""
+        A message's text goes to the template with a guard (a random string no message holds) wherever a
+        special spelling could start (`break_markup`), so the rendered text's whole spellings are the
+        template's own: those become `Markup`, and the guard is taken out of the rest."""
         texts = [str(v) for m in messages for v in m.values()]
         guard = _guard(texts, self.specials)
-        shielded = [{k: _shield(v, self.specials, guard) if k in ("content", "name") else v for k, v in m.items()}
+        shielded = [{k: break_markup(v, self.specials, guard) if k in ("content", "name") else v for k, v in m.items()}
                     for m in messages]
         text = self.process.render({"messages": shielded, "bos_token": self.bos_token, "eos_token": self.eos_token})
         return Rendered(p if isinstance(p, Markup) else p.replace(guard, "") for p in split_markup(text, self.specials))
@@ -258,14 +258,6 @@ def _guard(texts: list[str], specials: tuple[str, ...]) -> str:
         guard = f"\ue000{secrets.randbelow(10**16):016d}\ue001"
         if not any(guard in t for t in (*texts, *specials)):
             return guard
-
-
-def _shield(text: str, specials: tuple[str, ...], guard: str) -> str:
-    """`text` with `guard` after the first character of each special spelling in it, which no longer matches."""
-    for spelling in sorted(specials, key=len, reverse=True):
-        if len(spelling) > 1 and spelling in text:
-            text = text.replace(spelling, spelling[0] + guard + spelling[1:])
-    return text
 
 
 

@@ -215,13 +215,6 @@ class Renderer:
         os.waitpid(self.pid, 0)
 
 
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     left = memoryview(data)
     while left:
