@@ -75,9 +75,9 @@ def _cpu_iterates_in_float32() -> bool:
 
 def newton_schulz_dtype(device: torch.device) -> torch.dtype:
     """bf16, as torch.optim.Muon iterates, where its products are native (a GPU; a CPU with AMX or
-    AVX512_BF16); float32 on a CPU where torch emulates bf16 (most laptops, AVX2-only): there a bf16 batched
-    product took 24x float32's (8 matrices of 256 x 384 on a Zen 3 core) and the optimizer step dwarfed
-    the model's. float32 iterates at least as accurately; the update differs by bf16's rounding."""
+    AVX512_BF16); float32 on a CPU where torch emulates bf16 (most laptops, AVX2-only): there bf16
+    products are many times slower than float32's and the optimizer step dwarfed the model's (RESULTS.md,
+    "An optimizer step"). float32 iterates at least as accurately; the update differs by bf16's rounding."""
     return torch.float32 if device.type == "cpu" and _cpu_iterates_in_float32() else torch.bfloat16
 
 

@@ -4,16 +4,16 @@ All the cores is fastest on a quiet machine, and far the slowest on a busy one: 
 operation evenly and then wait at its end for the slowest, so a thread whose core another process holds
 makes every one of a step's hundreds of operations wait for the scheduler to hand the core back. On two
 cores with one taken by another process, two threads trained at a fifth of one thread's speed
-(benchmarks/threads.py, RESULTS.md); at a load of 13 on two cores `make demo`'s recipe trained 74 tokens/s
-where alone it trains ~11,000. Letting idle threads sleep instead of spin (OpenMP's passive wait) cost a
-sixth of the quiet speed and still trailed one thread under load, so the count is watched instead, two ways:
+(benchmarks/threads.py, RESULTS.md), and at a load of 13 a small fraction of it. Letting idle threads
+sleep instead of spin (OpenMP's passive wait) cost a sixth of the quiet speed and still trailed one thread
+under load, so the count is watched instead, two ways:
 
 - `Machine` reads how much of the CPUs we may run on other processes used (the kernel's busy time on
   those CPUs less our own CPU time): before the first step (a fifth of a second's look) and over each
   second of the run. Threads beyond the cores they leave free are not started, or are dropped at the end
   of the step that saw them taken, and come back when the cores are free again. This is what makes the
-  choice from the first step: under a load of 13 on 2 cores one step at 2 threads took 45 s, so a choice
-  that waits for a few steps to compare comes minutes late.
+  choice from the first step: under a heavy load one step at the wrong count takes tens of seconds, so
+  a choice that waits for a few steps to compare comes minutes late.
 - `ThreadWatch` also times a step at the next count down (or back up) now and then, and keeps the faster:
   what the busy time cannot see (a CPU quota, a machine whose /proc says nothing) still moves the count.
 

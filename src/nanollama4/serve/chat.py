@@ -34,7 +34,7 @@ TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template
 # What a checkpoint's template may cost (it is code from a download): real chat templates render in
 # milliseconds, write a few kilobytes and need a few megabytes beyond the interpreter's own.
 RENDER_SECONDS = 2.0  # a conversation's render; past it the process rendering it is killed
-START_SECONDS = 20.0  # starting the template's process and compiling the template (near 1 MiB: 8-19 s on 2 cores)
+START_SECONDS = 20.0  # starting the template's process and compiling the template (near 1 MiB: seconds)
 ANSWER_GRACE = 5.0  # beyond RENDER_SECONDS, the wait for that process to say so; past it, it is stuck and killed
 ERROR_CHARS = 300  # characters of a template's error text (its raise_exception message) a client and the log get
 RENDER_CHARS = 1 << 22  # characters a render may write, and items any string or list it builds may hold

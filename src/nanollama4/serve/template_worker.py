@@ -5,7 +5,7 @@ reaching Python's internals, but not from looping for hours or building a string
 runs here, in processes of their own that `chat.TemplateProcess` starts and feeds: the server's event loop,
 its other requests and its signals never wait on a template. This process compiles the template once and
 keeps it; conversations are rendered by a `Renderer` forked from it, which is killed past a render's time
-limit and replaced by a fresh fork. Compiling a large template takes seconds (8 s for one near 1 MiB),
+limit and replaced by a fresh fork. Compiling a large template takes seconds,
 forking takes milliseconds, so a render past its limit costs only its own request. Bounded here, beyond
 what the sandbox bounds:
 
