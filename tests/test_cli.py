@@ -203,6 +203,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
                             ["RUN", "--html", "FILE"]],
     ("experts", "--quiet"): [["RUN", "--quiet=1"]],
     ("experts", "--untrained-null"): [["RUN", "--untrained-null=yes"]],
+    ("experts", "--geometry-null"): [["RUN", "--geometry-null=yes"]],
     ("serve", "--dtype"): [["RUN", "--dtype", "half"]],
     ("compare", "runs"): [["MISSING"], ["EMPTY"], ["RUN", "FILE"]],
     ("compare", "--out"): [["RUN", "--out", "FILE"], ["RUN", "--out", ""]],

@@ -50,7 +50,7 @@ def crowded() -> tuple[Transformer, CharTokenizer]:
 def test_counts_equal_the_routers_own_choices_with_drops(crowded):
     model, tok = crowded
     ids = np.array(tok.encode(TEXT))
-    report = experts(model, tok, ids, batch=3, min_lift_count=1)
+    report = experts(model, tok, ids, batch=3, min_support=1)
     # independently: the same windows, three per forward, each MoE's Routing read directly
     W, E, V = 32, model.cfg.n_experts, model.cfg.vocab_size
     want = {m: np.zeros((E, V), dtype=np.int64) for m in model.moe_layers()}
@@ -151,7 +151,7 @@ def test_token_classes_are_declared_once_and_extendable(monkeypatch):
 
 def test_contexts_mark_the_token_where_it_went(crowded):
     model, tok = crowded
-    report = experts(model, tok, np.array(tok.encode(TEXT)), min_lift_count=1)
+    report = experts(model, tok, np.array(tok.encode(TEXT)), min_support=1)
     stats = [t for layer in report.layers for e in layer.experts for t in e.top_count]
     assert stats
     for t in stats:
@@ -185,7 +185,7 @@ def test_cli_on_a_run_and_json_round_trips(tiny_run, corpus, tmp_path, capsys):
     again.training = training_routing(tiny_run)  # what the command adds for a run: its logged routing
     assert again.training is not None and "entropy" in again.training.values
     assert data == json.loads(json.dumps(report_dict(again)))
-    assert data["format"] == "nanollama4-experts/1" and set(dataclasses.asdict(
+    assert data["format"] == "nanollama4-experts/2" and set(dataclasses.asdict(
         experts(model, tok, ids[:64], batch=2))) <= set(data)
     # run again onto its own file: replaced; the run's validation text by default
     rc, stdout, err = run_cli(["experts", str(tiny_run), "--json", str(out), "--quiet"], capsys)
@@ -263,15 +263,23 @@ def test_the_report_of_a_constructed_routing_by_hand():
     l0 = np.array([0, 0, 0, 0, 0, 0, 1, 1])
     l1 = np.array([1, 1, 1, 1, 1, 1, 1, -1])
     routes = Routes(ids, np.stack([l0, l1])[:, :, None].astype(np.int16), None, [0, 1], 4, 2, 2)
-    report = analyse(routes, tok, tok.vocab_size, min_lift_count=1)
+    report = analyse(routes, tok, tok.vocab_size, min_support=1)
     first, second = report.layers
     h = -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25))  # the token decides the expert: I = H(expert)
     assert first.token_mi.bits == pytest.approx(h)
     assert [e.load for e in first.experts] == [0.75, 0.25]
-    lifts = {t.token: t.lift for t in first.experts[1].top_lift}
+    lifts = {t.token: t.lift for t in first.experts[1].top_owned}
     assert lifts == {".": pytest.approx(4.0)}  # P(. | 1) = 1 over P(.) = 2/8
-    assert {t.token: t.lift for t in first.experts[0].top_lift} == {"a": pytest.approx(4 / 3),
-                                                                    "b": pytest.approx(4 / 3)}
+    assert {t.token: t.lift for t in first.experts[0].top_owned} == {"a": pytest.approx(4 / 3),
+                                                                     "b": pytest.approx(4 / 3)}
+    assert [e.lift_cap for e in first.experts] == [pytest.approx(4 / 3), pytest.approx(4.0)]  # 1 / (k x load)
+    # both of expert 0's tokens are taken whole: owned 1 each, the commoner first; a fills 4/6 of its slots
+    assert [(t.token, t.owned, t.count, t.occurrences) for t in first.experts[0].top_owned] == [("a", 1.0, 4, 4),
+                                                                                             ("b", 1.0, 2, 2)]
+    assert [(t.token, t.share) for t in first.experts[0].top_count] == [("a", pytest.approx(4 / 6)),
+                                                                        ("b", pytest.approx(2 / 6))]
+    # each expert's part of I: its share of first choices x its D(...): they sum to the layer's I
+    assert sum(e.part_bits for e in first.experts) == pytest.approx(first.token_mi.bits)
     assert first.classes == {"lowercase": 0.75, "uppercase": 0.0, "digit": 0.0, "space": 0.0, "newline": 0.0,
                              "punctuation": 0.25, "other": 0.0}
     assert first.experts[1].classes["punctuation"] == 1.0
@@ -328,10 +336,12 @@ def test_compare_adds_each_runs_specialisation_by_layer(tiny_run, tmp_path, caps
     model, tok, ids, _ = model_and_text(tiny_run, None, 300)
     want = experts(model, tok, ids, untrained=True)
     row = next(line for line in stdout.splitlines() if line.startswith("| run |"))
-    assert "I(expert; token) by MoE layer" in row
+    assert "I(expert; token) above its shuffle by MoE layer" in row  # never the raw bits (issue 71)
     row = next(line for line in stdout.splitlines() if line.startswith(f"| {tiny_run.name} | 300"))
-    assert " / ".join(f"{lay.token_mi.bits:.2f}" for lay in want.layers) in row
-    assert "(untrained " + " / ".join(f"{u.token_mi.bits:.2f}" for u in want.untrained) in row
+    assert " / ".join(f"{lay.token_mi.bits - lay.token_mi.null_bits:.2f} ({lay.token_mi.normalised:.0%})"
+                      for lay in want.layers) in row
+    assert "(untrained " + " / ".join(f"{u.token_mi.above_null:.2f} ({u.token_mi.normalised:.0%})"
+                                      for u in want.untrained) in row
     assert "| broken | - |" in stdout and "- broken: " in stdout
     assert "What the experts learned" in (tmp_path / "cmp" / "compare.md").read_text()
 
@@ -421,3 +431,118 @@ def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tm
     assert sum(read) <= 2 * READ_BYTES, f"read {sum(read):,} characters for 1,000 tokens"
     assert peak < 3 * READ_BYTES + 2**20, f"{peak / 2**20:.1f} MiB allocated for 1,000 tokens"
     assert np.array_equal(text_ids([big], tok), whole)
+
+
+def _routes_of(ids: np.ndarray, first: np.ndarray, n_experts: int) -> Routes:
+    """Routes of one MoE layer in which token i went to expert first[i] (top-1, nothing dropped)."""
+    return Routes(ids, first[None, :, None].astype(np.int16), None, [0], 64, -(-len(ids) // 64), n_experts)
+
+
+def test_the_view_leads_with_what_fills_an_expert_not_rare_tokens_at_the_lift_cap(capsys):
+    """Issue 71: an expert that spends 85% of its slots on spaces and takes a few rare letters whole listed
+    the rare letters first (they tie at the lift cap). The view leads with what fills it, says what it owns
+    with support counts, and breaks ownership ties by count."""
+    from nanollama4.explain.expertsview import fills, owns, show_experts
+
+    tok = CharTokenizer.from_text(" abcLQZ")
+    sp, a, b, c, L, Q, Z = (tok.encode(ch)[0] for ch in " abcLQZ")
+    # expert 0: 850 spaces of 1,000 spaces, and every L (60), Q (50), Z (40); expert 1: the rest
+    ids = np.array([sp] * 1000 + [L] * 60 + [Q] * 50 + [Z] * 40 + [a] * 900 + [b] * 800 + [c] * 700)
+    first = np.array([0] * 850 + [1] * 150 + [0] * 150 + [1] * 2400)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(ids))
+    report = analyse(_routes_of(ids[order], first[order], 2), tok, tok.vocab_size)
+    e0 = report.layers[0].experts[0]
+    assert e0.assignments == 1000 and e0.top_count[0].token == " " and e0.top_count[0].share == pytest.approx(0.85)
+    assert fills(e0).startswith("' ' 85% (850)")
+    assert [t.token for t in e0.top_owned] == ["L", "Q", "Z", " "]  # taken whole, the commonest first; then 85%
+    assert owns(e0, report.min_support).startswith("'L' 100% of 60  'Q' 100% of 50  'Z' 100% of 40  ' ' 85% of 1,000")
+    assert e0.top_owned[0].lift == pytest.approx(e0.lift_cap)  # the cap, said: 1 / (k x load)
+    show_experts(report)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("0 "))
+    assert row.index("' ' 85%") < row.index("'L'")
+
+
+def test_a_near_empty_expert_is_not_ranked_the_most_specialised():
+    """Issue 71: experts of load ~0 with a handful of peculiar tokens showed the most bits. Ranked by their
+    part of I above the shuffle (share of first choices x D), they come last."""
+    from nanollama4.explain.experts import most_specialised
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 20, size=20_000)
+    first = (ids % 3).astype(np.int64)  # experts 0-2 split the tokens by their id mod 3
+    rare = np.nonzero(ids == 19)[0][:3]
+    first[rare] = 3  # expert 3 takes three tokens: all one id, far from the stream
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrst")
+    layer = analyse(_routes_of(ids, first, 4), tok, tok.vocab_size).layers[0]
+    e3 = layer.experts[3]
+    assert e3.load < 0.001 and e3.kl_bits == max(e.kl_bits for e in layer.experts)  # the old ranking's first
+    assert most_specialised(layer, 4)[-1].expert == 3
+    assert all(e.expert != 3 for e in most_specialised(layer, 3))
+
+
+@pytest.mark.parametrize("n_experts", [8, 32])
+def test_the_excess_over_the_null_is_zero_for_routing_that_ignores_the_token(n_experts):
+    """Issue 71: a shuffled routing's raw bits grow with the expert count (plug-in bias), so raw bits make
+    a finer MoE look specialised for free. Its excess over the shuffle null is zero at 8 and at 32 experts,
+    within the null's own spread, and the normalised form likewise; a routing the token decides reads 1."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, size=40_000)
+    first = rng.integers(0, n_experts, size=len(ids))
+    s = specialisation(first, ids, n_experts, 64, [0, 20_000, 40_000], permutations=5, seed=0)
+    # the plug-in MI of independent labels is chi^2 / (2 N ln 2) with (E - 1)(V - 1) degrees of freedom: its
+    # mean df / (2 N ln 2) (0.008 bits at 8 experts, 0.035 at 32), its spread sqrt(2 df) / (2 N ln 2)
+    df, scale = (n_experts - 1) * 63, 2 * len(ids) * math.log(2)
+    assert s.bits == pytest.approx(df / scale, abs=4 * math.sqrt(2 * df) / scale)  # raw bits: the bias alone
+    assert abs(s.above_null) < 4 * math.sqrt(2 * df) / scale and abs(s.normalised) < 1e-3
+    assert s.label_bits == pytest.approx(math.log2(n_experts), abs=0.01)
+    decided = specialisation(ids % n_experts, ids, n_experts, 64, [0, 20_000, 40_000], permutations=5, seed=0)
+    assert decided.normalised == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_fresh_router_null_routes_the_models_own_hidden_states_as_a_hand_computation():
+    """Issue 71, the geometry null: each MoE layer's router input (the trained model's hidden states)
+    routed by the untrained twin's router of that layer, first choice = its top logit (sigmoid router, no
+    bias, no capacity), and by the nearest k-means centroid; I(choice; token) by hand."""
+    from nanollama4.explain.experts import KMEANS_FIT, kmeans, nearest
+
+    torch.manual_seed(0)
+    tok = CharTokenizer.from_text(TEXT)
+    model = Transformer(preset("tiny", vocab_size=tok.vocab_size, max_seq_len=32)).eval()
+    ids = np.array(tok.encode(TEXT * 3))
+    report = experts(model, tok, ids, batch=4, seed=5, geometry=True)
+    twin = untrained_twin(model, seed=5)
+    inputs = {m: [] for m in model.moe_layers()}
+    handles = [m.router.register_forward_pre_hook(lambda mod, args, m=m: inputs[m].append(args[0].detach()))
+               for m in model.moe_layers()]
+    try:
+        route_stream(model, ids, batch=4, quiet=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert report.geometry_seed == 5 and len(report.geometry) == len(model.moe_layers())
+    V, E = model.cfg.vocab_size, model.cfg.n_experts
+    for li, (moe, fresh) in enumerate(zip(model.moe_layers(), twin.moe_layers(), strict=True)):
+        x = torch.cat(inputs[moe])  # the windows in the order route_stream ran them: whole ones, then the tail
+        order = np.concatenate([np.arange(s, min(s + 32, len(ids))) for s in range(0, len(ids), 32)])
+        choice = np.full(len(ids), -1)
+        choice[order] = (x.float() @ fresh.router.weight.float().T).argmax(-1).numpy()
+        want = mutual_information(joint_counts(choice, ids, E, V))
+        assert report.geometry[li].fresh_router.bits == pytest.approx(want, abs=1e-9)
+        assert report.geometry[li].fresh_router.bits != pytest.approx(report.layers[li].token_mi.bits, abs=1e-6)
+        centroids = kmeans(x.float()[:KMEANS_FIT], E, seed=5)
+        km = np.full(len(ids), -1)
+        km[order] = nearest(x.float(), centroids).numpy()
+        assert report.geometry[li].kmeans.bits == pytest.approx(mutual_information(joint_counts(km, ids, E, V)))
+
+
+def test_kmeans_finds_separated_clusters():
+    from nanollama4.explain.experts import kmeans, nearest
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    x = torch.cat([c + 0.1 * torch.randn(50, 2, generator=g) for c in centres])
+    found = kmeans(x, 3, seed=1)
+    labels = nearest(x, found)
+    assert all(len(set(labels[i * 50:(i + 1) * 50].tolist())) == 1 for i in range(3))
+    assert len(set(labels.tolist())) == 3

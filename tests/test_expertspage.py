@@ -15,7 +15,7 @@ import torch
 
 from nanollama4.config import preset
 from nanollama4.explain import palette
-from nanollama4.explain.experts import TrainingRouting, experts
+from nanollama4.explain.experts import TrainingRouting, experts, most_specialised
 from nanollama4.explain.expertspage import UNDRAWN, experts_html, page_data
 from nanollama4.explain.expertsview import report_dict, training_line
 from nanollama4.model import Transformer
@@ -37,8 +37,8 @@ def report():
     torch.manual_seed(0)
     tok = CharTokenizer.from_text(TEXT)
     model = Transformer(preset("tiny", vocab_size=tok.vocab_size, max_seq_len=32)).eval()
-    r = experts(model, tok, np.array(tok.encode(TEXT)), batch=4, min_lift_count=1)
-    top = r.layers[0].experts[0].top_lift[0]
+    r = experts(model, tok, np.array(tok.encode(TEXT)), batch=4, min_support=1, geometry=True)
+    top = r.layers[0].experts[0].top_owned[0]
     top.token, top.contexts = HOSTILE, [f"before ⟦{HOSTILE}⟧ after", HOSTILE]
     return r
 
@@ -96,8 +96,11 @@ def test_the_page_draws_in_a_browser_and_hostile_text_stays_text(report, tmp_pat
     assert "<img" not in dom  # no element was made from the text
     escaped = HOSTILE.replace("<", "&lt;").replace(">", "&gt;")
     assert f"before <mark>{escaped}</mark> after" in dom  # the marked token highlighted, as text
-    cards = re.findall(r'<div class="expert" data-layer="(\d+)" data-expert="(\d+)">', dom)
-    assert cards == [(str(la.layer), str(e.expert)) for la in report.layers for e in la.experts]
+    cards = re.findall(r'<div class="expert" data-layer="(\d+)" data-expert="(\d+)" data-rank="(\d+)">', dom)
+    assert cards == [(str(la.layer), str(e.expert), str(rank)) for la in report.layers
+                     for rank, e in enumerate(most_specialised(la, len(la.experts)))]  # the most specialised first
+    assert dom.count('<tr class="geometry">') == 2 * len(report.layers)  # fresh router and k-means, each layer
+    assert "among those it took at least <span id=\"support\">1</span> times" in dom
     cells = re.findall(r'data-class="([^"]+)" data-expert="(\d+)" title="[^"]*: x([0-9.]+)"', dom)
     want = [(c, e.expert, e.classes[c] / la.classes[c]) for la in report.layers for c in report.classes
             if la.classes[c] > 0 for e in la.experts]

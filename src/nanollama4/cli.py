@@ -223,8 +223,8 @@ def _model_commands(sub: Any) -> None:
     add_dtype(p)
     p.set_defaults(func=commands.cmd_explain)
 
-    p = sub.add_parser("experts", help="what each expert learned over a whole text: load, top tokens by lift with "
-                       "contexts, token classes, specialisation in bits against a shuffle null, paths")
+    p = sub.add_parser("experts", help="what each expert learned over a whole text: load, what fills it and what "
+                       "it owns with contexts, token classes, specialisation in bits against a shuffle null, paths")
     p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
     p.add_argument("--data", type=_path, metavar="TEXT", help="the text to route (a file, a folder or a quoted glob; "
                    "default: a run's validation text, which a folder with no run lacks)")
@@ -236,6 +236,9 @@ def _model_commands(sub: Any) -> None:
     p.add_argument("--untrained-null", action="store_true",
                    help="also route the text through the same config freshly initialised (seed 0) and show its "
                         "specialisation beside the trained one's (twice the time)")
+    p.add_argument("--geometry-null", action="store_true",
+                   help="also route the trained model's own hidden states through a fresh router and through "
+                        "k-means (seed 0): what the representation sorts before any router learns")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=commands.cmd_experts)
 

@@ -272,7 +272,8 @@ def cmd_experts(args: argparse.Namespace) -> None:
     if args.html:
         check_experts_page_target(Path(args.html))
     model, tokenizer, ids, source = model_and_text(args.path, args.data, args.tokens)
-    report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet, untrained=args.untrained_null)
+    report = experts(model, tokenizer, ids, batch=args.batch, quiet=args.quiet, untrained=args.untrained_null,
+                     geometry=args.geometry_null)
     report.source = f"{args.path}; {source}"
     report.training = training_routing(args.path)
     print(f"text: {source}")

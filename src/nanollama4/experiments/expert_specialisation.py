@@ -53,9 +53,9 @@ def read(run_dir: str, tokens: int) -> dict[str, Any]:
                        "untrained_token": twin.token_mi.bits, "untrained_class": twin.class_mi.bits,
                        "shared_share": lay.shared_share,
                        "specialists": [{"expert": e.expert, "load": e.load, "kl_bits": e.kl_bits,
-                                        "lift": [[t.token, t.lift, t.count] for t in e.top_lift[:5]],
+                                        "lift": [[t.token, t.lift, t.count] for t in e.top_owned[:5]],
                                         "classes": sorted(e.classes.items(), key=lambda c: -c[1])[:2],
-                                        "context": (e.top_lift[0].contexts or [""])[0] if e.top_lift else ""}
+                                        "context": (e.top_owned[0].contexts or [""])[0] if e.top_owned else ""}
                                        for e in best]})
     paths = None
     if rep.paths is not None:

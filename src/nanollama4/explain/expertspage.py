@@ -2,8 +2,9 @@
 its markup, style and script in experts.html, filled and written as explain's page is (page.py).
 
 Per MoE layer it draws the layer's specialisation numbers (for a run, beside its routing logged in
-training), a token-class x expert heatmap of each expert's class share over the stream's, and per expert
-its load and top tokens with their contexts; then the paths.
+training, and with the untrained and geometry nulls when computed), a token-class x expert heatmap of each
+expert's class share over the stream's, and per expert, the most specialised first, its load, what fills it
+and what it owns with their contexts; then the paths.
 Tokens and contexts come from a tokenizer and a text we did not write, so the script inserts every string
 as text (`textContent`), never as markup, and the data travels as JSON with "<", ">" and "&" escaped.
 

@@ -15,14 +15,22 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 from ..files import atomic_write, check_output_target
 from ..moe import ROUTING_STATISTICS
-from .experts import ExpertsReport, LayerStat, TrainingRouting, UntrainedLayer
+from .experts import (
+    ExpertsReport,
+    ExpertStat,
+    GeometryLayer,
+    LayerStat,
+    TrainingRouting,
+    UntrainedLayer,
+    most_specialised,
+)
 from .specialise import Specialisation
 from .terminal import terminal_console
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-FORMAT = "nanollama4-experts/1"  # the JSON's "format": what marks a file as one this command wrote
+FORMAT = "nanollama4-experts/2"  # the JSON's "format": what marks a file as one this command wrote
 
 
 def report_dict(report: ExpertsReport) -> dict[str, Any]:
@@ -61,7 +69,7 @@ def _is_ours(path: Path) -> bool:
             head = f.read(64)
     except OSError:
         return False
-    return head.startswith(b'{"format": "' + FORMAT.encode())
+    return head.startswith(b'{"format": "' + FORMAT.rsplit("/", 1)[0].encode() + b"/")  # any version of ours
 
 
 def write_json(report: ExpertsReport, out: Path) -> None:
@@ -75,11 +83,29 @@ def _quoted(token: str) -> str:
     return f'"{token}"' if "'" in token else f"'{token}'"
 
 
-def _mi(s: Specialisation) -> str:
+def _mi(s: Specialisation, label: str = "expert") -> str:
     interval = (f", 95% interval {s.excess_low:.3f} to {s.excess_high:.3f} over {s.chunks} chunks"
                 if s.excess_low is not None else "")
-    return (f"{s.bits:.3f} bits (shuffled: {s.null_bits:.4f} ± {s.null_sd:.4f}); above chance per chunk "
-            f"{s.excess_mean:.3f}{interval}")
+    return (f"{s.bits:.3f} bits (shuffled: {s.null_bits:.4f} ± {s.null_sd:.4f}); above the null {s.above_null:.3f}, "
+            f"{s.normalised:.1%} of H({label}) {s.label_bits:.2f}; per chunk {s.excess_mean:.3f}{interval}")
+
+
+def _brief(s: Specialisation) -> str:
+    return f"{s.bits:.3f} bits, above its shuffle {s.above_null:.3f} ({s.normalised:.1%} of H {s.label_bits:.2f})"
+
+
+SHOWN = 4  # tokens a terminal cell lists
+
+
+def fills(e: ExpertStat, n: int = SHOWN) -> str:
+    """What fills the expert: its commonest tokens with their share of its slots and their count."""
+    return "  ".join(f"{_quoted(t.token)} {t.share:.0%} ({t.count:,})" for t in e.top_count[:n])
+
+
+def owns(e: ExpertStat, min_support: int, n: int = SHOWN) -> str:
+    """What the expert owns: the share of each token's occurrences it takes, of how many."""
+    return "  ".join(f"{_quoted(t.token)} {t.owned:.0%} of {t.occurrences:,}" for t in e.top_owned[:n]) or \
+        f"(no token reaches {min_support} here)"
 
 
 def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
@@ -87,16 +113,22 @@ def show_experts(report: ExpertsReport, console: Console | None = None) -> None:
     console = console or terminal_console()
     console.print(f"{report.tokens:,} tokens in {report.windows:,} windows of {report.window} (non-overlapping: "
                   f"a window's first tokens see little context); {report.tokenizer} token classes", markup=False)
+    console.print("fills: an expert's commonest tokens, % of its slots (count); owns: the tokens it takes most of, "
+                  f"% of their occurrences (of how many), among those it took at least {report.min_support} times; "
+                  "part: its share of first choices x how far its tokens are from the stream's, above the shuffle "
+                  "(they sum to the layer's I(expert; token)); the most specialised are ranked by it",
+                  markup=False, style="dim")
     untrained = {u.layer: u for u in report.untrained or []}
+    geometry = {g.layer: g for g in report.geometry or []}
     for i, layer in enumerate(report.layers):
         trained = None if report.training is None else training_line(report.training, i)
-        _show_layer(report, layer, console, untrained.get(layer.layer), trained)
+        _show_layer(report, layer, console, untrained.get(layer.layer), trained, geometry.get(layer.layer))
     if report.paths is not None:
         _show_paths(report, console)
 
 
 def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untrained: UntrainedLayer | None,
-                trained: str | None) -> None:
+                trained: str | None, geometry: GeometryLayer | None = None) -> None:
     from rich.table import Table
 
     console.print()
@@ -111,23 +143,28 @@ def _show_layer(report: ExpertsReport, layer: LayerStat, console: Console, untra
         console.print(f"  I(expert; {name}) {_mi(mi)}", markup=False)
         if null:
             console.print(f"    untrained (seed {report.untrained_seed}): {_mi(null)}", markup=False)
+        if name == "token" and geometry is not None:
+            console.print(f"    its own hidden states, fresh router (seed {report.geometry_seed}): "
+                          f"{_brief(geometry.fresh_router)}; k-means: {_brief(geometry.kmeans)}", markup=False)
     if trained is not None:
         console.print(f"  in training (the run's last validation, step {report.training.step}): {trained}",
                       markup=False)
     uniform = 1 / max(len(layer.experts), 1)
+    best = most_specialised(layer, 3)
+    console.print("  most specialised (part above the shuffle): " + ", ".join(
+        f"expert {e.expert} ({e.part_above_null:.3f} bits, load {e.load:.2f})" for e in best), markup=False)
     table = Table(show_edge=False, pad_edge=False)
-    for name in ("expert", "load", "bits (shuffled)", "top tokens by lift (one context)",
-                 "classes (x the stream's share)"):
+    for name in ("expert", "load", "part (shuffled)", "fills (one context)", "owns", "classes (x the stream's share)"):
         table.add_column(name, overflow="fold")
     for e in layer.experts:
-        tops = "  ".join(f"{_quoted(t.token)} x{t.lift:.1f}" for t in e.top_lift[:4]) or "(no token reaches " \
-            f"{report.min_lift_count})"
-        if e.top_lift and e.top_lift[0].contexts:
-            tops += f"\n{e.top_lift[0].contexts[0]}"
+        filled = fills(e) or "(empty)"
+        if e.top_count and e.top_count[0].contexts:
+            filled += f"\n{e.top_count[0].contexts[0]}"
         over = sorted(((e.classes[c] / layer.classes[c], c) for c in layer.classes if layer.classes[c] > 0
                        and e.classes[c] > 0), reverse=True)[:3]
         table.add_row(str(e.expert), f"{e.load:.2f} ({e.load / uniform:.1f}x)",
-                      f"{e.kl_bits:.2f} ({e.kl_null_bits:.2f})", tops, "  ".join(f"{c} {r:.1f}" for r, c in over))
+                      f"{e.part_bits:.3f} ({e.part_null_bits:.3f})", filled, owns(e, report.min_support),
+                      "  ".join(f"{c} {r:.1f}" for r, c in over))
     console.print(table)
 
 
@@ -147,10 +184,11 @@ def _show_paths(report: ExpertsReport, console: Console) -> None:
     paths = report.paths
     console.print()
     console.print(f"paths: the first expert in each MoE layer; {paths.distinct:,} distinct", markup=False, style="bold")
-    console.print(f"  I(path; token) {_mi(paths.token_mi)}; best single layer (block {paths.best_layer}) "
+    console.print(f"  I(path; token) {_mi(paths.token_mi, 'path')}; best single layer (block {paths.best_layer}) "
                   f"{paths.best_layer_bits:.3f} bits", markup=False)
     if report.untrained_paths is not None:
-        console.print(f"    untrained (seed {report.untrained_seed}): {_mi(report.untrained_paths)}", markup=False)
+        console.print(f"    untrained (seed {report.untrained_seed}): {_mi(report.untrained_paths, 'path')}",
+                      markup=False)
     for p in paths.top:
         tokens = "  ".join(f"{_quoted(t.token)} {t.count}" for t in p.top_tokens[:6])
         console.print(f"  {'-'.join(map(str, p.experts))}  {p.share:.3f}  {tokens}", markup=False)

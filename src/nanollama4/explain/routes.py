@@ -11,7 +11,7 @@ of `experts.analyse` are all read from these arrays.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +50,14 @@ def moe_layers(model: Transformer) -> list[tuple[int, MoE]]:
     return [(i, b.ffn) for i, b in enumerate(model.blocks) if isinstance(b.ffn, MoE)]
 
 
-def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bool = False) -> Routes:
+RouterInputs = Callable[[int, torch.Tensor, np.ndarray], None]  # (MoE layer, its router's input (T, D), positions)
+
+
+def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bool = False,
+                 inputs: RouterInputs | None = None) -> Routes:
     """Route all of `ids` through `model` in windows of max_seq_len, `batch` windows per forward pass.
+    `inputs`, when given, is called after each pass with every MoE layer's router input and the stream
+    positions of its rows (what the geometry null routes again).
 
     The model is left in the train/eval mode it was in, and its balancing counters as they were."""
     layers = moe_layers(model)
@@ -68,7 +74,7 @@ def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bo
     groups = [full[i:i + batch] for i in range(0, len(full), batch)] + [[s] for s in starts if s + W > N]
     model.eval()
     try:
-        with torch.no_grad(), observe(model, attention=False) as seen, _outputs(layers) as outs, \
+        with torch.no_grad(), observe(model, attention=False) as seen, _outputs(layers, inputs is not None) as outs, \
                 tqdm(total=N, unit="tok", unit_scale=True, desc="routing", disable=quiet or None) as bar:
             for group in groups:
                 span = min(W, N - group[0])
@@ -76,6 +82,8 @@ def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bo
                 model(x)
                 where = (np.asarray(group)[:, None] + np.arange(span)[None, :]).reshape(-1)  # positions, row-major
                 for li, (_, moe) in enumerate(layers):
+                    if inputs is not None:
+                        inputs(li, outs["in"][moe], where)
                     r = seen["routing"][moe]
                     e_TK = r.experts_TK if r.valid_TK is None else r.experts_TK.masked_fill(~r.valid_TK, -1)
                     experts_LNK[li, where] = e_TK.cpu().numpy().astype(np.int16)
@@ -94,14 +102,16 @@ def route_stream(model: Transformer, ids: np.ndarray, batch: int = 16, quiet: bo
 
 class _outputs:
     """Forward hooks that keep, per MoE layer, its output and its shared expert's output (T, D) of the
-    last pass; removed on exit."""
+    last pass, and with `inputs` its router's input; removed on exit."""
 
-    def __init__(self, layers: list[tuple[int, MoE]]) -> None:
-        self.layers, self.seen, self.handles = layers, {"shared": {}, "out": {}}, []
+    def __init__(self, layers: list[tuple[int, MoE]], inputs: bool = False) -> None:
+        self.layers, self.seen, self.handles, self.inputs = layers, {"shared": {}, "out": {}, "in": {}}, [], inputs
 
     def __enter__(self) -> dict:
         for _, moe in self.layers:
             self.handles.append(moe.register_forward_hook(self._keep("out", moe)))
+            if self.inputs:
+                self.handles.append(moe.router.register_forward_pre_hook(self._keep_input(moe)))
             if moe.shared_expert is not None:
                 self.handles.append(moe.shared_expert.register_forward_hook(self._keep("shared", moe)))
         return self.seen
@@ -109,6 +119,12 @@ class _outputs:
     def _keep(self, what: str, moe: MoE):
         def hook(module, inputs, output):  # noqa: ARG001
             self.seen[what][moe] = output.detach()
+
+        return hook
+
+    def _keep_input(self, moe: MoE):
+        def hook(module, args):  # noqa: ARG001
+            self.seen["in"][moe] = args[0].detach()
 
         return hook
 

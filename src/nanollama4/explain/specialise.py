@@ -13,7 +13,7 @@ and each token its count, and only the pairing between them is random. "Speciali
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -98,6 +98,28 @@ class Specialisation:
     excess_low: float | None  # its 95% t-interval over the chunks (None with fewer than two chunks)
     excess_high: float | None
     chunks: int
+    label_bits: float = 0.0  # H(label) in bits over the same tokens: the most I(label; token) can be
+    # bits - null_bits: the part of I(label; token) that chance would not give. The null grows with the number
+    # of labels and of tokens (a finer MoE's is several times a coarser one's), so the raw bits of two layouts
+    # do not compare; this does
+    above_null: float = field(init=False)
+    # above_null / H(label): the share of the routing's own information (at most log2 of the number of
+    # experts) that the token accounts for beyond chance: 0 for routing that ignores the token, 1 for routing
+    # the token decides entirely
+    normalised: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.above_null = self.bits - self.null_bits
+        self.normalised = self.above_null / self.label_bits if self.label_bits > 0 else 0.0
+
+
+def entropy_bits(labels: np.ndarray, n_labels: int) -> float:
+    """H(label) in bits of labels 0..n_labels-1."""
+    if len(labels) == 0:
+        return 0.0
+    p = np.bincount(labels.astype(np.int64), minlength=n_labels) / len(labels)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
 
 
 def t_interval(values: list[float]) -> tuple[float, float | None, float | None]:
@@ -131,4 +153,5 @@ def specialisation(label: np.ndarray, token: np.ndarray, n_label: int, n_token: 
             excess.append(mi(cl, ct) - mi(shuffled(cl, rng), ct))
     mean, low, high = t_interval(excess)
     return Specialisation(mi(lab, tok), float(np.mean(nulls)) if nulls else 0.0,
-                          float(np.std(nulls)) if nulls else 0.0, permutations, mean, low, high, len(excess))
+                          float(np.std(nulls)) if nulls else 0.0, permutations, mean, low, high, len(excess),
+                          entropy_bits(lab, n_label))
