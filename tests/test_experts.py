@@ -546,3 +546,21 @@ def test_kmeans_finds_separated_clusters():
     labels = nearest(x, found)
     assert all(len(set(labels[i * 50:(i + 1) * 50].tolist())) == 1 for i in range(3))
     assert len(set(labels.tolist())) == 3
+
+
+def test_the_experiment_draws_each_runs_twin_from_its_own_seed(tiny_run):
+    """Issue 71: one untrained twin (seed 0) was subtracted from every seed's run, so the interval left out
+    the null's own variation. Each run's twin and geometry null are drawn from the run's seed."""
+    from nanollama4.evaluation import validation_of_run
+    from nanollama4.experiments.expert_specialisation import read
+
+    got = {seed: read(str(tiny_run), 300, seed) for seed in (0, 7)}
+    run = validation_of_run(tiny_run, max_tokens=300)
+    for seed, doc in got.items():
+        want = experts(run.model, run.tokenizer, run.tokens, untrained=True, geometry=True, seed=seed)
+        assert doc["seed"] == seed
+        assert [lay["untrained_token"]["bits"] for lay in doc["layers"]] == [u.token_mi.bits for u in want.untrained]
+        assert [lay["fresh_router"]["bits"] for lay in doc["layers"]] == [g.fresh_router.bits for g in want.geometry]
+    assert [lay["untrained_token"]["bits"] for lay in got[0]["layers"]] != \
+        [lay["untrained_token"]["bits"] for lay in got[7]["layers"]]
+    assert [lay["token"]["bits"] for lay in got[0]["layers"]] == [lay["token"]["bits"] for lay in got[7]["layers"]]

@@ -254,11 +254,12 @@ def experts(model: Transformer, tokenizer: Tokenizer, ids: np.ndarray, batch: in
                           "read; pass a model with n_experts > 1")
     if len(ids) == 0:
         raise ConfigError("the text has no tokens to route; give some text")
-    null = GeometryNull(model, len(ids), seed) if geometry else None
+    fresh = untrained_twin(model, seed) if untrained or geometry else None
+    null = GeometryNull(model, len(ids), seed, fresh) if geometry else None
     routes = route_stream(model, ids, batch=batch, quiet=quiet, inputs=null)
     report = analyse(routes, tokenizer, model.cfg.vocab_size, batch, min_support, seed)
     if untrained:
-        twin = analyse(route_stream(untrained_twin(model, seed), ids, batch=batch, quiet=quiet), tokenizer,
+        twin = analyse(route_stream(fresh, ids, batch=batch, quiet=quiet), tokenizer,
                        model.cfg.vocab_size, batch, min_support, seed)
         report.untrained = [UntrainedLayer(lay.layer, lay.token_mi, lay.class_mi) for lay in twin.layers]
         report.untrained_paths = twin.paths.token_mi if twin.paths is not None else None
@@ -283,8 +284,8 @@ class GeometryNull:
     KMEANS_FIT x d_model floats a layer) and then applied to every token. Each keeps one first choice a
     token (-1 where the fresh router's capacity, if the config applies it in eval, dropped every slot)."""
 
-    def __init__(self, model: Transformer, n_tokens: int, seed: int = 0) -> None:
-        twin = untrained_twin(model, seed)
+    def __init__(self, model: Transformer, n_tokens: int, seed: int = 0, twin: Transformer | None = None) -> None:
+        twin = twin if twin is not None else untrained_twin(model, seed)
         self.routers = [m.router.eval() for m in twin.moe_layers()]
         self.n_experts, self.seed = model.cfg.n_experts, seed
         self.fresh_LN = np.full((len(self.routers), n_tokens), -1, dtype=np.int64)
