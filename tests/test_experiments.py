@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nanollama4.experiments import EXPERIMENTS
-from nanollama4.experiments.common import EFFECT, Setting, loss_at, paired_test
+from nanollama4.experiments.common import AS_ZERO, EFFECT, Setting, higher_or_lower, loss_at, paired_test
 from nanollama4.experiments.router_tricks import starved
 from tests.helpers import run_cli, stop_the_third_training, write_corpus
 
@@ -43,6 +43,10 @@ def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path, capsys, 
     table = (out / "table.md").read_text()
     assert table.count("\n|") >= 3 and "spread" in table
     assert "95% t-interval" in table  # every experiment is read by paired intervals (docs/experiments.md)
+    if name == "irope_length":  # the design at a small size: a band past the chunk inside the window, every cell read
+        assert doc["chunk"] < doc["setting"]["seq_len"] and table.startswith("Trained on windows of T = 32")
+        assert "--tiny: this design at a small size" in table and "nan" not in table
+        assert "retrieval past the chunk inside the window" in table and "not measured" not in table
     if name == next(iter(EXPERIMENTS)):  # the sweep machinery's refusal, the same for every experiment
         # a second run into the same folder is refused rather than overwriting it
         rc, _, err = run_cli(command, capsys)
@@ -75,6 +79,54 @@ def test_paired_statistics_call_what_their_interval_allows():
     assert paired_test([0.2], gated=0.03).reading.startswith("worse (one seed")  # let off by the gate
     assert paired_test([0.05], gated=0.03).reading == "undecided (1 seed)"
     assert paired_test([-0.020, -0.022, -0.018]).interval.startswith("-0.0200 [")
+
+
+def test_a_difference_that_prints_as_zero_is_given_no_direction():
+    """An interval that excludes 0 but prints as -0.0000 [-0.0000, -0.0000] was read "better": the reading
+    calls a direction only on what the table's precision shows."""
+    tiny = [-0.00001, -0.000012, -0.000011]
+    test = paired_test(tiny)
+    assert test.high < 0 and test.interval == "-0.0000 [-0.0000, -0.0000]" and test.reading == AS_ZERO
+    assert paired_test(tiny, digits=6).reading == "better"  # printed with 6 decimals, the direction shows
+    assert paired_test([-0.0001, -0.00012, -0.00011]).reading == "better"  # -0.0001 [-0.0001, -0.0001]
+    assert paired_test([0.00002], gated=0.000001).reading == "undecided (1 seed)"  # the gate's path too
+    assert higher_or_lower([0.01, 0.012, 0.011], effect=5.0, digits=1) == "+0.0 [+0.0, +0.0] " + AS_ZERO
+    assert higher_or_lower([1.0, 1.2, 1.1], effect=0.05, digits=1).endswith("] higher")
+
+
+def test_irope_length_tiny_keeps_chunks_shorter_than_the_window():
+    """--tiny of irope_length keeps its design (chunks of 8 in windows of 32, four a window as 32 in 128) on
+    the arms that chunk, and leaves all RoPE unchunked: the file's [sweep] tiny, set where the file sets it."""
+    from nanollama4.experiments import sweep_file
+    from nanollama4.experiments.sweep import read_sweep
+
+    sweep = read_sweep(sweep_file("irope_length"))
+    tiny = {a.name: sweep.configs(a, tiny=True) for a in sweep.arms}
+    full = {a.name: sweep.configs(a) for a in sweep.arms}
+    for name, (model, tc) in tiny.items():
+        assert tc.seq_len == 32
+        chunk = model.attention_chunk_size
+        assert chunk is None if name == "all RoPE" else chunk == 8 < tc.seq_len
+    assert tiny["iRoPE"][0].floor_scale == 8 and tiny["iRoPE"][0].nope_interval == 4
+    assert full["iRoPE"][0].attention_chunk_size == 32 and full["iRoPE"][1].seq_len == 128  # the full run's own
+
+
+def test_irope_findings_call_only_what_their_interval_decides():
+    """§3's findings line called retrieval past the chunk decided where its table said undecided (one seed of
+    three learnt no retrieval): each finding's word is now its paired interval's reading."""
+    from nanollama4.experiments.irope_length import findings
+
+    def doc(irope: list[float]) -> dict:
+        """Passkey accuracy at three distances past the chunk (C = 32 <= d < T = 128), per seed."""
+        accuracy = {"iRoPE": [{"1": [a] * 3} for a in irope], "chunked RoPE": [{"1": [0.1] * 3}] * 3}
+        return {"setting": {"seq_len": 128, "seeds": [0, 1, 2]}, "chunk": 32, "lengths": [128], "curves": {},
+                "passkey": {"distances": [42, 75, 123], "windows": [1], "accuracy": accuracy}}
+
+    line = findings(doc([0.75, 0.97, 0.21]))  # seed 2 learnt no retrieval
+    assert "retrieval past the chunk inside the window" in line and "+54.3 [-42.8, +151.5] undecided" in line
+    assert "past the window (T <= d < 16T, windows of 1T): iRoPE minus chunked RoPE, in accuracy points, not " \
+           "measured" in line
+    assert "] higher" in findings(doc([0.75, 0.80, 0.78]))
 
 
 def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(corpus, tmp_path, monkeypatch):

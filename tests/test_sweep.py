@@ -151,6 +151,8 @@ def arms(*names: str) -> tuple[str, str]:
 
 @pytest.mark.parametrize("change,expected", [
     (("[sweep]", "[sweep]\nrepeats = 2"), r"\[sweep\] has no key 'repeats'"),
+    (("[sweep]", "[sweep]\ntiny = { seq_lenn = 32 }"), r"\[sweep\] tiny sets 'seq_lenn': no such field"),
+    (("[sweep]", "[sweep]\ntiny = 32"), r"\[sweep\] tiny = 32 takes a table of \[model\] or \[train\] fields"),
     (("max_steps = 4", ""), r"one budget per arm: max_steps = N or max_time"),
     (("max_steps = 4", 'max_steps = 4\nmax_time = "1m"'), r"one budget per arm"),
     (("seeds = [0, 1]", "seeds = [0, 0]"), r"seeds = \[0, 0\] takes a list of distinct whole numbers"),

@@ -295,6 +295,8 @@ class PairedTest:
     t-interval, and what that allows one to say:
 
     - "better" / "worse": the interval excludes 0;
+    - "tie (prints as zero)": it excludes 0 but its ends print as 0 at the table's precision (DIGITS):
+      no direction is called on a difference nobody can see;
     - "tie": it straddles 0 and lies within +-EFFECT, so any difference is below what matters here;
     - "undecided": it straddles 0 but is wider than that: more seeds (or longer runs) are needed;
     - with fewer than 3 seeds no interval is drawn (with 2 the t quantile is 12.7: nothing is ever
@@ -312,17 +314,30 @@ class PairedTest:
         """'mean [low, high]' or the mean alone when no interval was drawn."""
         if math.isnan(self.mean):
             return "-"
-        return f"{self.mean:+.4f}" + ("" if math.isnan(self.low) else f" [{self.low:+.4f}, {self.high:+.4f}]")
+        return f"{self.mean:+.{DIGITS}f}" + ("" if math.isnan(self.low)
+                                              else f" [{self.low:+.{DIGITS}f}, {self.high:+.{DIGITS}f}]")
 
 
-def paired_test(diffs: Sequence[float], effect: float = EFFECT, gated: float = math.nan) -> PairedTest:
-    """The paired reading of `diffs` (see PairedTest). `gated`: the baseline spread against which a
-    single-seed arm was let off the other seeds (nan if it was not)."""
+DIGITS = 4  # decimals a loss difference is printed with
+AS_ZERO = "tie (prints as zero)"  # the reading of an interval that excludes 0 but whose ends print as 0
+
+
+def prints_as_zero(*values: float, digits: int = DIGITS) -> bool:
+    """Whether every value prints as (+ or -) 0 with `digits` decimals, as the tables print it."""
+    return all(float(f"{v:.{digits}f}") == 0 for v in values)
+
+
+def paired_test(diffs: Sequence[float], effect: float = EFFECT, gated: float = math.nan,
+                digits: int = DIGITS) -> PairedTest:
+    """The paired reading of `diffs` (see PairedTest), printed with `digits` decimals: a direction is called
+    only on a difference that prints as one. `gated`: the baseline spread against which a single-seed arm
+    was let off the other seeds (nan if it was not)."""
     diffs = tuple(diffs)
     n = len(diffs)
     m = mean(diffs)
     if n < 3:
-        if n == 1 and not math.isnan(gated) and abs(diffs[0]) > GATE * gated:
+        gate_lets_off = n == 1 and not math.isnan(gated) and abs(diffs[0]) > GATE * gated
+        if gate_lets_off and not prints_as_zero(m, digits=digits):
             side = "better" if diffs[0] < 0 else "worse"
             return PairedTest(diffs, m, math.nan, math.nan, f"{side} (one seed, over {GATE:g}x the spread)")
         return PairedTest(diffs, m, math.nan, math.nan, "-" if n == 0 else f"undecided ({n} seed{'s' * (n > 1)})")
@@ -330,7 +345,7 @@ def paired_test(diffs: Sequence[float], effect: float = EFFECT, gated: float = m
     half = T95.get(n - 1, 1.96) * sd / math.sqrt(n)
     low, high = m - half, m + half
     if high < 0 or low > 0:
-        reading = "better" if high < 0 else "worse"
+        reading = AS_ZERO if prints_as_zero(low, high, digits=digits) else "better" if high < 0 else "worse"
     else:
         reading = "tie" if max(-low, high) <= effect else "undecided"
     return PairedTest(diffs, m, low, high, reading)
@@ -342,7 +357,7 @@ def higher_or_lower(diffs: Sequence[float], effect: float, digits: int) -> str:
     no value)."""
     if any(math.isnan(x) for x in diffs):
         return "-"
-    test = paired_test(diffs, effect=effect)
+    test = paired_test(diffs, effect=effect, digits=digits)
     if math.isnan(test.low):  # too few seeds for an interval
         return f"{test.mean:+.{digits}f}"
     reading = {"better": "lower", "worse": "higher"}.get(test.reading, test.reading)

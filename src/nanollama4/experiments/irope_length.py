@@ -16,6 +16,9 @@ bands, inside a chunk (d < C), past the chunk inside the window (C <= d < T) and
 attention, at the question, on the passkey's two characters, by distance; and the iRoPE model asked again
 with its NoPE layer blind to the passkey (masked out of that layer's keys): if retrieval past the chunk
 goes through that layer, it falls to chance there and nowhere else.
+
+table.md opens with the findings, each with its paired interval and the word that interval allows (`findings`).
+`--tiny` keeps the design at a small size (the sweep file's `tiny`: chunks of 8 in windows of 32).
 """
 
 from __future__ import annotations
@@ -247,7 +250,8 @@ def report(out: Path) -> list[Path]:
                  *[max(max(c[i] for c in per) - min(c[i] for c in per) for per in curves.values())
                    for i in range(len(lengths))], "-"])
     table = (f"Trained on windows of T = {context} characters; RoPE layers chunked at C = {chunk} where chunked.\n\n"
-             "### Loss past the training context (Shakespeare)\n\n" + common.markdown_table(
+             + _tiny_note(doc) + findings(doc)
+             + "\n\n### Loss past the training context (Shakespeare)\n\n" + common.markdown_table(
                  ["layout", *L, f"L={lengths[-1]} minus L={lengths[0]}, per seed; mean [95% CI]"], rows))
     table += (f"\n\nloss over the far half of each window (nats/char), mean over seeds "
               f"{', '.join(map(str, doc['setting']['seeds']))}; characters scored per length: "
@@ -279,6 +283,45 @@ def report(out: Path) -> list[Path]:
     return [out / "table.md", _plot(out, doc, context, chunk)]
 
 
+def _tiny_note(doc: dict) -> str:
+    """What the smoke-test scale changed (nothing at full scale): the same design, smaller, too short to mean."""
+    if not doc["setting"].get("tiny"):
+        return ""
+    context, chunk, pk = doc["setting"]["seq_len"], doc["chunk"], doc.get("passkey") or {}
+    return (f"--tiny: this design at a small size, windows of T = {context} with chunks of C = {chunk} "
+            f"({context / chunk:g} a window), {doc['setting']['steps']} steps an arm"
+            + (f", the passkey asked at every other distance ({', '.join(map(str, pk['distances']))}) in windows "
+               f"of {_listed([f'{w}T' for w in pk['windows']])} with {pk['probes']} probes" if pk else "")
+            + ": every path runs, the numbers mean nothing.\n\n")
+
+
+def findings(doc: dict) -> str:
+    """The findings line: each question of the experiment with the paired interval it rests on and the word
+    that interval allows, made by the tables' own cells (`_points`, `_cell`: a direction only where the
+    interval excludes 0, "undecided" where it straddles 0 widely), so that it cannot call decided what its
+    table leaves undecided."""
+    context, chunk, curves, pk = doc["setting"]["seq_len"], doc["chunk"], doc["curves"], doc.get("passkey")
+    lines = []
+    if pk:
+        names, first, last = pk["accuracy"], pk["windows"][0], pk["windows"][-1]
+        base, blind = "chunked RoPE", "iRoPE, NoPE layer blind to the passkey"
+        for what, b, w, k in ((f"retrieval past the chunk inside the window ({BANDS[1]}, windows of {first}T)",
+                                base, first, 1), ("the same through the NoPE layer", blind, first, 1),
+                               (f"retrieval past the window ({BANDS[2]}, windows of {last}T)", base, last, 2)):
+            if "iRoPE" in names and b in names:
+                x, y = _band_means(pk, "iRoPE", w, context, chunk), _band_means(pk, b, w, context, chunk)
+                cell = _points([s[k] - t[k] for s, t in zip(x, y, strict=True)])
+                lines.append(f"- {what}: iRoPE minus {b}, in accuracy points, "
+                             + ("not measured (no distance in that band)" if cell == "-" else cell))
+    for b in ("chunked RoPE", "iRoPE, no temperature"):
+        if "iRoPE" in curves and b in curves:
+            lines.append(f"- loss on Shakespeare at L={doc['lengths'][-1]}: iRoPE minus {b}, in nats/char, " + _cell(
+                [x[-1] - y[-1] for x, y in zip(curves["iRoPE"], curves[b], strict=True)]))
+    return ("Findings, each with the paired interval below that it rests on (mean [95% t-interval] over seeds "
+            f"{', '.join(map(str, doc['setting']['seeds']))}) and the reading that interval allows:\n\n"
+            + "\n".join(lines))
+
+
 def _band_means(pk: dict, name: str, w: int, context: int, chunk: int) -> list[list[float]]:
     """Per seed, the accuracy (%) in each band of windows of w contexts (nan where the band has no distance)."""
     ds = [d for d in pk["distances"] if d <= w * context - 2]
@@ -293,8 +336,9 @@ def _passkey_tables(pk: dict, context: int, chunk: int) -> str:
     head = [f"{w}T: {BANDS[b]}" for w, b in columns]
     text = (f"\n\n### Passkey retrieval (trained {pk['steps']:,} steps of {pk.get('batch_size', '?')} windows of "
             f"T = {context}; {pk['probes']} "
-            f"probes per distance and window; chance 10%)\n\nBy band, the question at the end of windows of 1, 4 and "
-            f"16 T (the passkey at different depths); accuracy (%), mean over seeds and the band's distances:\n\n"
+            f"probes per distance and window; chance 10%)\n\nBy band, the question at the end of windows of "
+            f"{_listed([str(w) for w in windows])} T (the passkey at different depths); accuracy (%), mean over seeds "
+            "and the band's distances:\n\n"
             + common.markdown_table(["layout", *head], [
                 [name, *[f"{common.mean(s[b] for s in _band_means(pk, name, w, context, chunk)):.0f}"
                          for w, b in columns]] for name in names]))
@@ -330,6 +374,10 @@ def _passkey_tables(pk: dict, context: int, chunk: int) -> str:
              f"that looks most, mean over probes and seeds), windows of {big * context:,}:\n\n"
              + common.markdown_table(["layer", *[f"d={d}" for d in ds]], layer_rows))
     return text
+
+
+def _listed(items: list[str]) -> str:  # 'a', 'a and b', 'a, b and c'
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _plot(out: Path, doc: dict, context: int, chunk: int) -> Path:

@@ -59,7 +59,7 @@ from .sweep_report import report
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
 EXPERIMENT_MODULES = sorted(p.stem for p in Path(__file__).parent.glob("*.toml"))  # each has its NAME.py
 SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "pairs", "baseline", "gate", "always", "experiment",
-              "score_tokens"}
+              "score_tokens", "tiny"}
 MAX_RUNS = 1_000  # arms x seeds: counted before a grid is expanded, so a typo of 10^9 combinations is one line
 
 
@@ -88,6 +88,7 @@ class Sweep:
     always: tuple[str, ...] = ()
     experiment: str | None = None  # a module of nanollama4.experiments that measures more and reports
     score_tokens: int | None = None  # score each arm on the first this many validation tokens (None: all)
+    tiny_fields: Arm = field(default_factory=lambda: Arm("--tiny"))  # [sweep] tiny: what --tiny sets, where set
 
     @property
     def baseline(self) -> str:
@@ -98,13 +99,19 @@ class Sweep:
         it (none: the model's max_seq_len), so that what counts the arm's tokens never meets a None.
 
         `tiny`: the smoke-test scale. A file that leaves seq_len to the model keeps it so, the tiny model's
-        context being TINY_TRAIN's window: --tiny then takes the path the full sweep takes."""
+        context being TINY_TRAIN's window: --tiny then takes the path the full sweep takes. The file's [sweep]
+        tiny (`tiny_fields`) replaces, at that scale, each of its fields wherever it is set (by [model], [train],
+        the arm or TINY_TRAIN): `tiny = { seq_len = 32, attention_chunk_size = 8 }` keeps chunks shorter than the
+        window on the arms that chunk, and leaves an arm that does not unchunked."""
         train = {**self.base.train, **arm.train}
+        fields = {**self.base.model, **arm.model}
         window = train.get("seq_len")
         if tiny:
             train.update({k: v for k, v in TINY_TRAIN.items() if k != "seq_len" or window is not None})
+            train.update({k: v for k, v in self.tiny_fields.train.items() if k in train})
+            fields.update({k: v for k, v in self.tiny_fields.model.items() if k in fields})
         try:
-            model = preset(self.base.preset or DEFAULT_PRESET, **{**self.base.model, **arm.model})
+            model = preset(self.base.preset or DEFAULT_PRESET, **fields)
             if tiny:
                 model = common.tiny_model(model)
                 model = model if window is not None else model.replace(max_seq_len=TINY_TRAIN["seq_len"])
@@ -136,7 +143,9 @@ class Sweep:
                                       "model": self.base.model, "train": self.base.train, "data": self.base.data,
                                       "arms": [dataclasses.asdict(a) for a in self.arms], "seeds": self.seeds,
                                       "max_steps": self.max_steps, "max_time": self.max_time, "pairs": self.pairs,
-                                      "gate": self.gate, "always": self.always, "experiment": self.experiment}))
+                                      "gate": self.gate, "always": self.always, "experiment": self.experiment,
+                                      **({"tiny": dataclasses.asdict(self.tiny_fields)}
+                                         if self.tiny_fields.model or self.tiny_fields.train else {})}))
 
 
 # the smoke-test scale of `--tiny`: a few steps of tiny windows, one validation; numbers that mean nothing
@@ -190,6 +199,10 @@ def read_sweep(path: str | Path) -> Sweep:
                                          and score_tokens > 0):
         raise ConfigError(f"{path}: [sweep] score_tokens = {_toml_value(score_tokens)} takes a positive whole number "
                           "(validation tokens each arm is scored on; leave it out for all of them)")
+    tiny = table.get("tiny", {})
+    if not isinstance(tiny, dict):
+        raise ConfigError(f"{path}: [sweep] tiny = {_toml_value(tiny)} takes a table of [model] or [train] fields "
+                          "that --tiny sets where the file sets them, e.g. tiny = { seq_len = 32 }")
     title = table.get("title", path.stem)
     experiment = table.get("experiment")
     if experiment is not None and experiment not in EXPERIMENT_MODULES:
@@ -198,7 +211,7 @@ def read_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(path=path, title=str(title), base=base, arms=arms, seeds=tuple(seeds), max_steps=max_steps,
                   max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
                   always=tuple(table.get("always", ())), experiment=experiment,
-                  score_tokens=score_tokens)
+                  score_tokens=score_tokens, tiny_fields=_arm(path, "--tiny", tiny, "[sweep] tiny"))
     sweep.check()  # a bad arm or folder fails now, not after the first arms have trained
     return sweep
 
@@ -247,16 +260,17 @@ NOT_PER_ARM = {"seed": "the seeds are [sweep] seeds (or --seeds)", "vocab_size":
                "max_steps": "the budget is [sweep]'s", "max_time": "the budget is [sweep]'s"}
 
 
-def _arm(path: Path, name: str, values: dict[str, Any]) -> Arm:
-    """An arm's fields, each put in the table it belongs to and checked against its declaration."""
+def _arm(path: Path, name: str, values: dict[str, Any], what: str | None = None) -> Arm:
+    """An arm's fields, each put in the table it belongs to and checked against its declaration (`what`: the
+    table's name in errors, if not "arm NAME")."""
     model, train = {}, {}
+    where = f"{path}: {what or f'arm {folders.shown(name)}'}"
     for key, value in flat_table(values):  # a kind's own settings as "muon.lr" (TOML: muon.lr = 0.01)
         owner = config_of(key)
         table = next((t for t, cls in TABLES.items() if cls is owner), None)
         if table is None or key in NOT_PER_ARM:
             why = NOT_PER_ARM.get(key, "no such field in [model] or [train]")
-            raise ConfigError(f"{path}: arm {folders.shown(name)} sets {key!r}: {why}")
-        where = f"{path}: arm {folders.shown(name)}"
+            raise ConfigError(f"{where} sets {key!r}: {why}")
         try:
             hint = declared_hint(TABLES[table], key)
         except ConfigError as e:
