@@ -47,6 +47,14 @@ def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path, capsys, 
         assert doc["chunk"] < doc["setting"]["seq_len"] and table.startswith("Trained on windows of T = 32")
         assert "--tiny: this design at a small size" in table and "nan" not in table
         assert "retrieval past the chunk inside the window" in table and "not measured" not in table
+    if name == "expert_specialisation":  # the Python row reads Python (a stand-in, said), not Shakespeare again
+        reads = doc["reads"]
+        python, shakespeare = reads["BPE, Python source"][0], reads["BPE, Shakespeare"][0]
+        assert [lay["token"]["bits"] for lay in python["layers"]] != [lay["token"]["bits"]
+                                                                      for lay in shakespeare["layers"]]
+        assert doc["python_source"].endswith(".py") and "a --tiny stand-in" in table
+        assert [r["seed"] for r in reads["shared expert"]] == doc["sweep"]["seeds"]  # a twin per seed
+        assert "each seed's difference" in table.lower() and "the shared expert alone (top-1 both)" in table
     if name == next(iter(EXPERIMENTS)):  # the sweep machinery's refusal, the same for every experiment
         # a second run into the same folder is refused rather than overwriting it
         rc, _, err = run_cli(command, capsys)
