@@ -8,9 +8,11 @@ code changes: train the two runs it reads (the commands are in its §5 and §6),
 A block is a fenced block whose first line is "$ nanollama4 …" or '$ python -c "' (each "$ nanollama4"
 line in it is a command, and each '$ python -c "' up to its closing '"' line; its output the lines up to
 the next, a blank line between); "RUN" in it stands for the demo run and
-"runs/tutorial" for the tutorial run. Two blocks show part of their output, and the part left out is
-summed up on a line that starts with "...": `--generate` shows generation only (the walk of the prompt
-is §5's), and `--mode train` shows layer 0 (the other layers' capacity counts go on the "..." line).
+"runs/tutorial" for the tutorial run (§9's block names its run, experiment 8's first, in full). Three
+blocks show part of their output, and the part left out is summed up on a line that starts with "...":
+`--generate` shows generation only (the walk of the prompt is §5's), `--mode train` shows layer 0 (the
+other layers' capacity counts go on the "..." line), and `experts` shows layers 0 and 1 with four of its
+table's columns and the two commonest paths.
 The prose around the blocks (the training lines, the numbers the text and the questions quote) is
 checked by hand afterwards; tests/test_walkthrough.py checks the questions against the blocks.
 """
@@ -40,8 +42,39 @@ def run(command: str, demo: str, tutorial: str) -> str:
     return "\n".join(line.rstrip() for line in done.stdout.splitlines()) + "\n"
 
 
+def experts_shown(out: str) -> str:
+    """`experts`' output as §9 shows it: layers 0 and 1, each table row cut to expert, load, fills and owns
+    (part and classes left out), then the paths' first lines."""
+    lines = out.splitlines()
+    kept: list[str] = []
+    layer = None
+    for i, line in enumerate(lines):
+        if line.startswith("layer "):
+            layer = int(line.split()[1].rstrip(":"))
+            if layer == 2:
+                kept.append("...   (layers 2 and 3, as these)")
+                kept.append("")
+        if line.startswith("paths:"):
+            kept += lines[i:i + 4] + ["...   (the other paths)"]
+            break
+        if layer is not None and layer >= 2 or line.startswith("  in training"):
+            continue
+        if line.startswith("━"):
+            continue
+        if "│" in line or "┃" in line:
+            cells = [c.rstrip() for c in re.split("[│┃]", line)]
+            expert, load, fills, owns = cells[0], cells[1], cells[3], cells[4]
+            kept.append(f"{expert:<7} {load.strip():<12} {fills.strip():<69} {owns.strip()}".rstrip()
+                        if expert.strip() or load.strip() else f"{'':<21}{fills[1:]}")  # a context: less the pad
+            continue
+        kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def shown(command: str, out: str) -> str:
     """The part of `out` the walkthrough shows, with what it leaves out summed up on a "..." line."""
+    if command.startswith("$ nanollama4 experts"):
+        return experts_shown(out)
     if "--generate" in command:
         return "...   (the walk of the prompt, as in §5)\n" + out[out.index("generation, "):]
     if "--mode train" in command:

@@ -11,7 +11,8 @@ WALK = (Path(__file__).resolve().parents[1] / "docs" / "walkthrough.md").read_te
 
 def section(n: int) -> str:
     start = WALK.index(f"\n## {n}. ")
-    return WALK[start:WALK.index("\n## ", start + 1)]
+    end = WALK.find("\n## ", start + 1)
+    return WALK[start:end if end >= 0 else len(WALK)]
 
 
 def question(n: int) -> str:
@@ -83,3 +84,17 @@ def test_every_measured_number_in_the_prose_is_printed_on_the_page():
     constants = {"10,000", "500,000", "50", "126"}
     missing = [n for n in numbers if n not in constants and not re.search(rf"(?<![\d.]){re.escape(n)}(?![\d])", blocks)]
     assert not missing, f"numbers in the prose that no block prints: {missing}"
+
+
+QUOTED = re.compile(r"\d+\.\d+|\d{1,3}(?:,\d{3})+|\d+%")  # decimals, thousands and percentages: measured numbers
+
+
+def test_section_9s_prose_quotes_only_numbers_its_output_prints():
+    """Issue 71: §9's prose quoted numbers no block on the page printed. Every measured number it quotes is
+    in its block, copied from `nanollama4 experts` as it printed."""
+    text = section(9)
+    block = text[text.index("```\n$ nanollama4 experts"):text.index("\n```\n", text.index("```\n$ nanollama4"))]
+    prose = text.replace(block, "")
+    quoted = set(QUOTED.findall(prose))
+    assert len(quoted) > 15  # the reading quotes the block, not words alone
+    assert {q for q in quoted if q not in block} == set()
