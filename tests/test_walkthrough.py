@@ -98,3 +98,29 @@ def test_section_9s_prose_quotes_only_numbers_its_output_prints():
     quoted = set(QUOTED.findall(prose))
     assert len(quoted) > 15  # the reading quotes the block, not words alone
     assert {q for q in quoted if q not in block} == set()
+
+
+EXPERIMENTS = (Path(__file__).resolve().parents[1] / "docs" / "experiments.md").read_text(encoding="utf-8")
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+
+
+def _numbers(text: str) -> set[str]:
+    """The measured numbers of a text, signs written one way (− or -, and + dropped)."""
+    return {n.lstrip("+").replace("−", "-") for n in re.findall(r"[−+-]?\d+\.\d+|\d{1,3}(?:,\d{3})+|\d+%", text)}
+
+
+def test_experiment_8s_reading_and_the_pages_that_quote_it_quote_its_tables():
+    """Issue 71: the walkthrough, README and §8 gave three different accounts of §8's numbers. §8's reading,
+    and README's line on it, quote only numbers §8's tables (written by the experiment) print."""
+    start = EXPERIMENTS.index("\n## 8. ")
+    section8 = EXPERIMENTS[start:EXPERIMENTS.index("\n## ", start + 1)]
+    reading = section8[section8.index("**Reading.**"):]
+    reading = reading[:reading.index("\n#### ")] if "\n#### " in reading else reading
+    tables = section8.replace(reading, "")
+    quoted = _numbers(reading)
+    assert len(quoted) > 10
+    assert {n for n in quoted if n not in _numbers(tables)} == set()
+    line = next(li for li in README.splitlines() if "docs/experiments.md" in li and "(§8)" in li)
+    readme8 = line[:line.index("(§8)")]
+    readme8 = readme8[readme8.rindex(";") if ";" in readme8 else 0:]
+    assert {n for n in _numbers(readme8) if n not in _numbers(tables)} == set()

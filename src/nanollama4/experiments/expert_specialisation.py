@@ -167,6 +167,10 @@ def report(out: Path) -> list[Path]:
              "router's training. "
              "Share of H(expert): the excess over the routing's own information, which compares across expert "
              "counts. Paths: the first expert in every MoE layer together." + stand_ins)
+    losses = [[name, ", ".join(f"{r.full_val_loss:.4f}" for r in results if r.name == name),
+               f"{common.mean(r.full_val_loss for r in results if r.name == name):.4f}"] for name in reads]
+    table += ("\n\n### Full validation loss (nats a token: a character, or a BPE token)\n\n"
+              + common.markdown_table(["run", "each seed", "mean"], losses))
     for a, b, what in PAIRS:
         if a in reads and b in reads and len(reads[a]) == len(reads[b]) >= 2:
             table += _paired(a, b, what, reads, results, n_layers)
