@@ -53,6 +53,7 @@ def test_each_experiment_runs_on_a_tiny_setting(name, corpus, tmp_path, capsys, 
         assert [lay["token"]["bits"] for lay in python["layers"]] != [lay["token"]["bits"]
                                                                       for lay in shakespeare["layers"]]
         assert doc["python_source"].endswith(".py") and "a --tiny stand-in" in table
+        assert table.startswith("--tiny: this design at a small size")
         assert [r["seed"] for r in reads["shared expert"]] == doc["sweep"]["seeds"]  # a twin per seed
         assert "each seed's difference" in table.lower() and "the shared expert alone (top-1 both)" in table
     if name == next(iter(EXPERIMENTS)):  # the sweep machinery's refusal, the same for every experiment

@@ -156,8 +156,11 @@ def report(out: Path) -> list[Path]:
             p = _cell([path_pick(x) for x in paths]) if path_pick and len(paths) == len(per) else "-"
             rows.append([f"{name} (seeds {seeds})" if i == 0 else "", label, *cells, p])
     stand_ins = "".join(f" {k}: {v} (a --tiny stand-in)." for k, v in doc.get("stand_ins", {}).items())
-    table = (f"### Specialisation by layer, in bits above the shuffle null ({doc['tokens']:,} validation tokens a "
-             "run; the mean, then each seed's value)\n\n" + common.markdown_table(head, rows)
+    tiny = ("--tiny: this design at a small size (tiny models, 3 steps an arm): its numbers test the code and "
+            "mean nothing, and of its many 95% intervals a few decide by chance.\n\n"
+            if doc["setting"].get("tiny") else "")
+    table = tiny + (f"### Specialisation by layer, in bits above the shuffle null ({doc['tokens']:,} validation "
+             "tokens a run; the mean, then each seed's value)\n\n" + common.markdown_table(head, rows)
              + "\n\nI(expert; token): how much the expert of a token's first slot says about which token it is, "
              "less the same for the choices shuffled over the tokens (every expert's load kept), whose own value "
              "is the shuffle row; (class): about its class. Untrained twin: the same config with fresh weights "
