@@ -229,7 +229,7 @@ def _paired(a: str, b: str, what: str, reads: dict[str, list[dict]], results: li
 
 
 def _plot(out: Path, reads: dict[str, list[dict]], n_layers: int) -> Path:
-    fig, axes = common.figure(ncols=2, width=5.5, height=4.2)
+    fig, (*axes, legend) = common.figure(ncols=3, width=4.6, height=4.2)  # the third holds the legend
     layers = list(range(n_layers))
     for (name, per), colour in zip(reads.items(), ("C0", "C1", "C2", "C3", "C4", "C5"), strict=False):
         for ax, key in zip(axes, ("token", "class"), strict=True):
@@ -240,7 +240,8 @@ def _plot(out: Path, reads: dict[str, list[dict]], n_layers: int) -> Path:
     for ax, key in zip(axes, ("token", "token class"), strict=True):
         ax.set(xlabel="MoE layer", ylabel="bits above the shuffle null", title=f"I(first expert; {key})",
                xticks=layers)
-    axes[0].legend(fontsize=7)
+    legend.axis("off")
+    legend.legend(*axes[0].get_legend_handles_labels(), loc="center left", fontsize=8, frameon=False)
     return common.save_figure(fig, out / "expert_specialisation.png")
 
 
