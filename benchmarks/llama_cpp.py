@@ -6,6 +6,11 @@ llama.cpp's own tools, built by benchmarks/llama_cpp_build.sh, and compare with 
   context); ours is computed the same way, window for window, in float32;
 - greedy text: `llama-completion` at temperature 0 against our greedy `generate`, token for token.
 
+Both fit the run's context: a window of n_ctx and a prompt of PROMPT tokens plus the new ones are cut to
+its max_seq_len (the row says what was used). This perplexity is not `nanollama4 eval`'s: llama-perplexity
+scores only the second half of each window, where every token has at least n_ctx/2 of context, while eval
+scores every token of its windows, the first ones with little; on the same model they differ by method.
+
     .venv/bin/python benchmarks/llama_cpp.py RUN [RUN...] --text FILE [--bin DIR] [--ctx 256] [--chunks 20]
 
 Prints a table (one row per run). tests/test_llamacpp.py runs `compare` on tiny runs where the tools exist.
@@ -62,15 +67,23 @@ def our_perplexity(model, ids: list[int], n_ctx: int, chunks: int) -> float:
     return math.exp(nll / count)
 
 
+PROMPT = 16  # prompt tokens of the greedy comparison (a quarter of the context where that is less)
+
+
 def compare(run: Path, text_file: Path, where: Path, work: Path, n_ctx: int = 256, chunks: int = 20,
             new_tokens: int = 200, threads: int = 2) -> dict:
-    """One run through llama.cpp and through us (module docstring); returns the row."""
+    """One run through llama.cpp and through us (module docstring); returns the row, with the window and the
+    number of new tokens used (cut to the run's context)."""
     from nanollama4.checkpoint import load_run
     from nanollama4.generation import generate
     from nanollama4.llamacpp import export_gguf
 
     model, tokenizer, _ = load_run(run)
     model.eval()
+    context = model.cfg.max_seq_len
+    n_ctx = min(n_ctx, context)
+    prompt_tokens = min(PROMPT, context // 4)
+    new_tokens = min(new_tokens, context - prompt_tokens)
     gguf = work / f"{Path(run).name}.gguf"
     if gguf.exists():
         gguf.unlink()
@@ -93,7 +106,7 @@ def compare(run: Path, text_file: Path, where: Path, work: Path, n_ctx: int = 25
                 "--chunks", str(chunks), "-t", str(threads), whole=lambda out: len(windows(out)) == chunks)
     ppl = float(windows(out)[-1][1])
     ours_ppl = our_perplexity(model, ids, n_ctx, chunks)
-    prompt = tokenizer.decode(ids[:16])
+    prompt = tokenizer.decode(ids[:prompt_tokens])
     ours_text = generate(model, tokenizer, prompt, max_new_tokens=new_tokens, temperature=0.0)
     ours_ids = tokenizer.encode(ours_text)
     ended = len(ours_ids) < new_tokens  # ours met the end-of-text token; llama.cpp must stop there too
@@ -107,6 +120,7 @@ def compare(run: Path, text_file: Path, where: Path, work: Path, n_ctx: int = 25
     their_text = _completion(done)
     same = tokenizer.encode(their_text)[:new_tokens] == ours_ids
     return {"run": str(run), "tokenizer": type(tokenizer).__name__, "tokens": len(ids), "same_tokens": theirs == ids,
+            "ctx": n_ctx, "new_tokens": new_tokens,
             "ppl_ours": ours_ppl, "ppl_llama_cpp": ppl, "greedy_same": same, "greedy_ours": ours_text,
             "greedy_llama_cpp": their_text}
 
@@ -127,17 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.bin is None:
         sys.exit("llama.cpp's tools are not built: run benchmarks/llama_cpp_build.sh first (or pass --bin)")
-    print("| run | tokenizer | tokens | same ids | perplexity, ours | perplexity, llama.cpp | difference | "
-          "greedy tokens |\n|---|---|---|---|---|---|---|---|")
+    print("| run | tokenizer | tokens | same ids | window | perplexity, ours | perplexity, llama.cpp | difference | "
+          "greedy tokens |\n|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as work:
         for run in args.runs:
             r = compare(run, args.text, args.bin, Path(work), args.ctx, args.chunks, args.new_tokens)
             print(f"| {run.name} | {r['tokenizer']} | {r['tokens']:,} | {'yes' if r['same_tokens'] else 'NO'} | "
-                  f"{r['ppl_ours']:.4f} | {r['ppl_llama_cpp']:.4f} | "
+                  f"{r['ctx']} | {r['ppl_ours']:.4f} | {r['ppl_llama_cpp']:.4f} | "
                   f"{100 * (r['ppl_llama_cpp'] / r['ppl_ours'] - 1):+.3f}% | "
-                  f"{'same' if r['greedy_same'] else 'DIFFERENT'} ({args.new_tokens}) |", flush=True)
+                  f"{'same' if r['greedy_same'] else 'DIFFERENT'} ({r['new_tokens']}) |", flush=True)
             if not r["greedy_same"]:
                 print(f"  ours:      {r['greedy_ours']!r}\n  llama.cpp: {r['greedy_llama_cpp']!r}", flush=True)
+    print("\nPerplexity here is llama-perplexity's: the second half of each window, every token with at least half "
+          "a window of context; `nanollama4 eval` scores every token, so its number differs by method.")
     return 0
 
 

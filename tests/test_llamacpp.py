@@ -263,3 +263,17 @@ def test_llama_cpp_computes_our_model(kind, runs, corpus, tmp_path):
     assert row["same_tokens"], row
     assert abs(row["ppl_llama_cpp"] / row["ppl_ours"] - 1) < 1e-3, row
     assert row["greedy_same"], row
+
+
+def test_the_comparison_fits_a_short_context(runs, corpus, tmp_path):
+    """Issue 72: llama_cpp.sh asked a run of a 64-token context for 16 + 200 tokens and crashed. The window
+    and the greedy length are cut to the run's context, and the row says what was used."""
+    where = llama_cpp_bin()
+    if where is None:
+        pytest.skip("llama.cpp's tools are not built here: benchmarks/llama_cpp_build.sh builds them")
+    from benchmarks.llama_cpp import PROMPT, compare
+
+    context = load_run(runs["char"])[0].cfg.max_seq_len
+    row = compare(runs["char"], corpus, where, tmp_path, n_ctx=4 * context, chunks=3, new_tokens=10 * context)
+    assert row["ctx"] == context and row["new_tokens"] == context - min(PROMPT, context // 4)
+    assert abs(row["ppl_llama_cpp"] / row["ppl_ours"] - 1) < 1e-3 and row["greedy_same"], row
