@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..evaluation import validation_of_run
-from ..explain.experts import KMEANS_FIT, ExpertStat, experts, most_specialised
+from ..explain.experts import KMEANS_FIT, MIN_SUPPORT, ExpertStat, experts, most_specialised
 from ..explain.specialise import Specialisation
 from . import common
 from .sweep import Sweep, setting_of
@@ -195,8 +195,8 @@ def report(out: Path) -> list[Path]:
               "their part of the layer's I(expert; token) above the shuffle (their share of first choices x how far "
               "their tokens are from the stream's, so that a near-empty expert is not first); load: its share of "
               "the layer's slots; fills: its commonest tokens, their share of its slots; owns: the tokens it takes "
-              "the largest share of (of their occurrences, of how many), among those it took at least 20 times; "
-              "then its two largest token classes.\n" + "\n".join(lines))
+              "the largest share of (of their occurrences, of how many), among those it took at least "
+              f"{MIN_SUPPORT} times; then its two largest token classes.\n" + "\n".join(lines))
     return [common.write_table(out, table), _plot(out, reads, n_layers)]
 
 
