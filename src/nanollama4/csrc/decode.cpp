@@ -6,9 +6,11 @@
 // (benchmarks/RESULTS.md, "The engine's decode step"). Here each layer is a handful of loops: RMSNorm,
 // the q/k/v products, RoPE, QK-norm or the NoPE temperature, the cache write and attention over the
 // row's visible slots, the output product, the router's top-k and the chosen experts' products, the
-// shared expert. Products parallelise over output columns (at::parallel_for, torch's threads), so a
-// one-row step streams each weight once on every core; a layer's routed experts parallelise over slices of
-// their hidden units instead, all chosen experts in one region.
+// shared expert. A step is bound by the bytes of weights it reads, so every product streams its weight
+// from memory once, in the order it lies there, with the CPU's own vector width (vec.h's `wvec`): the
+// (out, in) products parallelise over output columns (at::parallel_for, torch's threads), each thread
+// reading whole weight rows; the routed experts' (in, out) matrices are split over their input rows
+// (gate and up) and their hidden units (down), all chosen experts in one region each.
 //
 // The math is the model files' (model.py, attention.py, moe.py, router.py), and engine/fastdecode.py
 // describes the layers to this file and decides when it applies; the plain engine path is the
@@ -30,36 +32,39 @@ namespace {
 
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
+constexpr int64_t kHead = 64;  // the head width whose attention sums stay in registers
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  vec s0{}, s1{};
+  wvec s0{}, s1{}, s2{}, s3{};
   int64_t i = 0;
-  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-    s0 += load(a + i) * load(b + i);
-    s1 += load(a + i + kLanes) * load(b + i + kLanes);
+  for (; i + 4 * kWide <= n; i += 4 * kWide) {
+    s0 += wload(a + i) * wload(b + i);
+    s1 += wload(a + i + kWide) * wload(b + i + kWide);
+    s2 += wload(a + i + 2 * kWide) * wload(b + i + 2 * kWide);
+    s3 += wload(a + i + 3 * kWide) * wload(b + i + 3 * kWide);
   }
-  for (; i + kLanes <= n; i += kLanes) s0 += load(a + i) * load(b + i);
-  float s = hsum(s0 + s1);
+  for (; i + kWide <= n; i += kWide) s0 += wload(a + i) * wload(b + i);
+  float s = whsum((s0 + s1) + (s2 + s3));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-// R rows of x times C rows of W (R * C = 16 dot products over K, a multiple of 16), finished together
-// into y's R rows at C columns (stride N).
+// R rows of x times C rows of W (R * C = kWide dot products over K, a multiple of kWide), finished together
+// into y's R rows at C columns (stride N): kWide accumulators and R + C loads fit the registers.
 template <int R, int C>
 inline void linear_tile(const float* x, int64_t K, const float* w, int64_t N, float* y) {
-  static_assert(R * C == kLanes, "one vector of sums");
-  vec acc[kLanes] = {};
-  for (int64_t k = 0; k < K; k += kLanes) {
-    vec a[R], b[C];
-    for (int r = 0; r < R; ++r) a[r] = load(x + r * K + k);
-    for (int c = 0; c < C; ++c) b[c] = load(w + c * K + k);
+  static_assert(R * C == kWide, "one vector of sums");
+  wvec acc[kWide] = {};
+  for (int64_t k = 0; k < K; k += kWide) {
+    wvec a[R], b[C];
+    for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
+    for (int c = 0; c < C; ++c) b[c] = wload(w + c * K + k);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r * C + c] += a[r] * b[c];
   }
-  const vec sums = hsum16(acc);
-  alignas(64) float out[kLanes];
-  store(out, sums);
+  const wvec sums = whsum_all(acc);
+  alignas(64) float out[kWide];
+  wstore(out, sums);
   for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
 }
 
@@ -73,23 +78,22 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
     at::mm_out(yt, xt, wt.t());
     return;
   }
-#if defined(__AVX512F__)  // 16 accumulators fit AVX-512's 32 registers (with AVX2's 16 they would spill)
-  if (N % kLanes == 0 && K % kLanes == 0) {  // 16 columns at a time, their 16 dot products finished together
-    const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kLanes * K * 4));
-    at::parallel_for(0, N / kLanes, grain, [&](int64_t g0, int64_t g1) {
+  if (N % kWide == 0 && K % kWide == 0) {  // kWide columns at a time, their dot products finished together
+    constexpr int C4 = kWide / 4, C2 = kWide / 2;
+    const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kWide * K * 4));
+    at::parallel_for(0, N / kWide, grain, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * kLanes;
+        const int64_t n0 = g * kWide;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4)  // 4 rows by 4 columns: 8 loads for 16 products
-          for (int64_t c = 0; c < kLanes; c += 4) linear_tile<4, 4>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
+        for (; m + 4 <= M; m += 4)  // 4 rows at a time: each weight row read once for the four
+          for (int64_t c = 0; c < kWide; c += C4) linear_tile<4, C4>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
         for (; m + 2 <= M; m += 2)
-          for (int64_t c = 0; c < kLanes; c += 8) linear_tile<2, 8>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
-        for (; m < M; ++m) linear_tile<1, 16>(x + m * K, K, W + n0 * K, N, y + m * N + n0);
+          for (int64_t c = 0; c < kWide; c += C2) linear_tile<2, C2>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
+        for (; m < M; ++m) linear_tile<1, kWide>(x + m * K, K, W + n0 * K, N, y + m * N + n0);
       }
     });
     return;
   }
-#endif
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
@@ -97,61 +101,29 @@ void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, flo
   });
 }
 
-// R rows (1..6) of x (stride K) times the 64 columns of W (K x N, stride N) from c0, into y (stride ldy):
-// the 4R sums stay in registers, and the weight rows a few steps ahead are prefetched, since rows N floats
-// apart defeat the hardware's stream prefetch.
-template <int R>
-void matmul_block(const float* x, int64_t K, const float* W, int64_t N, int64_t c0, float* y, int64_t ldy) {
-  vec acc[R][4] = {};
-  const float* w = W + c0;
-  constexpr int64_t kAhead = 8;
-  for (int64_t k = 0; k < K; ++k, w += N) {
-    if (k + kAhead < K) {
-      const char* f = reinterpret_cast<const char*>(w + kAhead * N);
-      __builtin_prefetch(f); __builtin_prefetch(f + 64); __builtin_prefetch(f + 128); __builtin_prefetch(f + 192);
-    }
-    const vec w0 = load(w), w1 = load(w + 16), w2 = load(w + 32), w3 = load(w + 48);
-    for (int r = 0; r < R; ++r) {
-      const vec a = splat(x[r * K + k]);
-      acc[r][0] += a * w0; acc[r][1] += a * w1; acc[r][2] += a * w2; acc[r][3] += a * w3;
-    }
+// y (N) += sum over k in [k0, k1) of a[k] * W[k, :] for W (K x N, rows contiguous): the rows of an (in, out)
+// matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
+void add_rows(const float* a, const float* W, int64_t N, int64_t k0, int64_t k1, float* y) {
+  const int64_t vector_end = N - N % kWide;
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const float *w0 = W + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const wvec a0 = wsplat(a[k]), a1 = wsplat(a[k + 1]), a2 = wsplat(a[k + 2]), a3 = wsplat(a[k + 3]);
+    int64_t n = 0;
+    for (; n < vector_end; n += kWide)
+      wstore(y + n, wload(y + n) + ((a0 * wload(w0 + n) + a1 * wload(w1 + n)) + (a2 * wload(w2 + n) + a3 * wload(w3 + n))));
+    for (; n < N; ++n) y[n] += (a[k] * w0[n] + a[k + 1] * w1[n]) + (a[k + 2] * w2[n] + a[k + 3] * w3[n]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) store(y + r * ldy + 16 * j, acc[r][j]);
-}
-
-constexpr int64_t kBlock = 64, kBlockRows = 6;  // matmul_block's columns and most rows
-
-// y (M x width, stride ldy) = x (M x K) @ W[:, c0:c0 + width] for W (K x N): 64 columns in registers at a
-// time, 6 rows at a time; a narrower block (a width that is not a multiple of 64) in plain loops.
-void matmul_columns(const float* x, int64_t M, int64_t K, const float* W, int64_t N, int64_t c0, int64_t width,
-                    float* y, int64_t ldy) {
-  for (int64_t c = 0; c < width; c += kBlock) {
-    const int64_t w = std::min(kBlock, width - c);
-    for (int64_t r0 = 0; r0 < M; r0 += kBlockRows) {
-      const int64_t rows = std::min(kBlockRows, M - r0);
-      const float* xr = x + r0 * K;
-      float* yr = y + r0 * ldy + c;
-      if (w < kBlock) {
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < w; ++j) {
-            float s = 0.f;
-            for (int64_t k = 0; k < K; ++k) s += xr[r * K + k] * W[k * N + c0 + c + j];
-            yr[r * ldy + j] = s;
-          }
-        continue;
-      }
-      switch (rows) {
-        case 1: matmul_block<1>(xr, K, W, N, c0 + c, yr, ldy); break;
-        case 2: matmul_block<2>(xr, K, W, N, c0 + c, yr, ldy); break;
-        case 3: matmul_block<3>(xr, K, W, N, c0 + c, yr, ldy); break;
-        case 4: matmul_block<4>(xr, K, W, N, c0 + c, yr, ldy); break;
-        case 5: matmul_block<5>(xr, K, W, N, c0 + c, yr, ldy); break;
-        default: matmul_block<6>(xr, K, W, N, c0 + c, yr, ldy); break;
-      }
-    }
+  for (; k < k1; ++k) {
+    const float* w = W + k * N;
+    const wvec ak = wsplat(a[k]);
+    int64_t n = 0;
+    for (; n < vector_end; n += kWide) wstore(y + n, wload(y + n) + ak * wload(w + n));
+    for (; n < N; ++n) y[n] += a[k] * w[n];
   }
 }
+
+constexpr int64_t kRowBlock = 8;  // input rows of an expert's matrix read once for all of its rows of x
 
 // x / rms(x) * w over each row of n (w may be null: no gain), as F.rms_norm computes it
 void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
@@ -161,22 +133,21 @@ void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) 
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// exp of 16 floats at once, to about 2 ulp: e^x = 2^n · e^r with n = round(x / ln 2) and |r| <= ln 2 / 2,
+// exp of kWide floats at once, to about 2 ulp: e^x = 2^n · e^r with n = round(x / ln 2) and |r| <= ln 2 / 2,
 // e^r from its Taylor series to r^7 (error below 2^-26 there), 2^n put in the float's exponent bits.
 // The scalar std::exp is a library call per value; SwiGLU takes one per hidden unit.
-typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-inline vec vexp(vec x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  x = x > 88.f ? splat(88.f) : x;
-  const vec t = x * 1.44269504088896341f + 0.5f;
-  vec n = __builtin_convertvector(__builtin_convertvector(t, ivec), vec);
+inline wvec vexp(wvec x) {
+  x = x < -87.f ? wsplat(-87.f) : x;
+  x = x > 88.f ? wsplat(88.f) : x;
+  const wvec t = x * 1.44269504088896341f + 0.5f;
+  wvec n = __builtin_convertvector(__builtin_convertvector(t, iwvec), wvec);
   n = n > t ? n - 1.f : n;  // floor(x / ln 2 + 1/2)
-  const vec r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  vec p = splat(1.f / 5040);
+  const wvec r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  wvec p = wsplat(1.f / 5040);
   p = p * r + 1.f / 720; p = p * r + 1.f / 120; p = p * r + 1.f / 24; p = p * r + 1.f / 6;
   p = p * r + 0.5f; p = p * r + 1.f; p = p * r + 1.f;
-  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-  vec scale;
+  const iwvec bits = (__builtin_convertvector(n, iwvec) + 127) << 23;
+  wvec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
@@ -184,9 +155,9 @@ inline vec vexp(vec x) {
 // out[i] = silu(g[i]) * u[i] over n values (g and u may each be out)
 inline void swiglu_rows(const float* g, const float* u, int64_t n, float* out) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vec a = load(g + i);
-    store(out + i, a / (1.f + vexp(-a)) * load(u + i));
+  for (; i + kWide <= n; i += kWide) {
+    const wvec a = wload(g + i);
+    wstore(out + i, a / (1.f + vexp(-a)) * wload(u + i));
   }
   for (; i < n; ++i) out[i] = silu(g[i]) * u[i];
 }
@@ -343,24 +314,23 @@ class DecodeStep {
       w.resize(n);
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j] = dot(q, keys[j], Dh_) * scale);
-      vec sums{};
+      wvec sums{};
       int64_t j = 0;
-      for (; j + kLanes <= n; j += kLanes) {  // the softmax's exponentials 16 at a time
-        const vec e = vexp(load(&w[j]) - top);
-        store(&w[j], e);
+      for (; j + kWide <= n; j += kWide) {  // the softmax's exponentials a vector at a time
+        const wvec e = vexp(wload(&w[j]) - top);
+        wstore(&w[j], e);
         sums += e;
       }
-      float total = hsum(sums);
+      float total = whsum(sums);
       for (; j < n; ++j) total += (w[j] = std::exp(w[j] - top));
       float* out = &att_[b * QD + h * Dh_];
-      if (Dh_ == 4 * kLanes) {  // a head of 64 (the demo's) in four registers
-        vec o0{}, o1{}, o2{}, o3{};
+      if (Dh_ == kHead) {  // a head of 64 (the demo's) in registers
+        wvec o[kHead / kWide] = {};
         for (j = 0; j < n; ++j) {
-          const vec a = splat(w[j] / total);
-          const float* v = values[j];
-          o0 += a * load(v); o1 += a * load(v + 16); o2 += a * load(v + 32); o3 += a * load(v + 48);
+          const wvec a = wsplat(w[j] / total);
+          for (int64_t d = 0; d < kHead / kWide; ++d) o[d] += a * wload(values[j] + d * kWide);
         }
-        store(out, o0); store(out + 16, o1); store(out + 32, o2); store(out + 48, o3);
+        for (int64_t d = 0; d < kHead / kWide; ++d) wstore(out + d * kWide, o[d]);
         return;
       }
       std::fill(out, out + Dh_, 0.f);
@@ -440,14 +410,17 @@ class DecodeStep {
       }
       for (int64_t k = 0; k < K; ++k) rows[chosen[k]].push_back({b, weight[k]});
     }
-    // Every chosen expert's rows gathered (scaled by their weights where the router scales the input), then
-    // one parallel region over (expert, slice of 64 hidden units): a slice's gate and up columns, its SwiGLU,
-    // and its rows of the down product, a partial sum of the expert's output that each thread adds into a
-    // buffer of its own. No thread waits for another until the buffers are added up, and the down weights
-    // are read in whole rows.
+    // Every chosen expert's rows gathered (scaled by their weights where the router scales the input) as
+    // `slots`, then two parallel regions over all chosen experts, each thread with its share of every one:
+    // - gate and up: gate_up (D, 2H) is split over its input rows, so a thread streams whole rows of it,
+    //   kRowBlock at a time for all of the expert's slots, into partial sums of its own;
+    // - down: the hidden units are split, so a thread adds up its units' partial sums, takes their SwiGLU
+    //   and streams their rows of down (H, D) into its own buffer of outputs.
+    // No thread waits for another inside a region, and each weight is read once, in the order it lies.
     std::vector<int64_t> first(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
-    xe_.resize(first[E] * D_);
+    const int64_t slots = first[E], F = 2 * Hd;
+    xe_.resize(slots * D_);
     for (int64_t e = 0; e < E; ++e)
       for (size_t r = 0; r < rows[e].size(); ++r) {
         const float a = L.scales_input ? rows[e][r].second : 1.f;
@@ -455,38 +428,45 @@ class DecodeStep {
         float* dst = &xe_[(first[e] + r) * D_];
         for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
       }
-    const int64_t slices = (Hd + kBlock - 1) / kBlock;
-    std::vector<std::pair<int64_t, int64_t>> units;  // (expert, slice)
-    for (int64_t e = 0; e < E; ++e)
-      if (!rows[e].empty())
-        for (int64_t j = 0; j < slices; ++j) units.push_back({e, j});
-    const int64_t threads = at::get_num_threads();
-    ye_.assign(threads * B * D_, 0.f);
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t u0, int64_t u1) {
-      float* mine = &ye_[at::get_thread_num() * B * D_];
-      std::vector<float> gate(kBlockRows * kBlock), up(kBlockRows * kBlock), out(kBlockRows * D_);
-      for (int64_t u = u0; u < u1; ++u) {
-        const auto [e, j] = units[u];
-        const int64_t j0 = j * kBlock, width = std::min(kBlock, Hd - j0), m = first[e + 1] - first[e];
-        const float* gate_up = L.gate_up.data_ptr<float>() + e * D_ * 2 * Hd;
-        const float* down = L.expert_down.data_ptr<float>() + (e * Hd + j0) * D_;
-        for (int64_t r0 = 0; r0 < m; r0 += kBlockRows) {
-          const int64_t n = std::min(kBlockRows, m - r0);
-          const float* x = &xe_[(first[e] + r0) * D_];
-          matmul_columns(x, n, D_, gate_up, 2 * Hd, j0, width, gate.data(), kBlock);
-          matmul_columns(x, n, D_, gate_up, 2 * Hd, Hd + j0, width, up.data(), kBlock);
-          for (int64_t r = 0; r < n; ++r)
-            swiglu_rows(&gate[r * kBlock], &up[r * kBlock], width, &gate[r * width]);  // packed to stride width
-          matmul_columns(gate.data(), n, width, down, D_, 0, D_, out.data(), D_);
-          for (int64_t r = 0; r < n; ++r) {
-            const auto& [row, weight] = rows[e][r0 + r];
-            const float a = L.scales_input ? 1.f : weight;
-            for (int64_t d = 0; d < D_; ++d) mine[row * D_ + d] += out[r * D_ + d] * a;
+    const int64_t T = at::get_num_threads();
+    part_.assign(T * slots * F, 0.f);
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t k0 = D_ * t / T, k1 = D_ * (t + 1) / T;
+        for (int64_t e = 0; e < E; ++e) {
+          const float* gate_up = L.gate_up.data_ptr<float>() + e * D_ * F;
+          for (int64_t k = k0; k < k1; k += kRowBlock)
+            for (int64_t s = first[e]; s < first[e + 1]; ++s)
+              add_rows(&xe_[s * D_], gate_up, F, k, std::min(k + kRowBlock, k1), &part_[(t * slots + s) * F]);
+        }
+      }
+    });
+    ye_.assign(T * B * D_, 0.f);
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> act(F);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t j0 = Hd * t / T, j1 = Hd * (t + 1) / T, width = j1 - j0;
+        float* mine = &ye_[t * B * D_];
+        for (int64_t e = 0; e < E; ++e) {
+          const float* down = L.expert_down.data_ptr<float>() + e * Hd * D_;
+          for (int64_t s = first[e]; s < first[e + 1]; ++s) {
+            float* g = act.data();
+            float* u = act.data() + width;
+            std::fill(act.begin(), act.end(), 0.f);
+            for (int64_t p = 0; p < T; ++p) {  // the threads' partial sums, in thread order
+              const float* sums = &part_[(p * slots + s) * F];
+              for (int64_t j = 0; j < width; ++j) { g[j] += sums[j0 + j]; u[j] += sums[Hd + j0 + j]; }
+            }
+            swiglu_rows(g, u, width, g);
+            const auto& [row, weight] = rows[e][s - first[e]];
+            if (!L.scales_input)
+              for (int64_t j = 0; j < width; ++j) g[j] *= weight;
+            add_rows(g, down + j0 * D_, D_, 0, width, mine + row * D_);
           }
         }
       }
     });
-    for (int64_t t = 0; t < threads; ++t)
+    for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < B * D_; ++i) y_[i] += ye_[t * B * D_ + i];
   }
 
@@ -497,7 +477,7 @@ class DecodeStep {
   std::vector<int64_t> row_;  // this step's entries' cache rows
   bool distinct_ = true;  // every entry in a row of its own
   // scratch, reused by every step (a step's buffers are sized by its rows)
-  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_;
+  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_, part_;
 };
 
 }  // namespace
