@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -68,37 +69,68 @@ inline void linear_tile(const float* x, int64_t K, const float* w, int64_t N, fl
   for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
 }
 
-// y (M x N) = x (M x K) @ W^T for W (N x K): each thread takes whole output columns, reading each of its
-// weight rows once for all M rows (from memory once, then from its L1 cache for each further tile of rows).
-void linear(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* y) {
+struct Product {  // y (M x N) = x @ W^T for W (N x K)
+  const float* W;
+  int64_t N;
+  float* y;
+};
+
+// Columns [n0, n1) of a product (a multiple of kWide each) for all M rows, on the calling thread.
+void product_columns(const float* x, int64_t M, int64_t K, const Product& p, int64_t n0, int64_t n1) {
+  constexpr int C4 = kWide / 4, C2 = kWide / 2;
+  const int64_t N = p.N;
+  for (; n0 < n1; n0 += kWide) {
+    const float* W = p.W + n0 * K;
+    float* y = p.y + n0;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)  // 4 rows at a time: each weight row read once for the four
+      for (int64_t c = 0; c < kWide; c += C4) linear_tile<4, C4>(x + m * K, K, W + c * K, N, y + m * N + c);
+    for (; m + 2 <= M; m += 2)
+      for (int64_t c = 0; c < kWide; c += C2) linear_tile<2, C2>(x + m * K, K, W + c * K, N, y + m * N + c);
+    for (; m < M; ++m) linear_tile<1, kWide>(x + m * K, K, W, N, y + m * N);
+  }
+}
+
+// Whether `linear` computes x (M x K) @ W^T (W: N x K) in tiles on its own threads (else torch's product
+// or plain dot products): the shapes a fused region (`experts`) may split between its threads too.
+inline bool tiled(int64_t M, int64_t K, int64_t N) { return M < kBlasRows && K % kWide == 0 && N % kWide == 0; }
+
+// Every product of x (M x K) in `products` (each y_i = x @ W_i^T): each thread takes whole output columns,
+// reading each of its weight rows once for all M rows (from memory once, then from its L1 cache for each
+// further tile of rows). Products of one input (q, k and v; gate and up) share one parallel region: a
+// region costs microseconds to open and join, a tenth of a small model's whole step.
+void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product> products) {
   if (M >= kBlasRows) {
     auto xt = at::from_blob(const_cast<float*>(x), {M, K});
-    auto wt = at::from_blob(const_cast<float*>(W), {N, K});
-    auto yt = at::from_blob(y, {M, N});
-    at::mm_out(yt, xt, wt.t());
+    for (const Product& p : products) {
+      auto yt = at::from_blob(p.y, {M, p.N});
+      at::mm_out(yt, xt, at::from_blob(const_cast<float*>(p.W), {p.N, K}).t());
+    }
     return;
   }
-  if (N % kWide == 0 && K % kWide == 0) {  // kWide columns at a time, their dot products finished together
-    constexpr int C4 = kWide / 4, C2 = kWide / 2;
+  bool all_tiled = true;
+  std::vector<int64_t> first{0};  // each product's first group of kWide columns
+  for (const Product& p : products) {
+    all_tiled = all_tiled && tiled(M, K, p.N);
+    first.push_back(first.back() + p.N / kWide);
+  }
+  if (all_tiled) {  // kWide columns at a time, their dot products finished together
     const int64_t grain = std::max<int64_t>(1, kChunkBytes / (kWide * K * 4));
-    at::parallel_for(0, N / kWide, grain, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n0 = g * kWide;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4)  // 4 rows at a time: each weight row read once for the four
-          for (int64_t c = 0; c < kWide; c += C4) linear_tile<4, C4>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
-        for (; m + 2 <= M; m += 2)
-          for (int64_t c = 0; c < kWide; c += C2) linear_tile<2, C2>(x + m * K, K, W + (n0 + c) * K, N, y + m * N + n0 + c);
-        for (; m < M; ++m) linear_tile<1, kWide>(x + m * K, K, W + n0 * K, N, y + m * N + n0);
+    at::parallel_for(0, first.back(), grain, [&](int64_t g0, int64_t g1) {
+      for (size_t i = 0; i + 1 < first.size(); ++i) {  // the groups of each product in [g0, g1)
+        const int64_t a = std::max(g0, first[i]), b = std::min(g1, first[i + 1]);
+        if (a < b) product_columns(x, M, K, products.begin()[i], (a - first[i]) * kWide, (b - first[i]) * kWide);
       }
     });
     return;
   }
-  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(x + m * K, W + n * K, K);
-  });
+  for (const Product& p : products) {
+    const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
+    at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) p.y[m * p.N + n] = dot(x + m * K, p.W + n * K, K);
+    });
+  }
 }
 
 // y (N) += sum over k in [k0, k1) of a[k] * W[k, :] for W (K x N, rows contiguous): the rows of an (in, out)
@@ -248,22 +280,23 @@ class DecodeStep {
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
       for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], L.ffn_norm.data_ptr<float>(), eps_, D, &h_[b * D]);
       std::fill(y_.begin(), y_.end(), 0.f);
-      if (L.moe) experts(L, B);
-      if (L.gate.defined()) swiglu(L, B);
+      const bool shared_inside = L.moe && L.gate.defined() && tiled(B, D, L.gate.size(0)) &&
+                                 tiled(B, L.gate.size(0), D);
+      if (L.moe) experts(L, B, shared_inside);
+      if (L.gate.defined() && !shared_inside) swiglu(L, B);
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
     }
     for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], norm_.data_ptr<float>(), eps_, D, &h_[b * D]);
     at::Tensor logits = at::empty({B, V_}, at::kFloat);
-    linear(h_.data(), B, D, head_.data_ptr<float>(), V_, logits.data_ptr<float>());
+    linear(h_.data(), B, D, {{head_.data_ptr<float>(), V_, logits.data_ptr<float>()}});
     return logits;
   }
 
  private:
   void attention(Layer& L, int64_t B, const std::vector<int64_t>& positions) {
     const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_, half = Dh_ / 2, rep = H_ / KV_;
-    linear(h_.data(), B, D, L.wq.data_ptr<float>(), QD, q_.data());
-    linear(h_.data(), B, D, L.wk.data_ptr<float>(), KD, k_.data());
-    linear(h_.data(), B, D, L.wv.data_ptr<float>(), KD, v_.data());
+    linear(h_.data(), B, D, {{L.wq.data_ptr<float>(), QD, q_.data()}, {L.wk.data_ptr<float>(), KD, k_.data()},
+                             {L.wv.data_ptr<float>(), KD, v_.data()}});
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = positions[b];
       if (L.rope) {  // rotate each pair of every head (queries and keys), then the weightless QK-norm
@@ -364,23 +397,24 @@ class DecodeStep {
         write(b);
       }
     }
-    linear(att_.data(), B, QD, L.wo.data_ptr<float>(), D_, y_.data());
+    linear(att_.data(), B, QD, {{L.wo.data_ptr<float>(), D_, y_.data()}});
   }
 
   void swiglu(Layer& L, int64_t B) {  // the dense FFN or the shared expert, added into y_
     const int64_t F = L.gate.size(0);
     g_.resize(B * F); u_.resize(B * F); out_.resize(B * D_);
-    linear(h_.data(), B, D_, L.gate.data_ptr<float>(), F, g_.data());
-    linear(h_.data(), B, D_, L.up.data_ptr<float>(), F, u_.data());
+    linear(h_.data(), B, D_, {{L.gate.data_ptr<float>(), F, g_.data()}, {L.up.data_ptr<float>(), F, u_.data()}});
     swiglu_rows(g_.data(), u_.data(), B * F, g_.data());
-    linear(g_.data(), B, F, L.down.data_ptr<float>(), D_, out_.data());
+    linear(g_.data(), B, F, {{L.down.data_ptr<float>(), D_, out_.data()}});
     for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
-  void experts(Layer& L, int64_t B) {  // route each row, then each chosen expert on its rows, added into y_
+  // Route each row, then each chosen expert on its rows, added into y_; with `shared`, the shared expert too,
+  // its products split between the same two regions' threads (a region costs microseconds to open and join).
+  void experts(Layer& L, int64_t B, bool shared) {
     const int64_t E = L.router.size(0), K = L.top_k, Hd = L.expert_down.size(1);
     logits_.resize(B * E);
-    linear(h_.data(), B, D_, L.router.data_ptr<float>(), E, logits_.data());
+    linear(h_.data(), B, D_, {{L.router.data_ptr<float>(), E, logits_.data()}});
     const float* bias = L.bias.data_ptr<float>();
     std::vector<std::vector<std::pair<int64_t, float>>> rows(E);  // expert -> (row, weight)
     std::vector<int64_t> chosen(K);
@@ -416,7 +450,8 @@ class DecodeStep {
     //   kRowBlock at a time for all of the expert's slots, into partial sums of its own;
     // - down: the hidden units are split, so a thread adds up its units' partial sums, takes their SwiGLU
     //   and streams their rows of down (H, D) into its own buffer of outputs.
-    // No thread waits for another inside a region, and each weight is read once, in the order it lies.
+    // No thread waits for another inside a region, and each weight is read once, in the order it lies. The
+    // shared expert's (out, in) products are split over their output columns between the same threads.
     std::vector<int64_t> first(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
     const int64_t slots = first[E], F = 2 * Hd;
@@ -428,10 +463,19 @@ class DecodeStep {
         float* dst = &xe_[(first[e] + r) * D_];
         for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
       }
-    const int64_t T = at::get_num_threads();
+    const int64_t T = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
     part_.assign(T * slots * F, 0.f);
+    if (shared) { g_.resize(B * SF); u_.resize(B * SF); out_.resize(B * D_); }
+    const Product shared_gate{shared ? L.gate.data_ptr<float>() : nullptr, SF, g_.data()};
+    const Product shared_up{shared ? L.up.data_ptr<float>() : nullptr, SF, u_.data()};
+    const Product shared_down{shared ? L.down.data_ptr<float>() : nullptr, D_, out_.data()};
+    auto share = [T](int64_t n, int64_t t) { return n / kWide * t / T * kWide; };  // thread t's first column
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
+        if (shared) {
+          product_columns(h_.data(), B, D_, shared_gate, share(SF, t), share(SF, t + 1));
+          product_columns(h_.data(), B, D_, shared_up, share(SF, t), share(SF, t + 1));
+        }
         const int64_t k0 = D_ * t / T, k1 = D_ * (t + 1) / T;
         for (int64_t e = 0; e < E; ++e) {
           const float* gate_up = L.gate_up.data_ptr<float>() + e * D_ * F;
@@ -441,10 +485,12 @@ class DecodeStep {
         }
       }
     });
+    if (shared) swiglu_rows(g_.data(), u_.data(), B * SF, g_.data());
     ye_.assign(T * B * D_, 0.f);
     at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> act(F);
       for (int64_t t = t0; t < t1; ++t) {
+        if (shared) product_columns(g_.data(), B, SF, shared_down, share(D_, t), share(D_, t + 1));
         const int64_t j0 = Hd * t / T, j1 = Hd * (t + 1) / T, width = j1 - j0;
         float* mine = &ye_[t * B * D_];
         for (int64_t e = 0; e < E; ++e) {
@@ -468,6 +514,8 @@ class DecodeStep {
     });
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < B * D_; ++i) y_[i] += ye_[t * B * D_ + i];
+    if (shared)
+      for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
   at::Tensor embed_, norm_, head_, rope_;
