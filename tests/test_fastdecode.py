@@ -276,15 +276,60 @@ def test_capacity_at_inference_keeps_batches_plain():
     assert fast.usable(1) and not fast.usable(2)
 
 
+@pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "dense, unchunked, all RoPE",
+                                  "softmax over the chosen, no shared expert"])
+def test_a_bfloat16_model_steps_from_its_own_weights(name):
+    """A model in bfloat16 (`--dtype bfloat16`) decodes through the C++ step, which reads its bf16 weights and
+    bf16 cache and computes in float32. A 40-token prompt in one call (40 rows: the tiles, which a float32
+    step leaves to torch's products from 32 rows), then three rows together: the logits equal those of the
+    float32 plain step on the same weight values (the bf16 model upcast) whose cache rounds each key and
+    value to bf16 as it stores them, and the two caches hold the same keys."""
+    model = model_for(**VARIANTS[name]).to(torch.bfloat16)
+    upcast = model_for(**VARIANTS[name]).to(torch.bfloat16).float()
+    cfg, cpu = model.cfg, torch.device("cpu")
+    fast_cache, plain_cache = SlotCache(cfg, 3, torch.bfloat16, cpu), SlotCache(cfg, 3, torch.float32, cpu)
+    for layer in plain_cache.layers:  # store keys and values as a bf16 cache holds them
+        layer.update = lambda k, v, pos, _store=layer.update: _store(k.bfloat16().float(), v.bfloat16().float(), pos)
+    plain = Runner(upcast, plain_cache)
+    plain.only = "plain"
+    fast = fastdecode.FastStep(model, fast_cache.layers, plain_cache.context)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist()
+    worst = 0.0
+    with torch.no_grad():
+        got = fast(prompt, list(range(40)), [0] * 40)
+        assert got.dtype == torch.float32
+        for i, token in enumerate(prompt):
+            want = plain.decode([token], [i])[0]
+            worst = max(worst, ((got[i] - want).abs().max() / want.abs().max()).item())
+        for step in range(40, cfg.max_seq_len - 1):
+            positions = [step, step - 40, step - 38]
+            tokens = torch.randint(0, cfg.vocab_size, (3,), generator=g).tolist()
+            want = plain.decode(tokens, positions)
+            got = fast(tokens, positions)
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    # A key the two float32 paths compute a rounding apart can round to neighbouring bf16 values, 2^-8 apart
+    # (measured worst 1.0e-3 to 2.6e-3 of the logits' scale here; with an unrounded float32 cache, 2e-2).
+    assert worst < 1e-2, worst
+    for mine, theirs in zip(fast_cache.layers, plain_cache.layers, strict=True):
+        assert mine.k.dtype == torch.bfloat16 and torch.equal(mine.pos, theirs.pos)
+        torch.testing.assert_close(mine.k.float(), theirs.k, atol=1e-2, rtol=1e-2)
+
+
 def test_what_it_cannot_run_is_named():
     model = model_for()
     assert fastdecode.unsupported(model) is None
-    assert fastdecode.unsupported(model_for().to(torch.bfloat16)) == "weights other than float32"
+    assert fastdecode.unsupported(model_for().to(torch.bfloat16)) is None
+    half = model_for().to(torch.float16)
+    assert fastdecode.unsupported(half) == "weights other than all float32 or all bfloat16"
+    mixed = model_for()
+    mixed.lm_head.to(torch.bfloat16)
+    assert fastdecode.unsupported(mixed) == "weights other than all float32 or all bfloat16"
     lora = model_for()
     attach(lora, rank=2, alpha=4.0)
     assert fastdecode.unsupported(lora) == "parametrised weights (LoRA adapters)"
-    with pytest.raises(ValueError, match="cannot run this model: weights other than float32"):
-        fastdecode.FastStep(model_for().to(torch.bfloat16), [], 8)
+    with pytest.raises(ValueError, match="cannot run this model: weights other than all float32 or all bfloat16"):
+        fastdecode.FastStep(half, [], 8)
     engine = Engine(lora, max_batch=1)  # the engine decodes it on the plain path
     engine.add(Request([1, 2], 5, Sampling(temperature=0), emit=lambda e: None, id="x"))
     engine.run()

@@ -20,22 +20,57 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
 
 namespace {
 
+// Weights and caches come as float32 or as bfloat16 (a model loaded with --dtype bfloat16): a bf16 value is
+// the top half of a float32's bits, so reading one is a shift, and a bf16 step reads half the bytes. The
+// arithmetic is float32 either way; what is written to a bf16 cache is rounded as torch rounds.
+typedef uint16_t bf16;
+typedef uint16_t hwvec __attribute__((vector_size(kWide * sizeof(uint16_t))));
+typedef uint32_t uwvec __attribute__((vector_size(kWide * sizeof(uint32_t))));
+inline float as_float(float x) { return x; }
+inline float as_float(bf16 b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_float(float x, float& out) { out = x; }
+inline void from_float(float x, bf16& out) { out = c10::BFloat16(x).x; }  // to nearest even, as torch rounds
+inline wvec wload(const bf16* p) {  // one widening load and a shift (GCC's generic widening takes five)
+#if defined(__AVX512F__)
+  const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+  const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
+  hwvec h;
+  std::memcpy(&h, p, sizeof(h));
+  const uwvec u = __builtin_convertvector(h, uwvec) << 16;
+#endif
+  wvec v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
 constexpr int64_t kHead = 64;  // the head width whose attention sums stay in registers
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   wvec s0{}, s1{}, s2{}, s3{};
   int64_t i = 0;
   for (; i + 4 * kWide <= n; i += 4 * kWide) {
@@ -46,14 +81,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
   }
   for (; i + kWide <= n; i += kWide) s0 += wload(a + i) * wload(b + i);
   float s = whsum((s0 + s1) + (s2 + s3));
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * as_float(b[i]);
   return s;
 }
 
 // R rows of x times C rows of W (R * C = kWide dot products over K, a multiple of kWide), finished together
 // into y's R rows at C columns (stride N): kWide accumulators and R + C loads fit the registers.
-template <int R, int C>
-inline void linear_tile(const float* x, int64_t K, const float* w, int64_t N, float* y) {
+template <int R, int C, typename T>
+inline void linear_tile(const float* x, int64_t K, const T* w, int64_t N, float* y) {
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
   for (int64_t k = 0; k < K; k += kWide) {
@@ -69,18 +104,20 @@ inline void linear_tile(const float* x, int64_t K, const float* w, int64_t N, fl
   for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
 }
 
+template <typename T>
 struct Product {  // y (M x N) = x @ W^T for W (N x K)
-  const float* W;
+  const T* W;
   int64_t N;
   float* y;
 };
 
 // Columns [n0, n1) of a product (a multiple of kWide each) for all M rows, on the calling thread.
-void product_columns(const float* x, int64_t M, int64_t K, const Product& p, int64_t n0, int64_t n1) {
+template <typename T>
+void product_columns(const float* x, int64_t M, int64_t K, const Product<T>& p, int64_t n0, int64_t n1) {
   constexpr int C4 = kWide / 4, C2 = kWide / 2;
   const int64_t N = p.N;
   for (; n0 < n1; n0 += kWide) {
-    const float* W = p.W + n0 * K;
+    const T* W = p.W + n0 * K;
     float* y = p.y + n0;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)  // 4 rows at a time: each weight row read once for the four
@@ -99,19 +136,22 @@ inline bool tiled(int64_t M, int64_t K, int64_t N) { return M < kBlasRows && K %
 // reading each of its weight rows once for all M rows (from memory once, then from its L1 cache for each
 // further tile of rows). Products of one input (q, k and v; gate and up) share one parallel region: a
 // region costs microseconds to open and join, a tenth of a small model's whole step.
-void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product> products) {
-  if (M >= kBlasRows) {
-    auto xt = at::from_blob(const_cast<float*>(x), {M, K});
-    for (const Product& p : products) {
-      auto yt = at::from_blob(p.y, {M, p.N});
-      at::mm_out(yt, xt, at::from_blob(const_cast<float*>(p.W), {p.N, K}).t());
+template <typename T>
+void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<T>> products) {
+  if constexpr (std::is_same_v<T, float>) {  // (bf16 weights: the tiles, since torch's bf16 products round x)
+    if (M >= kBlasRows) {
+      auto xt = at::from_blob(const_cast<float*>(x), {M, K});
+      for (const Product<T>& p : products) {
+        auto yt = at::from_blob(p.y, {M, p.N});
+        at::mm_out(yt, xt, at::from_blob(const_cast<T*>(p.W), {p.N, K}).t());
+      }
+      return;
     }
-    return;
   }
   bool all_tiled = true;
   std::vector<int64_t> first{0};  // each product's first group of kWide columns
-  for (const Product& p : products) {
-    all_tiled = all_tiled && tiled(M, K, p.N);
+  for (const Product<T>& p : products) {
+    all_tiled = all_tiled && K % kWide == 0 && p.N % kWide == 0;  // (many rows of float32 went to torch above)
     first.push_back(first.back() + p.N / kWide);
   }
   if (all_tiled) {  // kWide columns at a time, their dot products finished together
@@ -124,7 +164,7 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product>
     });
     return;
   }
-  for (const Product& p : products) {
+  for (const Product<T>& p : products) {
     const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
     at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
@@ -135,32 +175,35 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product>
 
 // y (N) += sum over k in [k0, k1) of a[k] * W[k, :] for W (K x N, rows contiguous): the rows of an (in, out)
 // matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
-void add_rows(const float* a, const float* W, int64_t N, int64_t k0, int64_t k1, float* y) {
+template <typename T>
+void add_rows(const float* a, const T* W, int64_t N, int64_t k0, int64_t k1, float* y) {
   const int64_t vector_end = N - N % kWide;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const float *w0 = W + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const T *w0 = W + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
     const wvec a0 = wsplat(a[k]), a1 = wsplat(a[k + 1]), a2 = wsplat(a[k + 2]), a3 = wsplat(a[k + 3]);
     int64_t n = 0;
     for (; n < vector_end; n += kWide)
       wstore(y + n, wload(y + n) + ((a0 * wload(w0 + n) + a1 * wload(w1 + n)) + (a2 * wload(w2 + n) + a3 * wload(w3 + n))));
-    for (; n < N; ++n) y[n] += (a[k] * w0[n] + a[k + 1] * w1[n]) + (a[k + 2] * w2[n] + a[k + 3] * w3[n]);
+    for (; n < N; ++n)
+      y[n] += (a[k] * as_float(w0[n]) + a[k + 1] * as_float(w1[n])) + (a[k + 2] * as_float(w2[n]) + a[k + 3] * as_float(w3[n]));
   }
   for (; k < k1; ++k) {
-    const float* w = W + k * N;
+    const T* w = W + k * N;
     const wvec ak = wsplat(a[k]);
     int64_t n = 0;
     for (; n < vector_end; n += kWide) wstore(y + n, wload(y + n) + ak * wload(w + n));
-    for (; n < N; ++n) y[n] += a[k] * w[n];
+    for (; n < N; ++n) y[n] += a[k] * as_float(w[n]);
   }
 }
 
 constexpr int64_t kRowBlock = 8;  // input rows of an expert's matrix read once for all of its rows of x
 
 // x / rms(x) * w over each row of n (w may be null: no gain), as F.rms_norm computes it
-void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+template <typename T>
+void rms_norm(const float* x, const T* w, float eps, int64_t n, float* out) {
   const float scale = 1.f / std::sqrt(dot(x, x, n) / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * scale * w[i] : x[i] * scale;
+  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * scale * as_float(w[i]) : x[i] * scale;
 }
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
@@ -211,6 +254,7 @@ struct Layer {
   bool scales_input = true;
 };
 
+template <typename T>
 class DecodeStep {
  public:
   DecodeStep(at::Tensor embed, at::Tensor norm, at::Tensor head, at::Tensor rope_table, double eps,
@@ -238,7 +282,7 @@ class DecodeStep {
       if (dense_or_shared) { L.gate = t.at(j++); L.up = t.at(j++); L.down = t.at(j++); }
       for (const at::Tensor* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.k_cache, &L.v_cache, &L.ffn_norm,
                                   &L.router, &L.bias, &L.gate_up, &L.expert_down, &L.gate, &L.up, &L.down})
-        if (w->defined()) TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous(), "float32, contiguous");
+        if (w->defined()) TORCH_CHECK(w->scalar_type() == kType && w->is_contiguous(), "one dtype, contiguous");
       TORCH_CHECK(L.pos_cache.scalar_type() == at::kLong && L.pos_cache.is_contiguous(), "int64 positions");
       layers_.push_back(std::move(L));
     }
@@ -268,17 +312,17 @@ class DecodeStep {
     x_.assign(B * D, 0.f);
     h_.resize(B * D);
     q_.resize(B * QD); k_.resize(B * KD); v_.resize(B * KD); att_.resize(B * QD); y_.resize(B * D);
-    const float* E = embed_.data_ptr<float>();
+    const T* E = ptr(embed_);
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(tokens[b] >= 0 && tokens[b] < embed_.size(0), "token id out of range");
       TORCH_CHECK(positions[b] >= 0 && positions[b] < rope_.size(0), "position out of range");
-      std::memcpy(&x_[b * D], E + tokens[b] * D, D * 4);
+      for (int64_t d = 0; d < D; ++d) x_[b * D + d] = as_float(E[tokens[b] * D + d]);
     }
     for (auto& L : layers_) {
-      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], L.attn_norm.data_ptr<float>(), eps_, D, &h_[b * D]);
+      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], ptr(L.attn_norm), eps_, D, &h_[b * D]);
       attention(L, B, positions);
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
-      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], L.ffn_norm.data_ptr<float>(), eps_, D, &h_[b * D]);
+      for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], ptr(L.ffn_norm), eps_, D, &h_[b * D]);
       std::fill(y_.begin(), y_.end(), 0.f);
       const bool shared_inside = L.moe && L.gate.defined() && tiled(B, D, L.gate.size(0)) &&
                                  tiled(B, L.gate.size(0), D);
@@ -286,17 +330,17 @@ class DecodeStep {
       if (L.gate.defined() && !shared_inside) swiglu(L, B);
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
     }
-    for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], norm_.data_ptr<float>(), eps_, D, &h_[b * D]);
+    for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], ptr(norm_), eps_, D, &h_[b * D]);
     at::Tensor logits = at::empty({B, V_}, at::kFloat);
-    linear(h_.data(), B, D, {{head_.data_ptr<float>(), V_, logits.data_ptr<float>()}});
+    linear<T>(h_.data(), B, D, {{ptr(head_), V_, logits.data_ptr<float>()}});
     return logits;
   }
 
  private:
   void attention(Layer& L, int64_t B, const std::vector<int64_t>& positions) {
     const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_, half = Dh_ / 2, rep = H_ / KV_;
-    linear(h_.data(), B, D, {{L.wq.data_ptr<float>(), QD, q_.data()}, {L.wk.data_ptr<float>(), KD, k_.data()},
-                             {L.wv.data_ptr<float>(), KD, v_.data()}});
+    linear<T>(h_.data(), B, D, {{ptr(L.wq), QD, q_.data()}, {ptr(L.wk), KD, k_.data()},
+                             {ptr(L.wv), KD, v_.data()}});
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = positions[b];
       if (L.rope) {  // rotate each pair of every head (queries and keys), then the weightless QK-norm
@@ -309,7 +353,7 @@ class DecodeStep {
               r[2 * i] = x0 * c - x1 * s;
               r[2 * i + 1] = x0 * s + x1 * c;
             }
-            if (L.qk_norm) rms_norm(r, nullptr, eps_, Dh_, r);
+            if (L.qk_norm) rms_norm<float>(r, nullptr, eps_, Dh_, r);
           }
         };
         rotate(&q_[b * QD], H_);
@@ -322,14 +366,16 @@ class DecodeStep {
     // each row attends to its slots that the mask allows (0 <= position <= p, in p's chunk when chunked)
     // and to its new key; a ring (chunked layer) is read before the new key overwrites its oldest slot
     const int64_t S = L.k_cache.size(1);
-    float* kc = L.k_cache.data_ptr<float>();
-    float* vc = L.v_cache.data_ptr<float>();
+    T* kc = reinterpret_cast<T*>(L.k_cache.data_ptr());
+    T* vc = reinterpret_cast<T*>(L.v_cache.data_ptr());
+    kt_.resize(B * KD); vt_.resize(B * KD);  // the new keys and values as the cache holds them
+    for (int64_t i = 0; i < B * KD; ++i) { from_float(k_[i], kt_[i]); from_float(v_[i], vt_[i]); }
     int64_t* pc = L.pos_cache.data_ptr<int64_t>();
     const float scale = 1.f / std::sqrt(static_cast<float>(Dh_));
     const int64_t reach = L.window ? S : 0;
     int64_t longest = 1;
     for (int64_t b = 0; b < B; ++b) longest = std::max(longest, (L.window ? S : positions[b]) + 1);
-    auto attend = [&](int64_t b, int64_t h, std::vector<const float*>& keys, std::vector<const float*>& values,
+    auto attend = [&](int64_t b, int64_t h, std::vector<const T*>& keys, std::vector<const T*>& values,
                       std::vector<float>& w) {
       const int64_t r = row_[b], g = h / rep, p = positions[b];
       const int64_t candidates = L.window ? reach : p;
@@ -340,8 +386,8 @@ class DecodeStep {
         keys.push_back(kc + ((r * S + s) * KV_ + g) * Dh_);
         values.push_back(vc + ((r * S + s) * KV_ + g) * Dh_);
       }
-      keys.push_back(&k_[b * KD + g * Dh_]);
-      values.push_back(&v_[b * KD + g * Dh_]);
+      keys.push_back(&kt_[b * KD + g * Dh_]);
+      values.push_back(&vt_[b * KD + g * Dh_]);
       const float* q = &q_[b * QD + h * Dh_];
       const int64_t n = static_cast<int64_t>(keys.size());
       w.resize(n);
@@ -369,20 +415,20 @@ class DecodeStep {
       std::fill(out, out + Dh_, 0.f);
       for (j = 0; j < n; ++j) {
         const float a = w[j] / total;
-        for (int64_t d = 0; d < Dh_; ++d) out[d] += a * values[j][d];
+        for (int64_t d = 0; d < Dh_; ++d) out[d] += a * as_float(values[j][d]);
       }
     };
     auto write = [&](int64_t b) {  // b's new key into its slot: the position, or its place in the ring
       const int64_t r = row_[b], p = positions[b], s = L.window ? p % S : p;
       TORCH_CHECK(s < S, "position past the cache");
-      std::memcpy(kc + (r * S + s) * KD, &k_[b * KD], KD * 4);
-      std::memcpy(vc + (r * S + s) * KD, &v_[b * KD], KD * 4);
+      std::memcpy(kc + (r * S + s) * KD, &kt_[b * KD], KD * sizeof(T));
+      std::memcpy(vc + (r * S + s) * KD, &vt_[b * KD], KD * sizeof(T));
       pc[r * S + s] = p;
     };
     const int64_t grain = std::max<int64_t>(1, 8192 / (longest * Dh_));
     if (distinct_) {  // rows of their own: every (row, head) at once, then the writes
       at::parallel_for(0, B * H_, grain, [&](int64_t i0, int64_t i1) {
-        std::vector<const float*> keys, values;
+        std::vector<const T*> keys, values;
         std::vector<float> w;
         for (int64_t i = i0; i < i1; ++i) attend(i / H_, i % H_, keys, values, w);
       });
@@ -390,22 +436,22 @@ class DecodeStep {
     } else {  // a prompt's tokens in one row: in order, each seeing the keys written before it
       for (int64_t b = 0; b < B; ++b) {
         at::parallel_for(0, H_, grain, [&](int64_t h0, int64_t h1) {
-          std::vector<const float*> keys, values;
+          std::vector<const T*> keys, values;
           std::vector<float> w;
           for (int64_t h = h0; h < h1; ++h) attend(b, h, keys, values, w);
         });
         write(b);
       }
     }
-    linear(att_.data(), B, QD, {{L.wo.data_ptr<float>(), D_, y_.data()}});
+    linear<T>(att_.data(), B, QD, {{ptr(L.wo), D_, y_.data()}});
   }
 
   void swiglu(Layer& L, int64_t B) {  // the dense FFN or the shared expert, added into y_
     const int64_t F = L.gate.size(0);
     g_.resize(B * F); u_.resize(B * F); out_.resize(B * D_);
-    linear(h_.data(), B, D_, {{L.gate.data_ptr<float>(), F, g_.data()}, {L.up.data_ptr<float>(), F, u_.data()}});
+    linear<T>(h_.data(), B, D_, {{ptr(L.gate), F, g_.data()}, {ptr(L.up), F, u_.data()}});
     swiglu_rows(g_.data(), u_.data(), B * F, g_.data());
-    linear(g_.data(), B, F, {{L.down.data_ptr<float>(), D_, out_.data()}});
+    linear<T>(g_.data(), B, F, {{ptr(L.down), D_, out_.data()}});
     for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
@@ -414,14 +460,14 @@ class DecodeStep {
   void experts(Layer& L, int64_t B, bool shared) {
     const int64_t E = L.router.size(0), K = L.top_k, Hd = L.expert_down.size(1);
     logits_.resize(B * E);
-    linear(h_.data(), B, D_, {{L.router.data_ptr<float>(), E, logits_.data()}});
-    const float* bias = L.bias.data_ptr<float>();
+    linear<T>(h_.data(), B, D_, {{ptr(L.router), E, logits_.data()}});
+    const T* bias = ptr(L.bias);
     std::vector<std::vector<std::pair<int64_t, float>>> rows(E);  // expert -> (row, weight)
     std::vector<int64_t> chosen(K);
     std::vector<float> choice(E);
     for (int64_t b = 0; b < B; ++b) {
       const float* l = &logits_[b * E];
-      for (int64_t e = 0; e < E; ++e) choice[e] = l[e] + bias[e];
+      for (int64_t e = 0; e < E; ++e) choice[e] = l[e] + as_float(bias[e]);
       for (int64_t k = 0; k < K; ++k) {  // the k best choices, the lower index first on ties
         int64_t best = -1;
         for (int64_t e = 0; e < E; ++e)
@@ -463,22 +509,22 @@ class DecodeStep {
         float* dst = &xe_[(first[e] + r) * D_];
         for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
       }
-    const int64_t T = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
-    part_.assign(T * slots * F, 0.f);
+    const int64_t NT = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
+    part_.assign(NT * slots * F, 0.f);
     if (shared) { g_.resize(B * SF); u_.resize(B * SF); out_.resize(B * D_); }
-    const Product shared_gate{shared ? L.gate.data_ptr<float>() : nullptr, SF, g_.data()};
-    const Product shared_up{shared ? L.up.data_ptr<float>() : nullptr, SF, u_.data()};
-    const Product shared_down{shared ? L.down.data_ptr<float>() : nullptr, D_, out_.data()};
-    auto share = [T](int64_t n, int64_t t) { return n / kWide * t / T * kWide; };  // thread t's first column
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    const Product<T> shared_gate{shared ? ptr(L.gate) : nullptr, SF, g_.data()};
+    const Product<T> shared_up{shared ? ptr(L.up) : nullptr, SF, u_.data()};
+    const Product<T> shared_down{shared ? ptr(L.down) : nullptr, D_, out_.data()};
+    auto share = [NT](int64_t n, int64_t t) { return n / kWide * t / NT * kWide; };  // thread t's first column
+    at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         if (shared) {
           product_columns(h_.data(), B, D_, shared_gate, share(SF, t), share(SF, t + 1));
           product_columns(h_.data(), B, D_, shared_up, share(SF, t), share(SF, t + 1));
         }
-        const int64_t k0 = D_ * t / T, k1 = D_ * (t + 1) / T;
+        const int64_t k0 = D_ * t / NT, k1 = D_ * (t + 1) / NT;
         for (int64_t e = 0; e < E; ++e) {
-          const float* gate_up = L.gate_up.data_ptr<float>() + e * D_ * F;
+          const T* gate_up = ptr(L.gate_up) + e * D_ * F;
           for (int64_t k = k0; k < k1; k += kRowBlock)
             for (int64_t s = first[e]; s < first[e + 1]; ++s)
               add_rows(&xe_[s * D_], gate_up, F, k, std::min(k + kRowBlock, k1), &part_[(t * slots + s) * F]);
@@ -486,20 +532,20 @@ class DecodeStep {
       }
     });
     if (shared) swiglu_rows(g_.data(), u_.data(), B * SF, g_.data());
-    ye_.assign(T * B * D_, 0.f);
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    ye_.assign(NT * B * D_, 0.f);
+    at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> act(F);
       for (int64_t t = t0; t < t1; ++t) {
         if (shared) product_columns(g_.data(), B, SF, shared_down, share(D_, t), share(D_, t + 1));
-        const int64_t j0 = Hd * t / T, j1 = Hd * (t + 1) / T, width = j1 - j0;
+        const int64_t j0 = Hd * t / NT, j1 = Hd * (t + 1) / NT, width = j1 - j0;
         float* mine = &ye_[t * B * D_];
         for (int64_t e = 0; e < E; ++e) {
-          const float* down = L.expert_down.data_ptr<float>() + e * Hd * D_;
+          const T* down = ptr(L.expert_down) + e * Hd * D_;
           for (int64_t s = first[e]; s < first[e + 1]; ++s) {
             float* g = act.data();
             float* u = act.data() + width;
             std::fill(act.begin(), act.end(), 0.f);
-            for (int64_t p = 0; p < T; ++p) {  // the threads' partial sums, in thread order
+            for (int64_t p = 0; p < NT; ++p) {  // the threads' partial sums, in thread order
               const float* sums = &part_[(p * slots + s) * F];
               for (int64_t j = 0; j < width; ++j) { g[j] += sums[j0 + j]; u[j] += sums[Hd + j0 + j]; }
             }
@@ -512,11 +558,14 @@ class DecodeStep {
         }
       }
     });
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = 0; t < NT; ++t)
       for (int64_t i = 0; i < B * D_; ++i) y_[i] += ye_[t * B * D_ + i];
     if (shared)
       for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
+
+  static constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  static const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
 
   at::Tensor embed_, norm_, head_, rope_;
   float eps_;
@@ -526,16 +575,23 @@ class DecodeStep {
   bool distinct_ = true;  // every entry in a row of its own
   // scratch, reused by every step (a step's buffers are sized by its rows)
   std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_, part_;
+  std::vector<T> kt_, vt_;
 };
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+template <typename T>
+void bind(py::module& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
-  py::class_<DecodeStep>(m, "DecodeStep")
+  py::class_<DecodeStep<T>>(m, name)
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t,
                     std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>,
                     std::vector<std::vector<double>>>())
-      .def("step", &DecodeStep::step, "logits (B, vocab) of each entry's token at its position, in its row",
+      .def("step", &DecodeStep<T>::step, "logits (B, vocab) of each entry's token at its position, in its row",
            py::arg("tokens"), py::arg("positions"), py::arg("rows") = std::vector<int64_t>{}, release());
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind<float>(m, "DecodeStep");
+  bind<bf16>(m, "DecodeStepBF16");
 }

@@ -8,10 +8,12 @@ step once, and each step is then one call that writes the rows' new keys into th
 
 It computes the model files' math for the layers they define: RMSNorm, GQA attention with RoPE, QK-norm,
 chunks, rings and the NoPE temperature, dense SwiGLU, and the MoE with the built-in routers (sigmoid,
-softmax over the chosen or over all experts) and a shared expert, in float32. `unsupported(model)` names
-what it does not (another dtype or device, a router or module of another kind, LoRA's parametrised
-weights), and the engine's runner then keeps the plain step; it also keeps it while anything is watching
-the modules (`observe`, forward hooks) and where capacity at inference makes the rows of a batch compete.
+softmax over the chosen or over all experts) and a shared expert. It reads float32 or bfloat16 weights and
+cache (a model loaded with `--dtype bfloat16`: half the bytes a token, what decoding on a CPU is bound by)
+and computes in float32 either way. `unsupported(model)` names what it does not (another dtype or device,
+a router or module of another kind, LoRA's parametrised weights), and the engine's runner then keeps the
+plain step; it also keeps it while anything is watching the modules (`observe`, forward hooks) and where
+capacity at inference makes the rows of a batch compete.
 The runner measures both on its first steps and keeps the faster (engine/runner.py).
 """
 
@@ -36,6 +38,7 @@ from .experts import FastExperts
 from .linear import FastLinear
 
 SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
+DTYPES = {torch.float32: "DecodeStep", torch.bfloat16: "DecodeStepBF16"}  # the weights' dtype: its C++ class
 LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) weight
 ATTENDS = (sdpa_attend, cpu_autocast_attend)  # attention backends that compute the plain math
 
@@ -63,8 +66,8 @@ def unsupported(model: Transformer) -> str | None:
     params = list(model.parameters())
     if any(p.device.type != "cpu" for p in params):
         return "a model off the CPU"
-    if any(p.dtype != torch.float32 for p in params):
-        return "weights other than float32"
+    if any(p.dtype not in DTYPES for p in params) or len({p.dtype for p in params}) > 1:
+        return "weights other than all float32 or all bfloat16"
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         return "parametrised weights (LoRA adapters)"
     if type(model.norm) is not RMSNorm or type(model.embed) is not nn.Embedding or type(model.lm_head) not in LINEARS:
@@ -159,9 +162,9 @@ class FastStep:
         self.model, self.context, self._hooks = model, context, hook_tables(model)
         self._parts = [(b.attn, b.ffn) for b in model.blocks]
         self.capacity_competes = cfg.capacity_at_inference
-        self._step = load().DecodeStep(model.embed.weight.detach(), model.norm.weight.detach(),
-                                       model.lm_head.weight.detach(), rope, cfg.norm_eps, cfg.n_heads,
-                                       cfg.n_kv_heads, cfg.head_dim, tensors, ints, floats)
+        step_class = getattr(load(), DTYPES[model.embed.weight.dtype])
+        self._step = step_class(model.embed.weight.detach(), model.norm.weight.detach(), model.lm_head.weight.detach(),
+                                rope, cfg.norm_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, tensors, ints, floats)
 
     def usable(self, rows: int) -> bool:
         """Whether this step computes what the plain one would now: nothing watching the modules, and no
