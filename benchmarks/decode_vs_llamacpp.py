@@ -13,7 +13,12 @@ exported with `llamacpp.export_gguf`, then decoded greedily `--new` tokens after
 The two alternate (ours, theirs, ours, theirs, ...) and each keeps its best of `--rounds`. The floor is the
 machine's read bandwidth (a sum over 256 MiB) over the weight bytes one token reads.
 
-    .venv/bin/python benchmarks/decode_vs_llamacpp.py [--models demo,big] [--new 224] [--threads 2] [--rounds 3]
+`--weights` compares like with like where llama.cpp reads fewer bytes: `bf16` is our model loaded in
+bfloat16 (`--dtype bfloat16`; the C++ step reads bf16 weights and cache) against the file's matrices in
+BF16 and in F16; `q8_0` is llama.cpp alone on Q8_0 matrices (we have no int8 path), for reference.
+
+    .venv/bin/python benchmarks/decode_vs_llamacpp.py [--models demo,big] [--weights f32,bf16,q8_0] [--new 224]
+        [--threads 2] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -65,22 +70,34 @@ def ours(model, prompt: list[int], new: int) -> tuple[float, float]:
 
 
 def theirs(where: Path, gguf: Path, new: int, threads: int, context: int) -> float:
-    """llama-completion's eval tokens/s (the tokens after the prompt's, each a one-token step)."""
-    proc = subprocess.run([str(where / "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", str(new),
-                           "--temp", "0", "--ignore-eos", "-t", str(threads), "-c", str(context), "-no-cnv",
-                           "--no-display-prompt", "--simple-io", "--seed", "0", "--no-warmup"],
-                          capture_output=True, text=True, timeout=900)
-    found = re.findall(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", proc.stdout + proc.stderr)
-    found = [f for f in found if f]  # "prompt eval time" also matches \beval; its runs are the prompt's
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"llama-completion failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    ms, runs = found[-1]
-    return int(runs) / (float(ms) / 1000)
+    """llama-completion's eval tokens/s (the tokens after the prompt's, each a one-token step). Its logger may
+    lose its last lines at exit (benchmarks/llama_cpp.py's `_tool`), so a run whose figures are missing is
+    run again."""
+    for _ in range(8):
+        proc = subprocess.run([str(where / "llama-completion"), "-m", str(gguf), "-p", PROMPT, "-n", str(new),
+                               "--temp", "0", "--ignore-eos", "-t", str(threads), "-c", str(context), "-no-cnv",
+                               "--no-display-prompt", "--simple-io", "--seed", "0", "--no-warmup"],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-completion failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        found = re.findall(r"(prompt )?eval time =\s*([\d.]+) ms /\s*(\d+) runs", proc.stdout + proc.stderr)
+        found = [(ms, runs) for prompt, ms, runs in found if not prompt]
+        if found:
+            ms, runs = found[-1]
+            return int(runs) / (float(ms) / 1000)
+    raise RuntimeError(f"llama-completion printed no eval time 8 times:\n{proc.stderr[-2000:]}")
+
+
+PAIRS = {"f32": [("f32", torch.float32, "f32")],  # --weights: (ours, our dtype, llama.cpp's file) each
+         "bf16": [("bf16", torch.bfloat16, "bf16"), ("bf16", torch.bfloat16, "f16")],
+         "q8_0": [(None, None, "q8_0")]}
+BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8_0": 34 / 32}  # a weight's bytes in each (Q8_0: 32 int8 + a scale)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="demo,big")
+    ap.add_argument("--weights", default="f32,bf16,q8_0", help="comma-separated: f32, bf16, q8_0")
     ap.add_argument("--new", type=int, default=224)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -94,31 +111,43 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tokenizer.encode(PROMPT)
     context = len(prompt) + args.new
     bandwidth = read_bandwidth()
-    print(f"torch {torch.__version__}, {args.threads} threads, float32, greedy, prompt {len(prompt)} tokens, "
-          f"{args.new} new; read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 256 MiB)\n")
-    print("| model | parameters | MB a token | floor tok/s | ours, decode tok/s | ours with prefill | "
-          "llama.cpp eval tok/s | ours / llama.cpp | rounds: ours / llama.cpp |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print(f"torch {torch.__version__}, {args.threads} threads, greedy, prompt {len(prompt)} tokens, {args.new} new; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over 256 MiB)\n")
+    print("| model | parameters | ours | llama.cpp's file | MB a token (file) | floor tok/s | ours, decode tok/s | "
+          "ours with prefill | llama.cpp eval tok/s | ours / llama.cpp | rounds: ours / llama.cpp |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
             cfg = config(name, tokenizer.vocab_size, context)
             torch.manual_seed(0)
             model = build_model(cfg).eval()
-            gguf = Path(work) / f"{name}.gguf"
-            export_gguf(model, tokenizer, gguf)
-            generate_ids(model, [prompt], 32, temperature=0)  # the runner's trial steps choose its way
-            mine, theirs_ = [], []
-            for _ in range(args.rounds):
-                mine.append(ours(model, prompt, args.new))
-                theirs_.append(theirs(args.bin, gguf, args.new, args.threads, context))
-            best, best_whole, best_theirs = max(m[0] for m in mine), max(m[1] for m in mine), max(theirs_)
-            floor = bandwidth / step_bytes(cfg, 1)
-            rounds = ", ".join(f"{m[0]:.0f}/{t:.0f}" for m, t in zip(mine, theirs_, strict=True))
             n = sum(p.numel() for p in model.parameters())
-            print(f"| {name} | {n / 1e6:.1f}M | {step_bytes(cfg, 1) / 1e6:.1f} | {floor:,.0f} | {best:,.0f} | "
-                  f"{best_whole:,.0f} | {best_theirs:,.0f} | {best / best_theirs:.2f} | {rounds} |", flush=True)
+            for pair in args.weights.split(","):
+                for ours_type, dtype, file_type in PAIRS[pair]:
+                    gguf = Path(work) / f"{name}-{file_type}.gguf"
+                    export_gguf(model, tokenizer, gguf, weights=file_type)
+                    mine_model = model.to(dtype) if dtype is not None else None
+                    if mine_model is not None:
+                        generate_ids(mine_model, [prompt], 32, temperature=0)  # the runner's trials choose its way
+                    mine, theirs_ = [], []
+                    for _ in range(args.rounds):
+                        if mine_model is not None:
+                            mine.append(ours(mine_model, prompt, args.new))
+                        theirs_.append(theirs(args.bin, gguf, args.new, args.threads, context))
+                    gguf.unlink()
+                    step = step_bytes(cfg, 1) / 4 * BYTES[file_type]
+                    floor = bandwidth / step
+                    best_theirs = max(theirs_)
+                    if mine:
+                        best, whole = max(m[0] for m in mine), max(m[1] for m in mine)
+                        rounds = ", ".join(f"{m[0]:.0f}/{t:.0f}" for m, t in zip(mine, theirs_, strict=True))
+                        cells = f"{best:,.0f} | {whole:,.0f} | {best_theirs:,.0f} | {best / best_theirs:.2f} | {rounds}"
+                    else:
+                        cells = f"– | – | {best_theirs:,.0f} | – | " + ", ".join(f"{t:.0f}" for t in theirs_)
+                    print(f"| {name} | {n / 1e6:.1f}M | {ours_type or '–'} | {file_type.upper()} | {step / 1e6:.1f} | "
+                          f"{floor:,.0f} | {cells} |", flush=True)
+            model.float()
             del model
-            gguf.unlink()
     return 0
 
 

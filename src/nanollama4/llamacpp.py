@@ -183,12 +183,21 @@ def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name, t in out.items()}
 
 
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # what export_gguf writes the weight matrices as (gguf's quantizer)
+
+
 def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, path: str | os.PathLike[str],
-                name: str = "nanollama4") -> list[str]:
-    """Write `model` and `tokenizer` as one GGUF file at `path` (a new file, not a link), float32, after
-    `check_llamacpp`; returns its notes. Written beside `path` and renamed into place, so a failed export
-    leaves nothing a retry would refuse."""
+                name: str = "nanollama4", weights: str = "f32") -> list[str]:
+    """Write `model` and `tokenizer` as one GGUF file at `path` (a new file, not a link), after
+    `check_llamacpp`; returns its notes. The weight matrices as `weights` (one of GGUF_TYPES: float32,
+    float16, bfloat16, or Q8_0's blocks of 32 int8 values with a float16 scale each), the norms and other
+    vectors in float32 as llama.cpp's own converter keeps them. Written beside `path` and renamed into place,
+    so a failed export leaves nothing a retry would refuse."""
     import gguf
+
+    if weights not in GGUF_TYPES:
+        raise ConfigError(f"unknown GGUF weight type {weights!r}; choose one of {', '.join(GGUF_TYPES)}")
+    qtype = getattr(gguf.GGMLQuantizationType, weights.upper())
 
     path = Path(path)
     if path.is_symlink() or path.exists():
@@ -244,7 +253,11 @@ def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, pat
                          "llama.cpp then takes token 11 for its end; generate with --ignore-eos there")
         w.add_token_types(types)
         for key, t in tensors.items():
-            w.add_tensor(key, t.numpy())
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if qtype == gguf.GGMLQuantizationType.F32 or t.dim() < 2 or t.shape[-1] % block:
+                w.add_tensor(key, t.numpy())  # (a row Q8_0 cannot split into blocks stays float32)
+            else:
+                w.add_tensor(key, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

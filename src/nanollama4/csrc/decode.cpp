@@ -92,11 +92,12 @@ inline void linear_tile(const float* x, int64_t K, const T* w, int64_t N, float*
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
   for (int64_t k = 0; k < K; k += kWide) {
-    wvec a[R], b[C];
+    wvec a[R];
     for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
-    for (int c = 0; c < C; ++c) b[c] = wload(w + c * K + k);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r * C + c] += a[r] * b[c];
+    for (int c = 0; c < C; ++c) {
+      const wvec b = wload(w + c * K + k);
+      for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+    }
   }
   const wvec sums = whsum_all(acc);
   alignas(64) float out[kWide];
