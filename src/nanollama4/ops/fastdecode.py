@@ -19,6 +19,8 @@ The runner measures both on its first steps and keeps the faster (engine/runner.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -109,23 +111,24 @@ def watched(model: Transformer, hooks: list[dict] | None = None, parts: list | N
     return any(tables) or bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
-def hook_tables(model: nn.Module) -> list[dict]:
-    """Every module's forward hook and pre-hook tables, and its own attributes (where a `forward` patched onto
-    the instance lands): each is added to in place, so a list made once shows later hooks and patches too,
-    and checking it is one `any` per step."""
-    return [table for m in model.modules() for table in (m._forward_hooks, m._forward_pre_hooks, _Patched(m))]
+def hook_tables(model: nn.Module) -> list:
+    """Every module's forward hook and pre-hook tables, and one check of all modules' own attributes (where a
+    `forward` patched onto the instance lands): each is added to in place, so a list made once shows later
+    hooks and patches too, and checking it is one `any` per step, its loops in C."""
+    modules = list(model.modules())
+    return [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)] + [_Patched(modules)]
 
 
 class _Patched:
-    """True when a module has a `forward` of its own on the instance (a test's or a user's patch)."""
+    """True when some module has a `forward` of its own on the instance (a test's or a user's patch)."""
 
     __slots__ = ("attributes",)
 
-    def __init__(self, module: nn.Module) -> None:
-        self.attributes = module.__dict__
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.attributes = [m.__dict__ for m in modules]
 
     def __bool__(self) -> bool:
-        return "forward" in self.attributes
+        return any(map(operator.contains, self.attributes, itertools.repeat("forward")))
 
 
 class FastStep:
