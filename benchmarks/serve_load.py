@@ -9,10 +9,12 @@ throughput over one client's.
 
     python benchmarks/serve_load.py [--path RUN_OR_HF_DIR] [--dense-peer] [--levels 1,4,16,32] [--stream-interval MS]
 
-After each server's levels, offline `generate` of one client's requests (same prompts, lengths, seeds and
-thread count as the server) gives the reference for one served stream. Both sides are measured alike: the
-same warm-up (long enough for the engine's runner to finish timing its ways for one row), then the best
-of --repeats runs (each level's row is its fastest run).
+Offline `generate` of one client's requests (same prompts, lengths, seeds and thread count as the server)
+gives the reference for one served stream, measured in turn with the one-client level (served, offline,
+served, offline, ...: on a shared or throttling machine the rate drifts by 20-50% between minutes, so the
+two sides are measured in the same minutes). Both sides are measured alike: the same warm-up (long enough
+for the engine's runner to finish timing its ways for one row), then the best of --repeats runs (each
+level's row is its fastest run).
 
 Without --path it serves a freshly initialised demo-preset (shakespeare-char) model, exported to a
 temporary folder: the cost of a step does not depend on what the weights learned. --dense-peer
@@ -105,32 +107,43 @@ def demo_model_folder(folder: Path, dense: bool = False) -> Path:
     return folder
 
 
-def offline(path: str, args: argparse.Namespace) -> float:
-    """Tokens/s of offline `generate` (the same engine, no HTTP) for one client's requests in turn, on the
-    server's thread count (cores less one), the same prompts, lengths and seeds as one served client."""
-    import torch
+class Offline:
+    """Offline `generate` (the same engine, no HTTP) of one client's requests in turn, on the server's thread
+    count (cores less one), the same prompts, lengths and seeds as one served client."""
 
-    from nanollama4.generation import generate
-    from nanollama4.hf import load_any
+    def __init__(self, path: str, args: argparse.Namespace) -> None:
+        from nanollama4.hf import load_any
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    try:
-        model, tok = load_any(path)
-        generate(model, tok, PROMPTS[0], WARM_UP, temperature=0.8, seed=0)  # warm-up, as the server's
-        best = float("inf")
-        for _ in range(args.repeats):
+        self.args, self.best = args, float("inf")
+        self.model, self.tok = load_any(path)
+        self.run(warm_up=True)
+
+    def run(self, warm_up: bool = False) -> None:
+        import torch
+
+        from nanollama4.generation import generate
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        try:
+            if warm_up:  # as the server's
+                generate(self.model, self.tok, PROMPTS[0], WARM_UP, temperature=0.8, seed=0)
+                return
             start = time.perf_counter()
-            for r in range(args.requests):
-                generate(model, tok, PROMPTS[r % len(PROMPTS)], args.max_tokens, temperature=0.8, seed=r)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return args.requests * args.max_tokens / best
+            for r in range(self.args.requests):
+                generate(self.model, self.tok, PROMPTS[r % len(PROMPTS)], self.args.max_tokens, temperature=0.8, seed=r)
+            self.best = min(self.best, time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(threads)
+
+    @property
+    def rate(self) -> float:
+        return self.args.requests * self.args.max_tokens / self.best
 
 
-def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
-    """The load levels against one `nanollama4 serve PATH` process."""
+def sweep(path: str, levels: list[int], args: argparse.Namespace, offline: Offline) -> list[dict]:
+    """The load levels against one `nanollama4 serve PATH` process; offline generate in turn with the
+    one-client level's runs."""
     interval = [] if args.stream_interval is None else ["--stream-interval", str(args.stream_interval)]
     server = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", path, "--port", "0",
                                "--max-batch", str(args.max_batch), "--name", "bench", *interval],
@@ -139,8 +152,17 @@ def sweep(path: str, levels: list[int], args: argparse.Namespace) -> list[dict]:
     try:
         url = re.search(r"http://[0-9.]+:\d+", server.stdout.readline())[0]
         asyncio.run(level(url, "bench", 1, 1, WARM_UP))  # warm-up: first-call allocations, the runner's trials
-        runs = [[asyncio.run(level(url, "bench", c, args.requests, args.max_tokens)) for _ in range(args.repeats)]
-                for c in levels]
+        runs = []
+        for c in levels:
+            rows = []
+            for _ in range(args.repeats):
+                rows.append(asyncio.run(level(url, "bench", c, args.requests, args.max_tokens)))
+                if c == 1:
+                    offline.run()
+            runs.append(rows)
+        if 1 not in levels:
+            for _ in range(args.repeats):
+                offline.run()
         return [max(rows, key=lambda row: row["tps"]) for rows in runs]
     finally:
         server.terminate()
@@ -185,16 +207,17 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d')}\n")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.path or str(demo_model_folder(Path(tmp) / "demo"))
-        rows = sweep(path, levels, args)
+        offline = Offline(path, args)
+        rows = sweep(path, levels, args, offline)
         print(table(f"MoE: {args.path or 'fresh demo-preset model (8 experts, top-1 + shared)'}", rows))
-        print(f"\noffline generate, same prompts and settings: {versus(offline(path, args), rows)}", flush=True)
+        print(f"\noffline generate, same prompts and settings: {versus(offline.rate, rows)}", flush=True)
         if args.dense_peer:
             dense = str(demo_model_folder(Path(tmp) / "dense", dense=True))
-            rows = sweep(dense, levels, args)
+            offline = Offline(dense, args)
+            rows = sweep(dense, levels, args, offline)
             print()
             print(table("dense twin of the same active size (FFN 768), fresh", rows))
-            print(f"\noffline generate, same prompts and settings: {versus(offline(dense, args), rows)}", flush=True)
-
+            print(f"\noffline generate, same prompts and settings: {versus(offline.rate, rows)}", flush=True)
 
 if __name__ == "__main__":
     main()
