@@ -4,6 +4,7 @@ differently is refused with each difference named. Where llama.cpp's tools are b
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -321,3 +322,52 @@ def test_the_weight_matrices_go_in_the_type_asked_and_the_vectors_stay_float32(w
         return float(re.findall(r"\[(\d+)\]([\d.]+),", out)[-1][1])
 
     assert abs(perplexity(typed) / perplexity(exact) - 1) < 1e-2
+
+
+def test_export_outtype_writes_the_type_and_says_so(runs, tmp_path, capsys):
+    """`export --format gguf --outtype q4_0`: the matrices in Q4_0, the line saying so; a transformers export
+    refuses an --outtype (it holds the run's float32 weights)."""
+    out = tmp_path / "q4.gguf"
+    rc, printed, err = run_cli(["export", str(runs["char"]), str(out), "--format", "gguf", "--outtype", "q4_0"], capsys)
+    assert rc == 0, err
+    assert "its matrices in Q4_0" in printed
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert types["output_norm.weight"] == gguf.GGMLQuantizationType.F32
+    rc, _, err = run_cli(["export", str(runs["char"]), str(tmp_path / "hf"), "--outtype", "q8_0"], capsys)
+    assert "--outtype is for --format gguf" in assert_cli_error(rc, err, "export")
+
+
+def test_approximate_exports_what_llama_cpp_computes_and_says_what_it_costs(corpus, tmp_path, capsys):
+    """Issue 72: the demo's run (chunks of 64, a temperature floor of 64, balancing biases) did not export.
+    `--approximate` writes the model llama.cpp computes from the same weights (full attention within the
+    context, its temperature, no bias), after printing each change and the validation loss before and after;
+    the printed "after" is that model's loss, computed here on its own; the GGUF holds the weights as they are."""
+    from nanollama4.commands import DROP_BIAS_TOKENS
+    from nanollama4.evaluation import full_validation_loss, validation_of_run
+    from nanollama4.llamacpp import nearest_llamacpp
+
+    run = tmp_path / "chunked"
+    tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2, max_steps=6, lr=3e-3,
+                     threads=1)
+    train(preset("tiny", bias_balance_rate=0.05), tc, run, data=str(corpus), progress=False)
+    out = tmp_path / "near.gguf"
+    rc, printed, err = run_cli(["export", str(run), str(out), "--format", "gguf", "--approximate"], capsys)
+    assert rc == 0, err
+    assert "chunks of 8 become llama.cpp's full attention within the context of 64" in printed
+    assert "temperature (floor 4, scale 0.1) becomes llama.cpp's (floor 8192, scale 0.1, 1 throughout" in printed
+    assert "balancing biases are dropped" in printed
+    found = re.search(r"Validation loss (\d+\.\d{4}) as trained, (\d+\.\d{4}) as llama.cpp computes it "
+                      r"\(([-+]\d+\.\d{4}) nats/token", printed)
+    assert found, printed
+    trained = validation_of_run(run, max_tokens=DROP_BIAS_TOKENS)
+    cfg, _ = nearest_llamacpp(trained.model.cfg)
+    assert llamacpp_differences(cfg).differences == []
+    near = build_model(cfg)
+    near.load_state_dict(trained.model.state_dict())
+    for moe in near.moe_layers():
+        moe.router.expert_bias.data.zero_()
+    theirs = full_validation_loss(near, trained.tokens, trained.window, torch.device("cpu"))
+    assert float(found[2]) == pytest.approx(theirs, abs=1e-4) and float(found[1]) != float(found[2])
+    _, tensors = read_back(out)
+    assert torch.equal(tensors["blk.0.attn_q.weight"], gguf_tensors(near)["blk.0.attn_q.weight"])

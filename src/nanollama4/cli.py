@@ -278,6 +278,14 @@ def _model_commands(sub: Any) -> None:
                    help="hf: transformers' Llama4ForCausalLM folder (default); gguf: llama.cpp's Llama 4, refused "
                         "with each difference named when llama.cpp would compute another model (docs/interop.md)")
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    p.add_argument("--outtype", default="f32", metavar="TYPE",
+                   help="gguf: the weight matrices' type, one of llamacpp.GGUF_TYPES: f32 (default), f16, bf16, "
+                        "q8_0, q5_1, q5_0, q4_1, q4_0 (q8_0 about a quarter of f32's bytes; what each costs in "
+                        "perplexity: docs/interop.md)")
+    p.add_argument("--approximate", action="store_true",
+                   help="gguf: write the model llama.cpp computes from these weights (its chunk of 8,192 and NoPE "
+                        "temperature, no balancing bias) after printing the validation-loss change that makes; "
+                        "for a run trained with the demo's chunks of 64")
     p.add_argument("--drop-bias", action="store_true",
                    help="write a model trained with bias balancing without its balancing biases (the reference "
                         "router has none), after printing the validation-loss change that makes")

@@ -53,20 +53,24 @@ def evaluate(model: Transformer, batches: list[tuple[torch.Tensor, torch.Tensor]
 
 @torch.no_grad()
 def full_validation_loss(model: Transformer, tokens: np.ndarray, seq_len: int, device: torch.device,
-                         bf16: bool = False, batch_size: int = 32) -> float:
+                         bf16: bool = False, batch_size: int = 32,
+                         progress: Callable[[int, int], None] | None = None) -> float:
     """Mean nats per token over every token of `tokens`, predicted in non-overlapping windows of seq_len.
 
     Each window predicts its own tokens from the earlier ones in the same window, so every token but the
-    first is predicted exactly once; the final partial window is included.
+    first is predicted exactly once; the final partial window is included. `progress(done, total)` is told
+    the tokens predicted so far after each batch (a large model takes minutes: the CLI draws a bar).
     """
     model.eval()
-    total = 0.0
+    total, done, n_pred = 0.0, 0, len(tokens) - 1
     for x, y in windows(tokens, seq_len, batch_size):
         with autocast(device, bf16):
             logits = model(x.to(device))
         total += torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(device),
                                                    reduction="sum").item()
-    n_pred = len(tokens) - 1
+        done += y.numel()
+        if progress is not None:
+            progress(done, n_pred)
     return total / n_pred
 
 
@@ -93,8 +97,8 @@ class RunValidation:
     bf16: bool
     whole_file: bool = False  # the tokens are every token of a text the run was not trained on, not its split
 
-    def loss(self) -> float:
-        return full_validation_loss(self.model, self.tokens, self.window, self.device, self.bf16)
+    def loss(self, progress: Callable[[int, int], None] | None = None) -> float:
+        return full_validation_loss(self.model, self.tokens, self.window, self.device, self.bf16, progress=progress)
 
 
 def validation_of_run(path: str | Path, prefer: str = "best", data: str | Path | None = None,

@@ -109,6 +109,29 @@ def llamacpp_differences(cfg: ModelConfig) -> Comparison:
     return Comparison(diffs, notes)
 
 
+def nearest_llamacpp(cfg: ModelConfig) -> tuple[ModelConfig, list[str]]:
+    """The model llama.cpp computes from this one's weights, where the two differ only in what llama.cpp's
+    Llama 4 graph fixes rather than reads from the file: its chunk of 8,192 on the RoPE layers and its NoPE
+    temperature (floor 8,192, scale 0.1). Returns that config and each change in words; the weights carry
+    over as they are (`export --approximate` measures what the changes cost first). Differences of another
+    kind (the router, the NoPE layers' places, QK-norm) remain, and `check_llamacpp` still refuses them."""
+    ctx, changes, fields = cfg.max_seq_len, [], {}
+    chunk = cfg.attention_chunk_size
+    if chunk != CHUNK and min(chunk or ctx, CHUNK) < ctx and any(cfg.uses_rope(i) for i in range(cfg.n_layers)):
+        fields["attention_chunk_size"] = None if ctx <= CHUNK else CHUNK
+        theirs = "full attention within the context" if ctx <= CHUNK else f"chunks of {CHUNK}"
+        changes.append(f"the RoPE layers' chunks of {chunk} become llama.cpp's {theirs} of {ctx}")
+    if any(not cfg.uses_rope(i) for i in range(cfg.n_layers)):
+        ours = _temperature(cfg, cfg.attn_temperature_tuning, cfg.floor_scale, cfg.attn_scale)
+        theirs = _temperature(cfg, True, TEMPERATURE_FLOOR, TEMPERATURE_SCALE)
+        if ours != theirs:
+            fields.update(attn_temperature_tuning=True, floor_scale=TEMPERATURE_FLOOR, attn_scale=TEMPERATURE_SCALE)
+            changes.append(f"the NoPE layers' temperature (floor {cfg.floor_scale}, scale {cfg.attn_scale}) becomes "
+                           f"llama.cpp's (floor {TEMPERATURE_FLOOR}, scale {TEMPERATURE_SCALE}"
+                           f"{', 1 throughout the context' if theirs is None else ''})")
+    return cfg.replace(**fields), changes
+
+
 def check_llamacpp(model: Transformer) -> list[str]:
     """Refuse (CheckpointError, one line) a model llama.cpp would compute differently; the notes otherwise."""
     found = llamacpp_differences(model.cfg)
@@ -183,15 +206,17 @@ def gguf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name, t in out.items()}
 
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")  # what export_gguf writes the weight matrices as (gguf's quantizer)
+# What export_gguf writes the weight matrices as: llama.cpp's types that the gguf package's own quantizer
+# writes (its k-quants it does not). Q8_0 to Q4_0: blocks of 32 values of 8, 5 or 4 bits with a float16
+# scale each (the _1 types a minimum too).
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
 def export_gguf(model: Transformer, tokenizer: CharTokenizer | BPETokenizer, path: str | os.PathLike[str],
                 name: str = "nanollama4", weights: str = "f32") -> list[str]:
     """Write `model` and `tokenizer` as one GGUF file at `path` (a new file, not a link), after
-    `check_llamacpp`; returns its notes. The weight matrices as `weights` (one of GGUF_TYPES: float32,
-    float16, bfloat16, or Q8_0's blocks of 32 int8 values with a float16 scale each), the norms and other
-    vectors in float32 as llama.cpp's own converter keeps them. Written beside `path` and renamed into place,
+    `check_llamacpp`; returns its notes. The weight matrices as `weights` (one of GGUF_TYPES), the norms and
+    other vectors in float32 as llama.cpp's own converter keeps them. Written beside `path` and renamed into place,
     so a failed export leaves nothing a retry would refuse."""
     import gguf
 
