@@ -162,6 +162,8 @@ def arms(*names: str) -> tuple[str, str]:
     (('preset = "tiny"', 'preset = "tiny"\nexperts_per_token = 3'), r"arm 'n_experts=2': experts_per_token \(3\)"),
     (('["n_experts=4", "n_experts=2"]', '["n_experts=8", "n_experts=2"]'), r"names the arm 'n_experts=8'"),
     (("[sweep]", "[sweeps]"), r"unknown key 'sweeps'; a sweep config file holds"),
+    (("seq_len = 32", "seq_len = 32\nscore_tokens = 4096"),
+     r"\[train\] has no key 'score_tokens'; it belongs in \[sweep\]"),
     # one rule from an arm to its folder: two arms that would share one (case aside) are refused, naming both
     (arms("lr 0.01", "lr_0.01"), r"arms 'lr 0\.01' and 'lr_0\.01' would share the run folder runs/lr_0\.01-seedS"),
     (arms("a/b", "a_b"), r"arms 'a/b' and 'a_b' would share the run folder runs/a_b-seedS"),

@@ -109,9 +109,12 @@ def check_value(where: str, key: str, value: Any, hint: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFile:
+def read_config_file(path: str | Path, extra: tuple[str, ...] = (), homes: dict[str, str] | None = None
+                     ) -> ConfigFile:
     """The file at `path`, every key checked against the declarations; one ConfigError line otherwise. The
-    top-level keys in `extra` (a sweep file's) are kept unchecked in `ConfigFile.extra`, for the caller."""
+    top-level keys in `extra` (a sweep file's) are kept unchecked in `ConfigFile.extra`, for the caller;
+    `homes` names the extra table a key of theirs belongs in, for the error when it is written under
+    [model] or [train] (score_tokens: "sweep")."""
     path = Path(path)
     try:
         exists = path.exists()
@@ -140,7 +143,7 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
         elif key in TABLES:
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: {key} must be a table, [{key}]")
-            getattr(out, key).update(_read_table(path, key, value, out))
+            getattr(out, key).update(_read_table(path, key, value, out, homes or {}))
         elif key in extra:
             out.extra[key] = value
         else:
@@ -149,7 +152,8 @@ def read_config_file(path: str | Path, extra: tuple[str, ...] = ()) -> ConfigFil
     return out
 
 
-def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile) -> dict[str, Any]:
+def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile, homes: dict[str, str]
+                ) -> dict[str, Any]:
     """The [model] or [train] table's values by key, a kind's own table ([train.muon]) as "muon.KEY" keys."""
     cls = TABLES[table]
     known = {f.name for f in plain_fields(cls)}
@@ -176,6 +180,8 @@ def _read_table(path: Path, table: str, values: dict[str, Any], out: ConfigFile)
                 kind, _, name = new_key.partition(".")
                 raise ConfigError(f"{where} has no key {key!r}: it is {new_key} now ({whose}); write {name} = "
                                   f"{_toml_value(value)} under [{home}.{kind}]")
+            if other is None and key in homes:
+                raise ConfigError(f"{where} has no key {key!r}; it belongs in [{homes[key]}]")
             if other is None and "." not in key:
                 raise ConfigError(f"{where} has no key {key!r}; valid keys: {', '.join(sorted(known))}")
             if other is not None:

@@ -156,7 +156,7 @@ TINY_STEPS = 3
 # ---------------------------------------------------------------------------------------------- reading
 def read_sweep(path: str | Path) -> Sweep:
     """The sweep file at `path`, every key checked; one ConfigError line naming the file and key otherwise."""
-    base = read_config_file(path, extra=("sweep", "arm"))
+    base = read_config_file(path, extra=("sweep", "arm"), homes={key: "sweep" for key in SWEEP_KEYS})
     path = base.path
     table = base.extra.get("sweep")
     if not isinstance(table, dict):
