@@ -260,3 +260,23 @@ def test_a_time_budget_that_gave_arms_unequal_tokens_says_so(tmp_path, monkeypat
     sweep_report.report(tmp_path)
     assert sweep_report.paired_lines(tmp_path)[-1] == ("- Active parameters per token differ (fast 1.0K, slow 1.0K, "
                                                        "alike 800): these settings differ in compute per token too.")
+
+
+def test_the_plots_name_the_loss_unit_of_their_runs(tiny_run, corpus, tmp_path):
+    """Issue 72: sweep.png labelled a BPE sweep's axis "nats/char". The unit is read from the arms' runs:
+    nats/char where every run tokenizes by character, nats/token where one does not (or cannot be read)."""
+    from nanollama4.config import TrainConfig, preset
+    from nanollama4.train import train
+
+    bpe_run = tmp_path / "bpe"
+    tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2, max_steps=2,
+                     threads=1, tokenizer="bpe", bpe_vocab_size=300)
+    train(preset("tiny"), tc, bpe_run, data=str(corpus), progress=False)
+
+    def arm(run: Path) -> common.ArmResult:
+        return common.ArmResult(name=run.name, seed=0, run_dir=str(run), params_total=1, params_active=1, steps=1,
+                                seconds=1.0, tokens_per_s=1.0, full_val_loss=1.0)
+
+    assert common.loss_unit([arm(tiny_run)]) == "nats/char"
+    assert common.loss_unit([arm(tiny_run), arm(bpe_run)]) == "nats/token"
+    assert common.loss_unit([arm(tmp_path / "gone")]) == "nats/token"

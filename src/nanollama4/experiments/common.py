@@ -29,6 +29,7 @@ from ..files import atomic_write, read_json
 from ..memory import param_counts
 from ..plots import read_metrics, save_png
 from ..runs import fit_seq_len, is_run_dir, resume_config
+from ..tokenizer import CHAR_KIND
 from ..train import train
 from .arms import arm_run_dir
 
@@ -404,6 +405,20 @@ def save_figure(fig: Figure, path: Path) -> Path:
     return save_png(fig, path, dpi=80)
 
 
+def loss_unit(results: Sequence[ArmResult]) -> str:
+    """The validation loss's unit for a plot's axis: nats/char where every arm's run has a character tokenizer
+    (the demo's), else nats/token (a BPE run's loss is per token; and a run that can no longer be read: a
+    character is a token too, so that label is never wrong)."""
+    for r in results:
+        try:
+            state = read_json(resolve_checkpoint(Path(r.run_dir)) / "tokenizer.json", limit=1 << 20)
+        except (CheckpointError, OSError):
+            return "nats/token"
+        if state.get("kind") != CHAR_KIND:
+            return "nats/token"
+    return "nats/char"
+
+
 def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
     """Validation loss against tokens seen and against time in training steps, one line per arm (its lowest
     seed solid, the others dotted in the same colour)."""
@@ -427,7 +442,8 @@ def plot_curves(results: Sequence[ArmResult], path: Path, title: str) -> Path:
             ax.set_ylim(min(later) - 0.03, max(max(quarter), min(later) + 0.1))
     # the title once over both panels: repeated on each, a long one ran into its neighbour
     fig.suptitle(textwrap.fill(title, 110))
-    by_tokens.set(xlabel="training tokens", ylabel="validation loss (nats/char)", title="by tokens seen")
-    by_time.set(xlabel="seconds in training steps", ylabel="validation loss (nats/char)", title="by time")
+    unit = loss_unit(results)
+    by_tokens.set(xlabel="training tokens", ylabel=f"validation loss ({unit})", title="by tokens seen")
+    by_time.set(xlabel="seconds in training steps", ylabel=f"validation loss ({unit})", title="by time")
     by_tokens.legend(fontsize=8)
     return save_figure(fig, path)
