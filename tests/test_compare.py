@@ -181,8 +181,11 @@ def test_runs_of_unequal_active_size_are_said_to_be(runs, tmp_path) -> None:
     text, _ = compare_runs([runs["moe"], runs["moe-top1"]], tmp_path / "cmp")
     sizes = [param_counts(read_model_config(runs[n] / "last")).active for n in ("moe", "moe-top1")]
     assert sizes[0] > sizes[1]
-    assert f"- active parameters per token differ (moe {format_count(sizes[0])}, moe-top1 " \
-           f"{format_count(sizes[1])})" in text
+    counts = [param_counts(read_model_config(runs[n] / "last")) for n in ("moe", "moe-top1")]
+    why = [f"{part} {format_count(b)} against {format_count(a)}"
+           for (part, _, a), (_, _, b) in zip(counts[0].as_rows(), counts[1].as_rows(), strict=True) if a != b]
+    assert why and f"- active parameters per token differ (moe {format_count(sizes[0])}; moe-top1 " \
+           f"{format_count(sizes[1])} ({(sizes[1] - sizes[0]) / sizes[0]:+.0%} on moe: {', '.join(why)}))" in text
     text, _ = compare_runs([runs["moe"], runs["moe-lr"]], tmp_path / "cmp2")
     assert "active parameters per token differ" not in text
 

@@ -258,8 +258,9 @@ def test_a_time_budget_that_gave_arms_unequal_tokens_says_so(tmp_path, monkeypat
     results = [dataclasses.replace(r, params_active=800) if r.name == "alike" else r for r in results]
     common.save(tmp_path, "sweep", common.Setting(), results, {"sweep": sweep})
     sweep_report.report(tmp_path)
-    assert sweep_report.paired_lines(tmp_path)[-1] == ("- Active parameters per token differ (fast 1.0K, slow 1.0K, "
-                                                       "alike 800): these settings differ in compute per token too.")
+    assert sweep_report.paired_lines(tmp_path)[-1] == ("- Active parameters per token differ (fast 1.0K; slow 1.0K; "
+                                                       "alike 800 (-20% on fast)): these settings differ in compute "
+                                                       "per token too.")  # (its runs are gone: no components)
 
 
 def test_the_plots_name_the_loss_unit_of_their_runs(tiny_run, corpus, tmp_path):

@@ -216,7 +216,7 @@ def markdown_table(runs: Sequence[RunRecord]) -> str:
     elif keys:
         notes.append(f"The last {len(keys)} column(s) are the settings that differ between the runs "
                      "(config.toml; '-': the run's file lacks the key, '?': the run has no readable config.toml).")
-    sized = active_size_note([(r.name, r.params.active) for r in runs if r.params])  # unequal compute per token
+    sized = active_size_note([(r.name, r.params) for r in runs if r.params])  # unequal compute per token
     notes += ([shown(sized)] if sized else []) + [shown(f"{r.name}: {note}") for r in runs for note in r.notes]
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 

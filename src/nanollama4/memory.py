@@ -217,18 +217,31 @@ def shared_words(cfg: ModelConfig) -> str:
     return " + shared" if cfg.shared_dim == cfg.expert_dim else f" + shared of width {cfg.shared_dim}"
 
 
-def active_size_note(active: Sequence[tuple[str, int]]) -> str | None:
-    """One line naming each setting's active parameters per token when they are not all equal, else None.
+def active_size_note(active: Sequence[tuple[str, int | ParamCounts]]) -> str | None:
+    """One line naming each setting's active parameters per token when they are not all equal, else None:
+    each against the first by how much, and, where its ParamCounts are given, why (the components whose
+    active parameters differ from the first's).
 
     Where settings are compared (a sweep's arms, `nanollama4 compare`), a difference of active size is a
     difference of compute per token: an arm that looks like "the same model, top-2" may also be a smaller
     one (top-2 of half-width experts with the default shared expert of half width too)."""
-    sizes = {n for _, n in active}
+    rows = [(name, c if isinstance(c, ParamCounts) else None, c.active if isinstance(c, ParamCounts) else c)
+            for name, c in active]
+    sizes = {n for _, _, n in rows}
     if len(sizes) < 2:
         return None
     exact = len({format_count(n) for n in sizes}) < len(sizes)  # 158.3K and 158.3K that differ: whole numbers
-    listing = ", ".join(f"{name} {f'{n:,}' if exact else format_count(n)}" for name, n in active)
-    return f"active parameters per token differ ({listing}): these settings differ in compute per token too"
+    first, first_counts, base = rows[0]
+    listing = []
+    for name, counts, n in rows:
+        shown = f"{name} {f'{n:,}' if exact else format_count(n)}"
+        if name != first and n != base:
+            why = [f"{part} {format_count(mine)} against {format_count(theirs)}"
+                   for (part, _, mine), (_, _, theirs) in zip(counts.as_rows(), first_counts.as_rows(), strict=True)
+                   if mine != theirs] if counts is not None and first_counts is not None else []
+            shown += f" ({(n - base) / base:+.0%} on {first}{': ' + ', '.join(why) if why else ''})"
+        listing.append(shown)
+    return f"active parameters per token differ ({'; '.join(listing)}): these settings differ in compute per token too"
 
 
 def format_params_table(cfg: ModelConfig) -> str:

@@ -26,7 +26,7 @@ from ..config import ModelConfig, TrainConfig
 from ..errors import CheckpointError
 from ..evaluation import full_validation_loss_of_run, read_full_validation, record_full_validation
 from ..files import atomic_write, read_json
-from ..memory import param_counts
+from ..memory import ParamCounts, param_counts
 from ..plots import read_metrics, save_png
 from ..runs import fit_seq_len, is_run_dir, resume_config
 from ..tokenizer import CHAR_KIND
@@ -403,6 +403,15 @@ def figure(ncols: int = 1, width: float = 6.0, height: float = 4.0) -> tuple[Fig
 def save_figure(fig: Figure, path: Path) -> Path:
     """Write the figure as a small PNG (80 dpi), atomically."""
     return save_png(fig, path, dpi=80)
+
+
+def arm_counts(result: ArmResult) -> ParamCounts | int:
+    """An arm's parameter counts by component, from its run's config; its active count alone where the run
+    can no longer be read (a report redrawn from results.json elsewhere)."""
+    try:
+        return param_counts(read_model_config(resolve_checkpoint(Path(result.run_dir))))
+    except (CheckpointError, OSError):
+        return result.params_active
 
 
 def loss_unit(results: Sequence[ArmResult]) -> str:

@@ -41,9 +41,9 @@ def report(out: Path) -> list[Path]:
         test = common.paired_test(common.paired(results, a, b))
         lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
                      + unequal_tokens(results, a, b, by_time=not sweep["max_steps"]))
-    active = [(name, next(r.params_active for r in results if r.name == name)) for name in common.arm_names(doc)
+    active = [(name, common.arm_counts(next(r for r in results if r.name == name))) for name in common.arm_names(doc)
               if any(r.name == name for r in results)]
-    sized = active_size_note(active)  # "equal active parameters" that are not
+    sized = active_size_note(active)  # "equal active parameters" that are not, by how much and why
     if sized:
         lines.append(f"- {sized[0].upper()}{sized[1:]}.")
     budget = f"{sweep['max_steps']:,} steps" if sweep["max_steps"] else f"{sweep['max_time']:g} s"
