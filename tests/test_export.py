@@ -5,6 +5,7 @@ anything is written, and a model trained with bias balancing exports with --drop
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -211,3 +212,26 @@ def test_only_a_dead_exports_own_temporary_folder_is_removed(runs, tmp_path, cap
     assert left == sorted([*keep, f".e.tmp-{gone}-abcdefgh", f".f.gguf.tmp-{gone}-abcdefgh", "new"])
     assert all((folder / name / f).read_bytes() == data for name, c in keep.items() for f, data in c.items())
     assert (folder / f".e.tmp-{gone}-abcdefgh").is_symlink() and (tmp_path / "elsewhere").is_dir()
+
+
+@pytest.mark.parametrize("fields", [dict(expert_dim=16, shared_expert_dim=64), dict(shared_expert=False)])
+def test_params_says_before_training_what_an_export_pads_and_by_how_much(fields, tmp_path, capsys):
+    """Issue 72: a 3.1M-parameter run of 32 narrow experts became 10.2M in transformers, and nothing said so
+    until the export. `params` says it for the settings, with the count the export then holds."""
+    sets = [x for k, v in fields.items() for x in ("--set", f"{k}={str(v).lower()}")]
+    rc, printed, err = run_cli(["params", "--preset", "tiny", *sets], capsys)
+    assert rc == 0, err
+    found = re.search(r"a transformers export of this model holds ([\d.]+K) parameters against its ([\d.]+K)", printed)
+    assert found, printed
+    model = build_model(preset("tiny", **fields))
+    tok = CharTokenizer([chr(32 + i) for i in range(model.cfg.vocab_size)])
+    export_hf(model, tmp_path / "hf", tok.save_hf)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    from nanollama4.memory import format_count
+
+    assert found[1] == format_count(held) and found[2] == format_count(sum(p.numel() for p in model.parameters()))
+    rc, printed, _ = run_cli(["params", "--preset", "tiny"], capsys)
+    assert "transformers export" not in printed  # one width for both: nothing padded

@@ -20,6 +20,7 @@ from .errors import ConfigError
 from .fields import arguments_of
 from .memory import (
     COMPARE_LENGTHS,
+    format_count,
     format_kv_compare,
     format_kv_table,
     format_layout,
@@ -50,6 +51,15 @@ def cmd_params(args: argparse.Namespace) -> None:
     cfg = _model_config(args)
     print(f"preset {args.preset}")
     print(format_params_compare(cfg) if args.compare else format_params_table(cfg))
+    if cfg.n_experts:  # before training: what a transformers export would make of it (issue 72: 3.1M became 10.2M)
+        from .hf import hf_parameters, padding_note
+
+        note = padding_note(cfg)
+        if note:
+            fix = ("shared_expert_dim=0 gives both one width, exported unpadded" if cfg.shared_expert else
+                   "the reference always has a shared expert")
+            print(f"{note}; a transformers export of this model holds {format_count(hf_parameters(cfg))} parameters "
+                  f"against its {format_count(param_counts(cfg).total)} ({fix})")
 
 
 def cmd_kv_cache(args: argparse.Namespace) -> None:

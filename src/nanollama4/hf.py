@@ -202,6 +202,16 @@ def padding_note(cfg: ModelConfig) -> str | None:
             "same function, but loaded back the model holds those zeros as weights")
 
 
+def hf_parameters(cfg: ModelConfig) -> int:
+    """The parameters a transformers export of this model holds: its experts at the reference's one width
+    (`hf_expert_width`), with a shared expert (`padded_to_hf`)."""
+    from .memory import param_counts
+
+    if not cfg.n_experts:
+        return param_counts(cfg).total
+    return param_counts(cfg.replace(expert_dim=hf_expert_width(cfg), shared_expert=True, shared_expert_dim=0)).total
+
+
 def padded_to_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our MoE tensors (reference names) at the reference's one expert width (`hf_expert_width`), exactly.
 
