@@ -216,6 +216,7 @@ CASES: dict[tuple[str, str], list[list[str]]] = {
     ("sweep", "--out"): [["SWEEP", "--out", "FILE"], ["SWEEP", "--out", ""]],
     ("sweep", "--seeds"): [["SWEEP", "--seeds", "a"], ["SWEEP", "--seeds", "1,1"]],
     ("sweep", "--tiny"): [["SWEEP", "--tiny=1"]],
+    ("sweep", "--pairs"): [["SWEEP", "--pairs", "a,b"], ["EMPTY", "--pairs", "a,b"]],
     ("sweep", "--quiet"): [["SWEEP", "--quiet=1"]],
     ("sweep", "--data"): [["SWEEP", "--out", "OUT", "--data", "MISSING"], ["SWEEP", "--out", "OUT", "--data", "EMPTY"]],
     ("sweep", "--set"): [["SWEEP", "--out", "OUT", "--set", "lr=-1"], ["SWEEP", "--out", "OUT", "--set", "n_experts=4"],

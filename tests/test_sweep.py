@@ -281,3 +281,24 @@ def test_the_plots_name_the_loss_unit_of_their_runs(tiny_run, corpus, tmp_path):
     assert common.loss_unit([arm(tiny_run)]) == "nats/char"
     assert common.loss_unit([arm(tiny_run), arm(bpe_run)]) == "nats/token"
     assert common.loss_unit([arm(tmp_path / "gone")]) == "nats/token"
+
+
+def test_a_finished_sweep_reads_more_pairs_without_training(tmp_path, capsys):
+    """Issue 72: `nanollama4 sweep OUT --pairs A,B` reads a pair the file did not name, from results.json alone,
+    as the report would have written it; a name the sweep has not is one line listing its arms."""
+    from nanollama4.experiments import sweep_report
+
+    results = [common.ArmResult(name, s, "-", 1000, 1000, 100, 25.0, 256.0, loss + s / 100)
+               for name, loss in (("a", 1.5), ("b,c", 1.6), ("d", 1.52)) for s in (0, 1, 2)]
+    sweep = {"title": "t", "arms": [{"name": n} for n in ("a", "b,c", "d")], "seeds": [0, 1, 2],
+             "pairs": [["b,c", "a"]], "max_steps": 100, "max_time": None}
+    common.save(tmp_path, "sweep", common.Setting(), results, {"sweep": sweep})
+    rc, printed, err = run_cli(["sweep", str(tmp_path), "--pairs", "d,b,c", "--pairs", "a,d"], capsys)
+    assert rc == 0, err
+    want = [sweep_report.pair_line(results, "d", "b,c", False), sweep_report.pair_line(results, "a", "d", False)]
+    assert printed.splitlines() == [w.removeprefix("- ").replace("**", "") for w in want]
+    assert printed.startswith("d minus b,c, per seed") and "-> better" in printed
+    rc, _, err = run_cli(["sweep", str(tmp_path), "--pairs", "a,x"], capsys)
+    assert "takes ARM,AGAINST, two of the sweep's arms: a, b,c, d" in assert_cli_error(rc, err, "sweep")
+    rc, _, err = run_cli(["sweep", str(tmp_path)], capsys)
+    assert "--pairs ARM,AGAINST" in assert_cli_error(rc, err, "sweep")

@@ -319,7 +319,10 @@ def _run_commands(sub: Any) -> None:
 
     p = sub.add_parser("sweep", help="train the arms of a sweep file seed by seed and read them with paired "
                                      "statistics (docs/training.md)")
-    p.add_argument("file", type=_path, metavar="FILE.toml", help="a sweep file: [model], [train], [sweep], [[arm]]")
+    p.add_argument("file", type=_path, metavar="FILE.toml", help="a sweep file: [model], [train], [sweep], [[arm]]; "
+                   "or, with --pairs, a finished sweep's folder")
+    p.add_argument("--pairs", action="append", metavar="ARM,AGAINST", help="with a finished sweep's folder: read "
+                   "this pair (ARM minus AGAINST, seed by seed) from its results, nothing trained (repeatable)")
     p.add_argument("--out", type=_path, help="folder of the sweep (default: runs/sweeps/NAME-TIMESTAMP); the same "
                                              "folder again continues an interrupted sweep")
     p.add_argument("--data", type=_path, help="the corpus instead of the file's data (a text file, a folder or a "

@@ -487,8 +487,18 @@ def cmd_compare(args: argparse.Namespace) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .corpus import find_corpus_files
     from .experiments.sweep import data_path, read_sweep, run_sweep, with_command_line
-    from .experiments.sweep_report import paired_lines
+    from .experiments.sweep_report import paired_lines, read_pairs
 
+    if args.pairs or Path(args.file).is_dir():  # more pairs of a finished sweep, read from its results
+        if not args.pairs:
+            raise ConfigError(f"{args.file} is a folder: read a finished sweep's pairs with --pairs ARM,AGAINST, or "
+                              "give a sweep file to train")
+        if not Path(args.file).is_dir():
+            raise ConfigError(f"--pairs reads a finished sweep's folder, not {args.file}: nanollama4 sweep OUT "
+                              "--pairs ARM,AGAINST")
+        for line in read_pairs(Path(args.file), args.pairs):
+            print(line.removeprefix("- ").replace("**", ""))
+        return 0
     sweep = with_command_line(read_sweep(args.file), args.data, args.set or [])  # as train --config: the line wins
     find_corpus_files(data_path(sweep))  # a missing corpus fails before anything is created
     out = Path(args.out or f"runs/sweeps/{sweep.path.stem}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -36,11 +36,7 @@ def report(out: Path) -> list[Path]:
                      common.mean(r.full_val_loss for r in mine)])
     table = common.markdown_table(["arm", "params", "active", "steps per seed", "tokens (mean)", "tokens/s (mean)",
                                    "full val loss per seed", "mean"], rows)
-    lines = []
-    for a, b in (tuple(p) for p in sweep["pairs"]):
-        test = common.paired_test(common.paired(results, a, b))
-        lines.append(f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
-                     + unequal_tokens(results, a, b, by_time=not sweep["max_steps"]))
+    lines = [pair_line(results, a, b, by_time=not sweep["max_steps"]) for a, b in (tuple(p) for p in sweep["pairs"])]
     active = [(name, common.arm_counts(next(r for r in results if r.name == name))) for name in common.arm_names(doc)
               if any(r.name == name for r in results)]
     sized = active_size_note(active)  # "equal active parameters" that are not, by how much and why
@@ -56,6 +52,34 @@ def report(out: Path) -> list[Path]:
             f"interval excludes 0, a tie when it lies within +-{common.EFFECT} nats, undecided otherwise (fewer "
             "than 3 seeds: undecided).")
     return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", sweep["title"])]
+
+
+def pair_line(results: list[Any], a: str, b: str, by_time: bool) -> str:
+    """The report's line for pair (a, b): a minus b seed by seed, the mean's interval and its reading."""
+    test = common.paired_test(common.paired(results, a, b))
+    return (f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
+            + unequal_tokens(results, a, b, by_time))
+
+
+def read_pairs(out: Path, pairs: list[str]) -> list[str]:
+    """More pairs of a finished sweep (`nanollama4 sweep OUT --pairs A,B`), read from OUT/results.json alone,
+    nothing trained: each "ARM,AGAINST" as the report's line. One ConfigError line for a name the sweep has
+    not, listing its arms."""
+    from ..errors import ConfigError
+
+    if not (out / "results.json").is_file():
+        raise ConfigError(f"{out} holds no results.json: --pairs reads a finished sweep's folder (train it with "
+                          "`nanollama4 sweep FILE --out OUT` first)")
+    doc, results = common.load_results(out)
+    names = common.arm_names(doc)
+    lines = []
+    for text in pairs:
+        pair = next(((text[:i], text[i + 1:]) for i in range(len(text)) if text[i] == ","
+                     and text[:i] in names and text[i + 1:] in names), None)  # (an arm's name may hold a comma)
+        if pair is None:
+            raise ConfigError(f"--pairs {text!r} takes ARM,AGAINST, two of the sweep's arms: {', '.join(names)}")
+        lines.append(pair_line(results, *pair, by_time=not doc["sweep"]["max_steps"]))
+    return lines
 
 
 def unequal_tokens(results: list[Any], a: str, b: str, by_time: bool) -> str:
