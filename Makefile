@@ -51,6 +51,8 @@ demo: $(STAMP)
 	@echo "--- one prompt through the trained model, layer by layer ---"
 	$(BIN)/nanollama4 explain $(DEMO_RUN) --prompt "ROMEO: was" --html $(DEMO_RUN)/explain.html
 	@echo "plots: $(DEMO_RUN)/plots/loss.png $(DEMO_RUN)/plots/expert_load.png; page: $(DEMO_RUN)/explain.html"
+	@echo "to run it in llama.cpp or Ollama (what that changes, and its measured cost, is printed first; docs/interop.md):"
+	@echo "  $(BIN)/nanollama4 export $(DEMO_RUN) $(DEMO_RUN).gguf --format gguf --approximate --outtype q8_0"
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
