@@ -302,3 +302,59 @@ def test_a_finished_sweep_reads_more_pairs_without_training(tmp_path, capsys):
     assert "takes ARM,AGAINST, two of the sweep's arms: a, b,c, d" in assert_cli_error(rc, err, "sweep")
     rc, _, err = run_cli(["sweep", str(tmp_path)], capsys)
     assert "--pairs ARM,AGAINST" in assert_cli_error(rc, err, "sweep")
+
+
+NO_ARMS = SWEEP.replace('grid = { n_experts = [2, 4] }\npairs = [["n_experts=4", "n_experts=2"]]\n', "")
+
+
+def test_layouts_tied_in_the_grid_and_crossed_with_learning_rates_are_read_at_each_ones_best(sweep_dir, capsys):
+    """Issue 72: a layout comparison at each arm's best learning rate is a few lines of sweep file. A grid value
+    that is a table sets its fields together (a layout at equal active size); `cross` trains every arm at each
+    value; the report says each layout's best value and how sure that choice is, and reads the pairs, named by
+    the layouts, at each one's best."""
+    text = NO_ARMS + textwrap.dedent('''
+        grid = { layout = [{ n_experts = 2, experts_per_token = 1 },
+                           { n_experts = 4, experts_per_token = 2, expert_dim = 32 }] }
+        cross = { lr = [1e-3, 1e-2] }
+    ''')
+    (sweep_dir / "cross.toml").write_text(text)
+    rc, printed, err = run_cli(["sweep", str(sweep_dir / "cross.toml"), "--out", str(sweep_dir / "out"), "--quiet"],
+                               capsys)
+    assert rc == 0, err
+    layouts = ["n_experts=2 experts_per_token=1", "n_experts=4 experts_per_token=2 expert_dim=32"]
+    doc, results = common.load_results(sweep_dir / "out")
+    assert common.arm_names(doc) == [f"{layout} lr={lr}" for layout in layouts for lr in ("0.001", "0.01")]
+    assert {a["base"] for a in doc["sweep"]["arms"]} == set(layouts)
+    table = (sweep_dir / "out" / "table.md").read_text()
+    best = {}
+    for layout in layouts:
+        means = {lr: common.mean(r.full_val_loss for r in results if r.name == f"{layout} lr={lr}")
+                 for lr in ("0.001", "0.01")}
+        best[layout] = min(means, key=means.get)
+        assert f"- {layout} at its best, lr={best[layout]}: mean {means[best[layout]]:.4f}; the next, " \
+               f"lr={max(means, key=means.get)}, per seed" in table
+    want = (f"at each one's best: {layouts[1]} lr={best[layouts[1]]} minus {layouts[0]} lr={best[layouts[0]]}, "
+            "per seed")
+    assert want in table and want in printed
+    rc, printed, err = run_cli(["sweep", str(sweep_dir / "out"), "--pairs", f"{layouts[0]},{layouts[1]}"], capsys)
+    assert rc == 0 and printed.startswith(f"at each one's best: {layouts[0]} lr={best[layouts[0]]} minus"), err
+
+
+@pytest.mark.parametrize("change,expected", [
+    ("cross = { lr = [1e-3, 1e-2] }\n[[arm]]\nname = \"mine\"\nlr = 1e-3",
+     r"arm 'mine' sets 'lr', which \[sweep\] cross varies"),
+    ("cross = { lr = [1e-3] }\ngate = 2.0", r"gate and cross do not go together"),
+    ("cross = { lr = 1e-3 }", r"cross takes lists of values"),
+    ("grid = { a = [{ n_experts = 2 }], b = [{ n_experts = 4 }] }", r"grid sets 'n_experts' twice in one arm"),
+])
+def test_a_bad_cross_or_tied_grid_is_one_line(sweep_dir, capsys, change, expected):
+    text = NO_ARMS
+    if change.startswith("grid"):
+        text += change + "\n"
+    else:
+        text = text.replace("max_steps = 4\n", "max_steps = 4\n" + change.split("\n[[arm]]")[0] + "\n")
+        text += "\n[[arm]]\nname = \"two\"\nn_experts = 2\n" + ("[[arm]]" + change.split("[[arm]]")[1] if "[[arm]]"
+                                                               in change else "")
+    (sweep_dir / "bad.toml").write_text(text)
+    rc, _, err = run_cli(["sweep", str(sweep_dir / "bad.toml"), "--out", str(sweep_dir / "o")], capsys)
+    assert re.search(expected, assert_cli_error(rc, err, "sweep"))

@@ -16,6 +16,14 @@ with a `[sweep]` table and the arms:
     max_steps = 800                  # each arm's budget: max_steps, or max_time ("5m" or seconds)
     grid = { n_experts = [4, 8] }    # arms from every combination of these fields (model or train)
     pairs = [["n_experts=8", "n_experts=4"]]   # named pairs read (default: each arm against the first)
+    # cross = { lr = [1e-3, 2e-3] }  # fields tuned per arm: every arm at each value, read at its best
+
+A grid value may be a table of fields set together, so that a grid over layouts keeps what must stay tied
+(the active size): `grid = { layout = [{ n_experts = 8, experts_per_token = 1 }, { n_experts = 16,
+experts_per_token = 2, expert_dim = 192 }] }` makes two arms, named by their fields. `cross` trains every arm
+(grid or [[arm]]) at each of its values, and the report reads each arm at its best value, chosen on the
+same validation loss (with the choice's own noise: the best against the next), and the named pairs, which
+may then name the arms as the file defines them, at each one's best.
 
     [[arm]]                          # and/or arms named by hand, each with its own fields
     name = "dense"
@@ -58,8 +66,8 @@ from .sweep_report import report
 
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
 EXPERIMENT_MODULES = sorted(p.stem for p in Path(__file__).parent.glob("*.toml"))  # each has its NAME.py
-SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "pairs", "baseline", "gate", "always", "experiment",
-              "score_tokens", "tiny"}
+SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "cross", "pairs", "baseline", "gate", "always",
+              "experiment", "score_tokens", "tiny"}
 MAX_RUNS = 1_000  # arms x seeds: counted before a grid is expanded, so a typo of 10^9 combinations is one line
 
 
@@ -70,6 +78,12 @@ class Arm:
     name: str
     model: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
+    base: str = ""  # with [sweep] cross: the arm as the file defines it, which this one trains at `crossed`
+    crossed: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The arm as results.json and the started-sweep record hold it (base and crossed only when crossed)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v or k in ("name", "model", "train")}
 
 
 @dataclass
@@ -141,7 +155,7 @@ class Sweep:
         """What a rerun into the same folder must match to continue it (JSON)."""
         return json.loads(json.dumps({"path": str(self.path.resolve()), "title": self.title, "preset": self.base.preset,
                                       "model": self.base.model, "train": self.base.train, "data": self.base.data,
-                                      "arms": [dataclasses.asdict(a) for a in self.arms], "seeds": self.seeds,
+                                      "arms": [a.to_dict() for a in self.arms], "seeds": self.seeds,
                                       "max_steps": self.max_steps, "max_time": self.max_time, "pairs": self.pairs,
                                       "gate": self.gate, "always": self.always, "experiment": self.experiment,
                                       **({"tiny": dataclasses.asdict(self.tiny_fields)}
@@ -169,7 +183,15 @@ def read_sweep(path: str | Path) -> Sweep:
                                                       for s in seeds) and len(set(seeds)) == len(seeds)):
         raise ConfigError(f"{path}: [sweep] seeds = {_toml_value(seeds)} takes a list of distinct whole numbers")
     arms = _arms(path, base.extra.get("arm", []), table.get("grid", {}), len(seeds))
+    bases = [a.name for a in arms]
+    cross = table.get("cross", {})
+    if cross:
+        if table.get("gate") is not None:
+            raise ConfigError(f"{path}: [sweep] gate and cross do not go together (an arm's first seed at one value "
+                              "cannot gate its others); leave one out")
+        arms = _crossed(path, arms, cross, len(seeds))
     names = [a.name for a in arms]
+    known = names + (bases if cross else [])  # with cross, pairs may name the file's arms (read at their best)
     max_steps, max_time = table.get("max_steps"), table.get("max_time")
     if (max_steps is None) == (max_time is None):
         raise ConfigError(f"{path}: [sweep] takes one budget per arm: max_steps = N or max_time = \"5m\"")
@@ -183,14 +205,15 @@ def read_sweep(path: str | Path) -> Sweep:
             raise ConfigError(f"{path}: [sweep] max_time: {e}") from None
     pairs = table.get("pairs")
     if pairs is None:
-        first = table.get("baseline", names[0])
-        pairs = [[n, first] for n in names if n != first]
+        listed = bases if cross else names
+        first = table.get("baseline", listed[0])
+        pairs = [[n, first] for n in listed if n != first]
     if not (isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 for p in pairs)):
         raise ConfigError(f"{path}: [sweep] pairs = {_toml_value(pairs)} takes a list of [arm, against] pairs")
-    for name in [n for p in pairs for n in p] + list(table.get("always", [])) + [table.get("baseline", names[0])]:
-        if name not in names:
+    for name in [n for p in pairs for n in p] + list(table.get("always", [])) + [table.get("baseline", known[0])]:
+        if name not in known:
             raise ConfigError(f"{path}: [sweep] names the arm {name!r}, which the file does not define; its arms "
-                              f"are: {', '.join(names)}")
+                              f"are: {', '.join(known)}")
     gate = table.get("gate")
     if gate is not None and not (isinstance(gate, (int, float)) and not isinstance(gate, bool) and gate > 0):
         raise ConfigError(f"{path}: [sweep] gate = {_toml_value(gate)} takes a positive number")
@@ -230,7 +253,8 @@ def _arms(path: Path, listed: Any, grid: Any, n_seeds: int) -> list[Arm]:
     if not isinstance(listed, list) or not all(isinstance(a, dict) for a in listed):
         raise ConfigError(f"{path}: arms are tables: [[arm]] with a name and the fields it changes")
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
-        raise ConfigError(f"{path}: [sweep] grid takes lists of values, e.g. grid = {{ n_experts = [4, 8] }}")
+        raise ConfigError(f"{path}: [sweep] grid takes lists of values, e.g. grid = {{ n_experts = [4, 8] }}, or of "
+                          "tables of fields set together")
     check_size(path, len(listed) + (math.prod(len(v) for v in grid.values()) if grid else 0), n_seeds)
     arms = []
     for i, table in enumerate(listed):
@@ -241,8 +265,13 @@ def _arms(path: Path, listed: Any, grid: Any, n_seeds: int) -> list[Arm]:
         arms.append(_arm(path, name, table))
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)) if keys else ():
-        arms.append(_arm(path, " ".join(f"{k}={_plain(v)}" for k, v in zip(keys, values, strict=True)),
-                         dict(zip(keys, values, strict=True))))
+        fields: dict[str, Any] = {}
+        for key, value in zip(keys, values, strict=True):  # a table: fields set together (the key only labels it)
+            for k, v in (value.items() if isinstance(value, dict) else [(key, value)]):
+                if k in fields:
+                    raise ConfigError(f"{path}: [sweep] grid sets {k!r} twice in one arm; set each field once")
+                fields[k] = v
+        arms.append(_arm(path, " ".join(f"{k}={_plain(v)}" for k, v in fields.items()), fields))
     if not arms:
         raise ConfigError(f"{path}: the sweep has no arms; add [[arm]] tables or a [sweep] grid")
     names = [a.name for a in arms]
@@ -250,6 +279,26 @@ def _arms(path: Path, listed: Any, grid: Any, n_seeds: int) -> list[Arm]:
     if twice is not None:
         raise ConfigError(f"{path}: two arms are named {folders.shown(twice)}; give each arm its own name")
     return arms
+
+
+def _crossed(path: Path, arms: list[Arm], cross: Any, n_seeds: int) -> list[Arm]:
+    """Every arm at every combination of [sweep] cross's values ("ARM lr=0.002"), counted first."""
+    if not isinstance(cross, dict) or not all(isinstance(v, list) and v for v in cross.values()):
+        raise ConfigError(f"{path}: [sweep] cross takes lists of values, e.g. cross = {{ lr = [1e-3, 2e-3, 4e-3] }}")
+    check_size(path, len(arms) * math.prod(len(v) for v in cross.values()), n_seeds)
+    keys, out = list(cross), []
+    for arm in arms:
+        both = [k for k in keys if k in arm.model or k in arm.train]
+        if both:
+            raise ConfigError(f"{path}: arm {folders.shown(arm.name)} sets {both[0]!r}, which [sweep] cross varies; "
+                              "leave it to cross")
+        for values in itertools.product(*(cross[k] for k in keys)):
+            fields = dict(zip(keys, values, strict=True))
+            tuned = _arm(path, arm.name, fields, "[sweep] cross")
+            name = f"{arm.name} " + " ".join(f"{k}={_plain(v)}" for k, v in fields.items())
+            out.append(Arm(name, {**arm.model, **tuned.model}, {**arm.train, **tuned.train}, base=arm.name,
+                           crossed=fields))
+    return out
 
 
 def _plain(value: Any) -> str:

@@ -36,9 +36,12 @@ def report(out: Path) -> list[Path]:
                      common.mean(r.full_val_loss for r in mine)])
     table = common.markdown_table(["arm", "params", "active", "steps per seed", "tokens (mean)", "tokens/s (mean)",
                                    "full val loss per seed", "mean"], rows)
-    lines = [pair_line(results, a, b, by_time=not sweep["max_steps"]) for a, b in (tuple(p) for p in sweep["pairs"])]
-    active = [(name, common.arm_counts(next(r for r in results if r.name == name))) for name in common.arm_names(doc)
-              if any(r.name == name for r in results)]
+    best, lines = at_best(sweep, results)
+    lines += [pair_line(results, best.get(a, a), best.get(b, b), by_time=not sweep["max_steps"],
+                        at_best=a in best or b in best) for a, b in (tuple(p) for p in sweep["pairs"])]
+    shown = {base: arm for base, arm in best.items()} or {n: n for n in common.arm_names(doc)}  # (cross: by arm)
+    active = [(name, common.arm_counts(next(r for r in results if r.name == arm))) for name, arm in shown.items()
+              if any(r.name == arm for r in results)]
     sized = active_size_note(active)  # "equal active parameters" that are not, by how much and why
     if sized:
         lines.append(f"- {sized[0].upper()}{sized[1:]}.")
@@ -50,15 +53,48 @@ def report(out: Path) -> list[Path]:
             "scored by its full validation loss (nats/token)." + when + " Pairs are read seed by seed (same seed: "
             "same initialisation and batches): the mean difference and its 95% t-interval; better/worse when the "
             f"interval excludes 0, a tie when it lies within +-{common.EFFECT} nats, undecided otherwise (fewer "
-            "than 3 seeds: undecided).")
+            "than 3 seeds: undecided)." + (" Each arm's best value is chosen on the same validation loss the pairs "
+                                           "then compare, which flatters every arm a little: the line of each says "
+                                           "how far its next best trails." if best else ""))
     return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", sweep["title"])]
 
 
-def pair_line(results: list[Any], a: str, b: str, by_time: bool) -> str:
-    """The report's line for pair (a, b): a minus b seed by seed, the mean's interval and its reading."""
+def pair_line(results: list[Any], a: str, b: str, by_time: bool, at_best: bool = False) -> str:
+    """The report's line for pair (a, b): a minus b seed by seed, the mean's interval and its reading
+    (`at_best`: arms of a [sweep] cross, each at its best value, which the line says)."""
     test = common.paired_test(common.paired(results, a, b))
-    return (f"- {a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
+    best = "at each one's best: " if at_best else ""
+    return (f"- {best}{a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
             + unequal_tokens(results, a, b, by_time))
+
+
+def at_best(sweep: dict[str, Any], results: list[Any]) -> tuple[dict[str, str], list[str]]:
+    """With [sweep] cross: each arm of the file at its best value (lowest mean full validation loss over the
+    seeds), as {arm: the crossed arm}, and a line per arm saying which and how sure that choice is: the best
+    against the next best, seed by seed. The choice reads the same validation loss the pairs then compare,
+    so each arm's best is a little flattered; the line says by how little the runner-up trails."""
+    bases: dict[str, list[str]] = {}
+    for arm in sweep["arms"]:
+        if arm.get("base"):
+            bases.setdefault(arm["base"], []).append(arm["name"])
+    best, lines = {}, []
+    for base, members in bases.items():
+        means = {m: common.mean(r.full_val_loss for r in results if r.name == m) for m in members
+                 if any(r.name == m for r in results)}
+        ranked = sorted(means, key=means.get)
+        if not ranked:
+            continue
+        best[base] = ranked[0]
+        tuned = next(a["crossed"] for a in sweep["arms"] if a["name"] == ranked[0])
+        which = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tuned.items())
+        line = f"- {base} at its best, {which}: mean {means[ranked[0]]:.4f}"
+        if len(ranked) > 1:
+            test = common.paired_test(common.paired(results, ranked[1], ranked[0]))
+            line += (f"; the next, {ranked[1].removeprefix(base + ' ')}, per seed {common.versus(test.diffs)}: "
+                     f"{test.interval} -> {test.reading}"
+                     + (" (the choice itself is within the noise)" if test.reading in ("tie", "undecided") else ""))
+        lines.append(line)
+    return best, lines
 
 
 def read_pairs(out: Path, pairs: list[str]) -> list[str]:
@@ -71,14 +107,17 @@ def read_pairs(out: Path, pairs: list[str]) -> list[str]:
         raise ConfigError(f"{out} holds no results.json: --pairs reads a finished sweep's folder (train it with "
                           "`nanollama4 sweep FILE --out OUT` first)")
     doc, results = common.load_results(out)
-    names = common.arm_names(doc)
+    best, _ = at_best(doc["sweep"], results)
+    names = common.arm_names(doc) + list(best)  # with cross, the file's arms too, read at their best
     lines = []
     for text in pairs:
         pair = next(((text[:i], text[i + 1:]) for i in range(len(text)) if text[i] == ","
                      and text[:i] in names and text[i + 1:] in names), None)  # (an arm's name may hold a comma)
         if pair is None:
             raise ConfigError(f"--pairs {text!r} takes ARM,AGAINST, two of the sweep's arms: {', '.join(names)}")
-        lines.append(pair_line(results, *pair, by_time=not doc["sweep"]["max_steps"]))
+        a, b = pair
+        lines.append(pair_line(results, best.get(a, a), best.get(b, b), by_time=not doc["sweep"]["max_steps"],
+                               at_best=a in best or b in best))
     return lines
 
 
@@ -114,5 +153,5 @@ def paired_lines(out: Path) -> list[str]:
     """The report's paired lines (and the line saying when arms differ in active size), as printed after a
     sweep."""
     text = (out / "table.md").read_text(encoding="utf-8")
-    return [line for line in text.splitlines()
-            if line.startswith("- ") and (" minus " in line or line.startswith("- Active parameters"))]
+    return [line for line in text.splitlines() if line.startswith("- ") and (
+        " minus " in line or line.startswith("- Active parameters") or " at its best, " in line)]
