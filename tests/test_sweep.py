@@ -358,3 +358,31 @@ def test_a_bad_cross_or_tied_grid_is_one_line(sweep_dir, capsys, change, expecte
     (sweep_dir / "bad.toml").write_text(text)
     rc, _, err = run_cli(["sweep", str(sweep_dir / "bad.toml"), "--out", str(sweep_dir / "o")], capsys)
     assert re.search(expected, assert_cli_error(rc, err, "sweep"))
+
+
+def test_speeds_that_moved_between_seeds_are_said_to_and_the_arms_can_be_timed_in_turn(sweep_dir, tmp_path, capsys):
+    """Issue 72: the same arm read 2,303 and 3,501 tokens/s on two seeds and table.md printed one mean. The table
+    shows each arm's range over its seeds and a line says when it spans more than 20%; `[sweep] time_steps`
+    times every arm's step in turn after training (TIME_ROUNDS turns), its median and range in a column."""
+    from nanollama4.experiments import sweep_report
+    from nanollama4.experiments.sweep import TIME_ROUNDS
+
+    results = [common.ArmResult("a", s, "-", 1000, 1000, 100, 10.0, speed, 1.5 + s / 100)
+               for s, speed in enumerate((2303.0, 3501.0, 2900.0))]
+    results += [common.ArmResult("b", s, "-", 1000, 1000, 100, 10.0, 3000.0 + s, 1.6) for s in (0, 1, 2)]
+    sweep = {"title": "t", "arms": [{"name": "a"}, {"name": "b"}], "seeds": [0, 1, 2], "pairs": [["b", "a"]],
+             "max_steps": 100, "max_time": None}
+    common.save(tmp_path, "sweep", common.Setting(), results, {"sweep": sweep})
+    sweep_report.report(tmp_path)
+    table = (tmp_path / "table.md").read_text()
+    assert "| 2,901 (2,303-3,501) |" in table and "| 3,001 (3,000-3,002) |" in table
+    assert sweep_report.paired_lines(tmp_path)[-1].startswith("- Tokens/s moved by up to 41% between one arm's seeds "
+                                                              "(a): the machine's load changed")
+    (sweep_dir / "timed.toml").write_text(SWEEP.replace("max_steps = 4", "max_steps = 4\ntime_steps = 2"))
+    rc, printed, err = run_cli(["sweep", str(sweep_dir / "timed.toml"), "--out", str(sweep_dir / "out"), "--tiny",
+                                "--quiet"], capsys)
+    assert rc == 0, err
+    doc, _ = common.load_results(sweep_dir / "out")
+    assert sorted(doc["timed"]) == ["n_experts=2", "n_experts=4"]
+    assert all(len(v) == TIME_ROUNDS and min(v) > 0 for v in doc["timed"].values())
+    assert "tokens/s timed in turn (median, range)" in (sweep_dir / "out" / "table.md").read_text()

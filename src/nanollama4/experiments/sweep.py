@@ -67,7 +67,8 @@ from .sweep_report import report
 DEFAULT_PRESET = "shakespeare-char"  # as `nanollama4 train`'s
 EXPERIMENT_MODULES = sorted(p.stem for p in Path(__file__).parent.glob("*.toml"))  # each has its NAME.py
 SWEEP_KEYS = {"title", "seeds", "max_steps", "max_time", "grid", "cross", "pairs", "baseline", "gate", "always",
-              "experiment", "score_tokens", "tiny"}
+              "experiment", "score_tokens", "tiny", "time_steps"}
+TIME_ROUNDS = 5  # [sweep] time_steps: each arm timed this many turns, the arms in turn (A B C A B C ...)
 MAX_RUNS = 1_000  # arms x seeds: counted before a grid is expanded, so a typo of 10^9 combinations is one line
 
 
@@ -102,6 +103,7 @@ class Sweep:
     always: tuple[str, ...] = ()
     experiment: str | None = None  # a module of nanollama4.experiments that measures more and reports
     score_tokens: int | None = None  # score each arm on the first this many validation tokens (None: all)
+    time_steps: int | None = None  # after training, time each arm's step interleaved, this many steps a turn
     tiny_fields: Arm = field(default_factory=lambda: Arm("--tiny"))  # [sweep] tiny: what --tiny sets, where set
 
     @property
@@ -159,7 +161,8 @@ class Sweep:
                                       "max_steps": self.max_steps, "max_time": self.max_time, "pairs": self.pairs,
                                       "gate": self.gate, "always": self.always, "experiment": self.experiment,
                                       **({"tiny": dataclasses.asdict(self.tiny_fields)}
-                                         if self.tiny_fields.model or self.tiny_fields.train else {})}))
+                                         if self.tiny_fields.model or self.tiny_fields.train else {}),
+                                      **({"time_steps": self.time_steps} if self.time_steps else {})}))
 
 
 # the smoke-test scale of `--tiny`: a few steps of tiny windows, one validation; numbers that mean nothing
@@ -222,6 +225,11 @@ def read_sweep(path: str | Path) -> Sweep:
                                          and score_tokens > 0):
         raise ConfigError(f"{path}: [sweep] score_tokens = {_toml_value(score_tokens)} takes a positive whole number "
                           "(validation tokens each arm is scored on; leave it out for all of them)")
+    time_steps = table.get("time_steps")
+    if time_steps is not None and not (isinstance(time_steps, int) and not isinstance(time_steps, bool)
+                                       and 0 < time_steps <= 1000):
+        raise ConfigError(f"{path}: [sweep] time_steps = {_toml_value(time_steps)} takes a whole number of steps, 1 to "
+                          "1,000 (each arm's training step timed that many steps a turn, the arms in turn)")
     tiny = table.get("tiny", {})
     if not isinstance(tiny, dict):
         raise ConfigError(f"{path}: [sweep] tiny = {_toml_value(tiny)} takes a table of [model] or [train] fields "
@@ -234,7 +242,8 @@ def read_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(path=path, title=str(title), base=base, arms=arms, seeds=tuple(seeds), max_steps=max_steps,
                   max_time=max_time, pairs=[(a, b) for a, b in pairs], gate=gate,
                   always=tuple(table.get("always", ())), experiment=experiment,
-                  score_tokens=score_tokens, tiny_fields=_arm(path, "--tiny", tiny, "[sweep] tiny"))
+                  score_tokens=score_tokens, time_steps=time_steps,
+                  tiny_fields=_arm(path, "--tiny", tiny, "[sweep] tiny"))
     sweep.check()  # a bad arm or folder fails now, not after the first arms have trained
     return sweep
 
@@ -354,7 +363,42 @@ def run_sweep(sweep: Sweep, out: str | Path, progress: bool = True, tiny: bool =
         module = import_module(f".{sweep.experiment}", __package__)
         return module.run(out, sweep, train_arms(sweep, out, progress, tiny), progress, tiny)
     results = train_arms(sweep, out, progress, tiny)
-    return [common.save(out, "sweep", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict()}), *report(out)]
+    timed = {"timed": time_arms(sweep, out, tiny, progress)} if sweep.time_steps else {}
+    return [common.save(out, "sweep", setting_of(sweep, tiny), results, {"sweep": sweep.to_dict(), **timed}),
+            *report(out)]
+
+
+def time_arms(sweep: Sweep, out: Path, tiny: bool = False, progress: bool = True) -> dict[str, list[float]]:
+    """Each arm's training tokens/s, timed as benchmarks/moe_compute.py times models: every arm built once (seed
+    0, its own configs), warmed up, then TIME_ROUNDS turns of `time_steps` steps each, the arms in turn (A B C
+    A B C ...), so that a slow minute of the machine falls on every arm alike. {arm: tokens/s per turn}.
+
+    The training runs' own tokens/s (the table's) were each measured in its own minutes: on a shared machine
+    the same arm read 2,303 and 3,501 tokens/s on two seeds."""
+    import tempfile
+    import time as clock
+
+    from ..runsetup import start_run
+    from ..train import read_step, train_step
+
+    runs = {}
+    with tempfile.TemporaryDirectory(dir=out) as scratch:
+        for arm in sweep.arms:
+            model, tc = sweep.run_configs(arm, sweep.seeds[0], tiny)
+            run = start_run(model, tc, Path(scratch) / folders.folder_name(arm.name), data_path(sweep), None)
+            read_step(run, train_step(run, 1.0))  # first-call allocations and kernel builds: not timed
+            runs[arm.name] = run
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        for turn in range(TIME_ROUNDS):
+            for name, run in runs.items():
+                start = clock.perf_counter()
+                for _ in range(sweep.time_steps):
+                    read_step(run, train_step(run, 1.0))
+                rates[name].append(sweep.time_steps * run.tc.batch_size * run.tc.seq_len * run.tc.grad_accum
+                                   / (clock.perf_counter() - start))
+            if progress:
+                print(f"timing the arms in turn: {turn + 1} of {TIME_ROUNDS} turns", flush=True)
+    return rates
 
 
 def train_arms(sweep: Sweep, out: Path, progress: bool = True, tiny: bool = False) -> list[Any]:

@@ -30,11 +30,15 @@ def report(out: Path) -> list[Path]:
         mine = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
         if not mine:
             continue
+        speeds = [r.tokens_per_s for r in mine]
+        timed = doc.get("timed", {}).get(name)
         rows.append([name, format_count(mine[0].params_total), format_count(mine[0].params_active),
                      ", ".join(f"{r.steps:,}" for r in mine), format_count(round(common.mean(r.tokens for r in mine))),
-                     round(common.mean(r.tokens_per_s for r in mine)), common.per_seed(results, name),
-                     common.mean(r.full_val_loss for r in mine)])
-    table = common.markdown_table(["arm", "params", "active", "steps per seed", "tokens (mean)", "tokens/s (mean)",
+                     spread(speeds), *([spread(timed, median=True)] if "timed" in doc else []),
+                     common.per_seed(results, name), common.mean(r.full_val_loss for r in mine)])
+    table = common.markdown_table(["arm", "params", "active", "steps per seed", "tokens (mean)",
+                                   "tokens/s (mean, range over seeds)",
+                                   *(["tokens/s timed in turn (median, range)"] if "timed" in doc else []),
                                    "full val loss per seed", "mean"], rows)
     best, lines = at_best(sweep, results)
     lines += [pair_line(results, best.get(a, a), best.get(b, b), by_time=not sweep["max_steps"],
@@ -45,6 +49,9 @@ def report(out: Path) -> list[Path]:
     sized = active_size_note(active)  # "equal active parameters" that are not, by how much and why
     if sized:
         lines.append(f"- {sized[0].upper()}{sized[1:]}.")
+    moved = speed_note(results, timed="timed" in doc)
+    if moved:
+        lines.append(moved)
     budget = f"{sweep['max_steps']:,} steps" if sweep["max_steps"] else f"{sweep['max_time']:g} s"
     when = (" Under a time budget an arm's steps depend on the machine's load while it trained as much as on the "
             "arm: sweep by steps (max_steps) to compare arms token for token." if not sweep["max_steps"] else "")
@@ -57,6 +64,35 @@ def report(out: Path) -> list[Path]:
                                            "then compare, which flatters every arm a little: the line of each says "
                                            "how far its next best trails." if best else ""))
     return [common.write_table(out, text), common.plot_curves(results, out / "sweep.png", sweep["title"])]
+
+
+SPEED_APART = 0.20  # an arm whose tokens/s over its seeds spans more than this share of its mean gets a warning
+
+
+def spread(values: list[float] | None, median: bool = False) -> str:
+    """"mean (min-max)" (or the median) of tokens/s figures, rounded; "-" for none."""
+    if not values:
+        return "-"
+    middle = sorted(values)[len(values) // 2] if median else common.mean(values)
+    return f"{middle:,.0f} ({min(values):,.0f}-{max(values):,.0f})" if len(values) > 1 else f"{middle:,.0f}"
+
+
+def speed_note(results: list[Any], timed: bool) -> str | None:
+    """A line when some arm's tokens/s moved by more than SPEED_APART between its seeds: each run timed itself
+    in its own minutes, so on a busy machine its speed says as much about the machine as about the arm."""
+    worst, which = 0.0, ""
+    for name in dict.fromkeys(r.name for r in results):
+        speeds = [r.tokens_per_s for r in results if r.name == name]
+        apart = (max(speeds) - min(speeds)) / common.mean(speeds) if len(speeds) > 1 else 0.0
+        if apart > worst:
+            worst, which = apart, name
+    if worst <= SPEED_APART:
+        return None
+    fix = ("the timed-in-turn column measured the arms in the same minutes" if timed else
+           "[sweep] time_steps = 10 times every arm's step in turn after training (A B A B), as a speed comparison "
+           "needs")
+    return (f"- Tokens/s moved by up to {worst:.0%} between one arm's seeds ({which}): the machine's load changed "
+            f"while the sweep ran, so the training runs' speeds do not compare arms; {fix}.")
 
 
 def pair_line(results: list[Any], a: str, b: str, by_time: bool, at_best: bool = False) -> str:
@@ -154,4 +190,4 @@ def paired_lines(out: Path) -> list[str]:
     sweep."""
     text = (out / "table.md").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line.startswith("- ") and (
-        " minus " in line or line.startswith("- Active parameters") or " at its best, " in line)]
+        " minus " in line or line.startswith(("- Active parameters", "- Tokens/s moved")) or " at its best, " in line)]
