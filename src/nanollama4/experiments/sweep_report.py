@@ -43,7 +43,7 @@ def report(out: Path) -> list[Path]:
     best, lines = at_best(sweep, results)
     lines += [pair_line(results, best.get(a, a), best.get(b, b), by_time=not sweep["max_steps"],
                         at_best=a in best or b in best) for a, b in (tuple(p) for p in sweep["pairs"])]
-    shown = {base: arm for base, arm in best.items()} or {n: n for n in common.arm_names(doc)}  # (cross: by arm)
+    shown = dict(best) or {n: n for n in common.arm_names(doc)}  # (with cross: each file arm once, at its best)
     active = [(name, common.arm_counts(next(r for r in results if r.name == arm))) for name, arm in shown.items()
               if any(r.name == arm for r in results)]
     sized = active_size_note(active)  # "equal active parameters" that are not, by how much and why
@@ -99,8 +99,8 @@ def pair_line(results: list[Any], a: str, b: str, by_time: bool, at_best: bool =
     """The report's line for pair (a, b): a minus b seed by seed, the mean's interval and its reading
     (`at_best`: arms of a [sweep] cross, each at its best value, which the line says)."""
     test = common.paired_test(common.paired(results, a, b))
-    best = "at each one's best: " if at_best else ""
-    return (f"- {best}{a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
+    prefix = "at each one's best: " if at_best else ""
+    return (f"- {prefix}{a} minus {b}, per seed {common.versus(test.diffs)}: {test.interval} -> **{test.reading}**"
             + unequal_tokens(results, a, b, by_time))
 
 
@@ -121,9 +121,7 @@ def at_best(sweep: dict[str, Any], results: list[Any]) -> tuple[dict[str, str], 
         if not ranked:
             continue
         best[base] = ranked[0]
-        tuned = next(a["crossed"] for a in sweep["arms"] if a["name"] == ranked[0])
-        which = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tuned.items())
-        line = f"- {base} at its best, {which}: mean {means[ranked[0]]:.4f}"
+        line = f"- {base} at its best, {ranked[0].removeprefix(base + ' ')}: mean {means[ranked[0]]:.4f}"
         if len(ranked) > 1:
             test = common.paired_test(common.paired(results, ranked[1], ranked[0]))
             line += (f"; the next, {ranked[1].removeprefix(base + ' ')}, per seed {common.versus(test.diffs)}: "
