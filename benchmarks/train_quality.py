@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", default="5m")
     ap.add_argument("--steps", type=int, help="train each arm this many steps instead of for --time")
+    ap.add_argument("--step-time", type=int, metavar="N",
+                    help="only time the arms' steps: N steps each, arms alternated, per seed; no loss")
     ap.add_argument("--models", default="moe,dense")
     ap.add_argument("--recipes", default="demo", help=f"comma-separated, of {', '.join(RECIPES)}")
     ap.add_argument("--arms", help="only these of the models x recipes, e.g. moe@demo,dense@demo,moe@today")
@@ -76,6 +80,11 @@ def main() -> None:
                "moe-N4": moe.replace(n_experts=4), "moe-N16": moe.replace(n_experts=16),
                "moe-k2": moe.replace(experts_per_token=2, expert_dim=moe.expert_dim * 2 // 3),
                "moe-every2-N16": moe.replace(moe_every=2, n_experts=16),
+               # finer experts at equal active size, the shared expert held at the preset's width (Quality III)
+               "moe-16x2": moe.replace(n_experts=16, experts_per_token=2, expert_dim=moe.expert_dim // 2,
+                                       shared_expert_dim=moe.expert_dim),
+               "moe-32x4": moe.replace(n_experts=32, experts_per_token=4, expert_dim=moe.expert_dim // 4,
+                                       shared_expert_dim=moe.expert_dim),
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     extra = parse_overrides(args.set, TrainConfig)
@@ -87,6 +96,8 @@ def main() -> None:
     results = out / "results.jsonl"
     done = {(r["arm"], r["seed"]): r for r in map(json.loads, results.read_text().splitlines())} \
         if results.exists() else {}
+    if args.step_time:
+        return step_times(configs, recipes, arms, seeds, args.step_time)
     for seed in seeds:
         for name, recipe in arms:
             arm = f"{name}@{recipe}"
@@ -117,6 +128,28 @@ def main() -> None:
             test = paired_test([done[a, s]["full_val_loss"] - done[b, s]["full_val_loss"] for s in seeds])
             per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
             print(f"{a} minus {b}, per seed {per_seed}: {test.interval} -> {test.reading}")
+
+
+def step_times(configs: dict, recipes: dict, arms: list, rounds: list, steps: int) -> None:
+    """The step before the loss: each arm trains `steps` steps per round, arms alternated, and the table gives
+    each arm's median step time over every round's steps after its first 3 (the warm-up and the first
+    optimizer steps) and its ratio to the first arm's."""
+    times: dict[str, list[float]] = {f"{m}@{r}": [] for m, r in arms}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in rounds:
+            for name, recipe in arms:
+                run = Path(tmp) / f"{name}-{recipe}-{seed}"
+                train(configs[name], recipes[recipe].replace(seed=seed, max_steps=steps, max_time=None,
+                                                             eval_interval=10**6), run, progress=False)
+                rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                clock = [0.0] + [r["time"] for r in rows if "tokens_per_s" in r]
+                step_ms = [1000 * (b - a) for a, b in zip(clock[:-1], clock[1:], strict=True)]
+                times[f"{name}@{recipe}"] += step_ms[3:]
+    first = statistics.median(next(iter(times.values())))
+    print("| arm | steps timed | median step | slowest | against the first |\n|---|---:|---:|---:|---:|")
+    for arm, ms in times.items():
+        print(f"| {arm} | {len(ms)} | {statistics.median(ms):,.0f} ms | {max(ms):,.0f} ms | "
+              f"{statistics.median(ms) / first:.2f}x |")
 
 
 if __name__ == "__main__":
