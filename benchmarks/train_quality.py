@@ -27,7 +27,12 @@ Models: `moe` (the shakespeare-char preset), `dense` (its dense twin), `moe-ever
 layer, as Llama 4 Maverick interleaves them; dense FFNs of the twin's width between) and `moe-full` (the
 preset as it was before Learning II: no chunked attention, temperature floor 8,192); other MoE shapes of
 the same active size, for the sweep of Quality II's item 5: `moe-N4` (4 experts), `moe-N16` (16), `moe-k2` (top-2 of 8
-experts of 2/3 the width, the shared expert as wide), `moe-every2-N16` (16 experts on every second layer).
+experts of 2/3 the width, the shared expert as wide), `moe-every2-N16` (16 experts on every second layer); for
+Quality III's, finer experts with the shared expert held at the preset's width: `moe-16x2` (top-2 of 16 experts
+of half the width) and `moe-32x4` (top-4 of 32 of a quarter). Any model + `+cpp` (`dense+cpp`) is that model as
+llama.cpp computes it: no chunked attention, temperature floor 8,192, no balancing bias.
+
+`--step-time N` measures the step before the loss: N steps per arm and seed, arms alternated, median step times.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ def main() -> None:
                "moe-32x4": moe.replace(n_experts=32, experts_per_token=4, expert_dim=moe.expert_dim // 4,
                                        shared_expert_dim=moe.expert_dim),
                "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
+    # NAME+cpp: NAME trained as llama.cpp computes it (Llama 4's own chunk, 8192, so full attention within the
+    # context; its temperature floor; no balancing bias), so that its run exports to GGUF as it is
+    configs |= {f"{name}+cpp": c.replace(attention_chunk_size=None, floor_scale=8192, bias_balance_rate=0.0)
+                for name, c in list(configs.items())}
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     extra = parse_overrides(args.set, TrainConfig)
     limit = {"max_steps": args.steps} if args.steps else {"max_time": budget}
