@@ -15,7 +15,9 @@ machine's read bandwidth (a sum over 256 MiB) over the weight bytes one token re
 
 `--weights` compares like with like where llama.cpp reads fewer bytes: `bf16` is our model loaded in
 bfloat16 (`--dtype bfloat16`; the C++ step reads bf16 weights and cache) against the file's matrices in
-BF16 and in F16; `q8_0` is llama.cpp alone on Q8_0 matrices (we have no int8 path), for reference.
+BF16 and in F16; `q8_0` is a copy of our model rounded to 8 bits (`--dtype q8_0`: the C++ step reads int8
+codes in blocks of 32 with a float32 scale, 36 bytes a block) against the file's matrices in Q8_0 (34 bytes a
+block: a float16 scale), which llama.cpp's writer rounds from the same float32 weights.
 
     .venv/bin/python benchmarks/decode_vs_llamacpp.py [--models demo,big] [--weights f32,bf16,q8_0] [--new 224]
         [--threads 2] [--rounds 3]
@@ -24,6 +26,7 @@ BF16 and in F16; `q8_0` is llama.cpp alone on Q8_0 matrices (we have no int8 pat
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import string
 import subprocess
@@ -41,6 +44,7 @@ from nanollama4.config import ModelConfig, preset  # noqa: E402
 from nanollama4.generation import generate_ids  # noqa: E402
 from nanollama4.llamacpp import export_gguf  # noqa: E402
 from nanollama4.ops import build_model  # noqa: E402
+from nanollama4.ops.fastdecode import round_to_q8_0  # noqa: E402
 from nanollama4.runtime import tune_allocator  # noqa: E402
 from nanollama4.tokenizer import CharTokenizer  # noqa: E402
 
@@ -90,7 +94,7 @@ def theirs(where: Path, gguf: Path, new: int, threads: int, context: int) -> flo
 
 PAIRS = {"f32": [("f32", torch.float32, "f32")],  # --weights: (ours, our dtype, llama.cpp's file) each
          "bf16": [("bf16", torch.bfloat16, "bf16"), ("bf16", torch.bfloat16, "f16")],
-         "q8_0": [(None, None, "q8_0")]}
+         "q8_0": [("q8_0", "q8_0", "q8_0")]}  # (our dtype "q8_0": a copy of the model, rounded_to_q8_0)
 BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "q8_0": 34 / 32}  # a weight's bytes in each (Q8_0: 32 int8 + a scale)
 
 
@@ -126,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
                 for ours_type, dtype, file_type in PAIRS[pair]:
                     gguf = Path(work) / f"{name}-{file_type}.gguf"
                     export_gguf(model, tokenizer, gguf, weights=file_type)
-                    mine_model = model.to(dtype) if dtype is not None else None
+                    if dtype == "q8_0":
+                        mine_model = copy.deepcopy(model).float()  # (after bf16: the same values)
+                        round_to_q8_0(mine_model)
+                    else:
+                        mine_model = model.to(dtype) if dtype is not None else None
                     if mine_model is not None:
                         generate_ids(mine_model, [prompt], 32, temperature=0)  # the runner's trials choose its way
                     mine, theirs_ = [], []
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                             mine.append(ours(mine_model, prompt, args.new))
                         theirs_.append(theirs(args.bin, gguf, args.new, args.threads, context))
                     gguf.unlink()
+                    del mine_model
                     step = step_bytes(cfg, 1) / 4 * BYTES[file_type]
                     floor = bandwidth / step
                     best_theirs = max(theirs_)

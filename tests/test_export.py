@@ -143,6 +143,33 @@ def test_generate_and_explain_load_a_model_in_bfloat16(runs, tmp_path, capsys):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkeypatch, capsys):
+    """--dtype q8_0: generate decodes through the C++ step's 8-bit codes and answers as the rounded float32
+    model does (greedy, the same tokens); a model whose rows do not cut into blocks of 32 is one line and exit 2."""
+    from nanollama4.generation import generate
+    from nanollama4.ops import fastdecode
+
+    steps = []
+    built = fastdecode.FastStep.__init__
+
+    def spy(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        steps.append(type(self._step).__name__)
+
+    monkeypatch.setattr(fastdecode.FastStep, "__init__", spy)
+    rc, printed, err = run_cli(["generate", str(runs["char"]), "--dtype", "q8_0", "--prompt", "the cat",
+                                "--max-new-tokens", "12", "--greedy"], capsys)
+    assert rc == 0 and steps and set(steps) == {"DecodeStepQ8"}, (err, steps)
+    model, tok, _ = load_run(runs["char"])
+    fastdecode.round_to_q8_0(model)
+    del model.q8_0  # the same rounded parameters, decoded as float32
+    assert printed.rstrip("\n") == "the cat" + generate(model.eval(), tok, "the cat", max_new_tokens=12,
+                                                         temperature=0.0)
+    odd = tiny_run(tmp_path, corpus, "odd", model={"expert_dim": 48})
+    rc, _, err = run_cli(["generate", str(odd), "--dtype", "q8_0", "--prompt", "the"], capsys)
+    assert rc == 2 and "rows a multiple of 32" in err and "Traceback" not in err, err
+
+
 def test_a_run_trained_before_the_end_of_text_token_loads_trains_on_and_exports_as_before(corpus, tmp_path,
                                                                                           monkeypatch, capsys):
     """A tokenizer.json without "end_of_text" (as every run before Interop III saved): no EOS anywhere."""

@@ -316,6 +316,79 @@ def test_a_bfloat16_model_steps_from_its_own_weights(name):
         torch.testing.assert_close(mine.k.float(), theirs.k, atol=1e-2, rtol=1e-2)
 
 
+# the variants' widths made multiples of 32, the block of 8-bit codes (rows of 48 cannot be cut into blocks)
+Q8_WIDTHS = dict(expert_dim=32, ffn_dim=64)
+
+
+@pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "dense, unchunked, all RoPE",
+                                  "softmax over the chosen, no shared expert"])
+def test_a_q8_0_model_steps_from_its_codes(name):
+    """`--dtype q8_0`: the matrices rounded to 8-bit codes in blocks of 32, the parameters holding the rounded
+    values. The C++ step reads the codes (its DecodeStepQ8) and computes float(code) * scale, the product the
+    rounding wrote into the parameters, in the float32 step's loops. For a 40-token prompt in one call and
+    then three rows together, its logits equal those of the float32 C++ step on the rounded parameters and
+    of the plain model to 1e-5 of their scale: float32 rounding (where a weight is itself a product, the
+    compiler fuses other multiply-adds than in the float32 step: 1-2 ulp per layer, 2e-7 of the logits here)."""
+    model = model_for(**VARIANTS[name], **Q8_WIDTHS)
+    original = {n: p.clone() for n, p in model.named_parameters()}
+    assert fastdecode.round_to_q8_0(model) == len(fastdecode.matrices(model))
+    floats = model_for(**VARIANTS[name], **Q8_WIDTHS)
+    floats.load_state_dict(model.state_dict())  # the same rounded values, and no codes: the float32 step
+    cfg, cpu = model.cfg, torch.device("cpu")
+    caches = [SlotCache(cfg, 3, torch.float32, cpu) for _ in range(3)]
+    q8 = fastdecode.FastStep(model, caches[0].layers, caches[0].context)
+    f32 = fastdecode.FastStep(floats, caches[1].layers, caches[1].context)
+    assert type(q8._step).__name__ == "DecodeStepQ8" and type(f32._step).__name__ == "DecodeStep"
+    plain = Runner(model, caches[2])
+    plain.only = "plain"
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist()
+    with torch.no_grad():
+        got = q8(prompt, list(range(40)), [0] * 40)  # (40 rows: the float32 step's are torch's products here)
+        want = torch.cat([plain.decode([token], [i]) for i, token in enumerate(prompt)])
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
+        for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):  # the same keys from here
+            for name in ("k", "v", "pos"):
+                getattr(theirs, name).copy_(getattr(mine, name))
+        for step in range(40, cfg.max_seq_len - 1):
+            positions = [step, step - 40, step - 38]
+            tokens = torch.randint(0, cfg.vocab_size, (3,), generator=g).tolist()
+            got, want = q8(tokens, positions), plain.decode(tokens, positions)
+            assert (got - f32(tokens, positions)).abs().max() <= 1e-5 * max(1.0, want.abs().max()), step
+            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), step
+    rounded = dict(fastdecode.matrices(model))
+    for n, p in model.named_parameters():  # each matrix on its grid, within half a step of where it was
+        if n not in rounded:
+            assert torch.equal(p, original[n]), n  # (the embedding, norms and routers are not rounded)
+            continue
+        blocks, before = p.reshape(-1, 32), original[n].reshape(-1, 32)
+        scale = before.abs().amax(1, keepdim=True) / 127
+        assert torch.equal(blocks, (before / scale).round() * scale), n
+        assert ((blocks - before).abs() <= scale / 2 * (1 + 1e-6)).all(), n
+
+
+def test_a_q8_0_step_is_set_aside_when_a_weight_changes_and_bad_widths_are_named():
+    """The codes are the rounded weights as they were: a matrix written since (a loaded state dict, an edit)
+    makes the step unusable and decoding takes the plain path, which reads the parameters themselves. A model
+    whose rows are not a multiple of 32, or not float32, is refused with its reason."""
+    model = model_for(**Q8_WIDTHS)
+    fastdecode.round_to_q8_0(model)
+    cache = SlotCache(model.cfg, 1, torch.float32, torch.device("cpu"))
+    step = fastdecode.FastStep(model, cache.layers, cache.context)
+    assert step.usable(1)
+    with torch.no_grad():
+        model.blocks[2].ffn.experts.down.mul_(2)
+    assert not step.usable(1)
+    partly = model_for(**Q8_WIDTHS)
+    fastdecode.round_to_q8_0(partly)
+    partly.q8_0.pop(partly.lm_head.weight)
+    assert fastdecode.unsupported(partly) == "8-bit codes for some of its matrices only"
+    with pytest.raises(ValueError, match=r"multiple of 32 long; blocks\.0\.ffn\.experts\.gate_up has rows of 48"):
+        fastdecode.round_to_q8_0(model_for())
+    with pytest.raises(ValueError, match="starts from float32 weights"):
+        fastdecode.round_to_q8_0(model_for(**Q8_WIDTHS).to(torch.bfloat16))
+
+
 def test_what_it_cannot_run_is_named():
     model = model_for()
     assert fastdecode.unsupported(model) is None

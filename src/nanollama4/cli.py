@@ -95,10 +95,12 @@ def _path(text: str) -> str:
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "q8_0"], default="float32",
                    help="the model's parameters in memory: bfloat16 takes half of float32's (a large reference "
                         "checkpoint), at bf16's rounding; on a CPU its decode steps read half the bytes (faster "
-                        "where the model does not fit in cache)")
+                        "where the model does not fit in cache). q8_0: float32 parameters rounded to 8 bits in "
+                        "blocks of 32 (llama.cpp's Q8_0 grid), whose codes the CPU decode step reads (0.28 of "
+                        "float32's bytes), held beside them (1.28 times float32's memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -225,18 +225,32 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _model_for_prompt(args: argparse.Namespace):
     """The model and tokenizer at args.path, the tokenizer replacing unknown characters if asked."""
-    from .hf import load_any
     from .tokenizer import replacing_unknown
 
-    model, tokenizer = load_any(args.path, dtype=_dtype(args))
+    model, tokenizer = _load(args)
     return model, tokenizer if args.replace_unknown is None else replacing_unknown(tokenizer, args.replace_unknown)
 
 
 def _dtype(args: argparse.Namespace):
-    """The parameters' dtype a command loads a model in (--dtype)."""
+    """The parameters' dtype a command loads a model in (--dtype; q8_0 starts from float32)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "q8_0": torch.float32}[args.dtype]
+
+
+def _load(args: argparse.Namespace):
+    """The model and tokenizer at args.path in --dtype, its matrices rounded to 8 bits for q8_0."""
+    from .errors import ConfigError
+    from .hf import load_any
+    from .ops.fastdecode import round_to_q8_0
+
+    model, tokenizer = load_any(args.path, dtype=_dtype(args))
+    if args.dtype == "q8_0":
+        try:
+            round_to_q8_0(model)
+        except ValueError as e:
+            raise ConfigError(f"--dtype q8_0: {e}; use --dtype float32 or bfloat16") from None
+    return model, tokenizer
 
 
 def cmd_explain(args: argparse.Namespace) -> None:
@@ -299,12 +313,11 @@ def cmd_experts(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import torch
 
-    from .hf import load_any
     from .serve.chat import chat_format_of
     from .serve.server import serve
 
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
-    model, tokenizer = load_any(args.path, dtype=_dtype(args))
+    model, tokenizer = _load(args)
     chat = chat_format_of(args.path, tokenizer)
     name = args.name or Path(args.path).resolve().name
     serve(model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch,

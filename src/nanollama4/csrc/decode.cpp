@@ -65,12 +65,43 @@ inline wvec wload(const bf16* p) {  // one widening load and a shift (GCC's gene
   return v;
 }
 
+// 8-bit weights (`--dtype q8_0`): each matrix's rows, as stored, cut into blocks of 32 values, each block a
+// float32 scale and 32 signed codes (36 bytes: 1.125 a weight, 0.28 of float32's), one stream in memory
+// order. A weight is float(code) * scale, the same float32 product the Python side wrote into the model's
+// parameters, so this step computes what the float32 step computes on those parameters.
+constexpr int64_t kQBlock = 32, kQBytes = 4 + kQBlock;
+struct Q8 {  // a position in a matrix of blocks, counted in weights, so that `W + n * K` reads as for floats
+  const uint8_t* blocks;
+  int64_t at = 0;
+  Q8 operator+(int64_t i) const { return {blocks, at + i}; }
+  const uint8_t* block() const { return blocks + at / kQBlock * kQBytes; }
+  float scale() const { float s; std::memcpy(&s, block(), 4); return s; }
+  const int8_t* codes() const { return reinterpret_cast<const int8_t*>(block() + 4 + at % kQBlock); }
+  float operator[](int64_t i) const { const Q8 p = *this + i; return static_cast<float>(p.codes()[0]) * p.scale(); }
+};
+// kWide weights (never across a block: every row's length is a multiple of 32, every load at a multiple of kWide)
+inline wvec wload(Q8 p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes()))));
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.codes()))));
+#else
+  typedef int8_t cwvec __attribute__((vector_size(kWide)));
+  cwvec c;
+  std::memcpy(&c, p.codes(), sizeof(c));
+  const wvec f = __builtin_convertvector(c, wvec);
+#endif
+  wvec v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v * p.scale();
+}
+
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
 constexpr int64_t kHead = 64;  // the head width whose attention sums stay in registers
 
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
+template <typename P>  // P: const float*, const bf16* or Q8
+inline float dot(const float* a, P b, int64_t n) {
   wvec s0{}, s1{}, s2{}, s3{};
   int64_t i = 0;
   for (; i + 4 * kWide <= n; i += 4 * kWide) {
@@ -87,8 +118,8 @@ inline float dot(const float* a, const T* b, int64_t n) {
 
 // R rows of x times C rows of W (R * C = kWide dot products over K, a multiple of kWide), finished together
 // into y's R rows at C columns (stride N): kWide accumulators and R + C loads fit the registers.
-template <int R, int C, typename T>
-inline void linear_tile(const float* x, int64_t K, const T* w, int64_t N, float* y) {
+template <int R, int C, typename P>
+inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
   for (int64_t k = 0; k < K; k += kWide) {
@@ -105,20 +136,20 @@ inline void linear_tile(const float* x, int64_t K, const T* w, int64_t N, float*
   for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
 }
 
-template <typename T>
+template <typename P>
 struct Product {  // y (M x N) = x @ W^T for W (N x K)
-  const T* W;
+  P W;
   int64_t N;
   float* y;
 };
 
 // Columns [n0, n1) of a product (a multiple of kWide each) for all M rows, on the calling thread.
-template <typename T>
-void product_columns(const float* x, int64_t M, int64_t K, const Product<T>& p, int64_t n0, int64_t n1) {
+template <typename P>
+void product_columns(const float* x, int64_t M, int64_t K, const Product<P>& p, int64_t n0, int64_t n1) {
   constexpr int C4 = kWide / 4, C2 = kWide / 2;
   const int64_t N = p.N;
   for (; n0 < n1; n0 += kWide) {
-    const T* W = p.W + n0 * K;
+    const P W = p.W + n0 * K;
     float* y = p.y + n0;
     int64_t m = 0;
     for (; m + 4 <= M; m += 4)  // 4 rows at a time: each weight row read once for the four
@@ -137,21 +168,21 @@ inline bool tiled(int64_t M, int64_t K, int64_t N) { return M < kBlasRows && K %
 // reading each of its weight rows once for all M rows (from memory once, then from its L1 cache for each
 // further tile of rows). Products of one input (q, k and v; gate and up) share one parallel region: a
 // region costs microseconds to open and join, a tenth of a small model's whole step.
-template <typename T>
-void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<T>> products) {
-  if constexpr (std::is_same_v<T, float>) {  // (bf16 weights: the tiles, since torch's bf16 products round x)
+template <typename P>
+void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<P>> products) {
+  if constexpr (std::is_same_v<P, const float*>) {  // (bf16 or int8 weights: the tiles; torch's bf16 products round x)
     if (M >= kBlasRows) {
       auto xt = at::from_blob(const_cast<float*>(x), {M, K});
-      for (const Product<T>& p : products) {
+      for (const Product<P>& p : products) {
         auto yt = at::from_blob(p.y, {M, p.N});
-        at::mm_out(yt, xt, at::from_blob(const_cast<T*>(p.W), {p.N, K}).t());
+        at::mm_out(yt, xt, at::from_blob(const_cast<float*>(p.W), {p.N, K}).t());
       }
       return;
     }
   }
   bool all_tiled = true;
   std::vector<int64_t> first{0};  // each product's first group of kWide columns
-  for (const Product<T>& p : products) {
+  for (const Product<P>& p : products) {
     all_tiled = all_tiled && K % kWide == 0 && p.N % kWide == 0;  // (many rows of float32 went to torch above)
     first.push_back(first.back() + p.N / kWide);
   }
@@ -165,7 +196,7 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<
     });
     return;
   }
-  for (const Product<T>& p : products) {
+  for (const Product<P>& p : products) {
     const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * 4));
     at::parallel_for(0, p.N, grain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
@@ -176,12 +207,12 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<
 
 // y (N) += sum over k in [k0, k1) of a[k] * W[k, :] for W (K x N, rows contiguous): the rows of an (in, out)
 // matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
-template <typename T>
-void add_rows(const float* a, const T* W, int64_t N, int64_t k0, int64_t k1, float* y) {
+template <typename P>
+void add_rows(const float* a, P W, int64_t N, int64_t k0, int64_t k1, float* y) {
   const int64_t vector_end = N - N % kWide;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const T *w0 = W + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+    const P w0 = W + k * N, w1 = w0 + N, w2 = w1 + N, w3 = w2 + N;
     const wvec a0 = wsplat(a[k]), a1 = wsplat(a[k + 1]), a2 = wsplat(a[k + 2]), a3 = wsplat(a[k + 3]);
     int64_t n = 0;
     for (; n < vector_end; n += kWide)
@@ -190,7 +221,7 @@ void add_rows(const float* a, const T* W, int64_t N, int64_t k0, int64_t k1, flo
       y[n] += (a[k] * as_float(w0[n]) + a[k + 1] * as_float(w1[n])) + (a[k + 2] * as_float(w2[n]) + a[k + 3] * as_float(w3[n]));
   }
   for (; k < k1; ++k) {
-    const T* w = W + k * N;
+    const P w = W + k * N;
     const wvec ak = wsplat(a[k]);
     int64_t n = 0;
     for (; n < vector_end; n += kWide) wstore(y + n, wload(y + n) + ak * wload(w + n));
@@ -255,7 +286,9 @@ struct Layer {
   bool scales_input = true;
 };
 
-template <typename T>
+// T: the type of the cache, norms, embedding and router; W: how the matrices are read (the weights' pointer
+// type: const T*, or Q8 for 8-bit codes).
+template <typename T, typename W = const T*>
 class DecodeStep {
  public:
   DecodeStep(at::Tensor embed, at::Tensor norm, at::Tensor head, at::Tensor rope_table, double eps,
@@ -281,9 +314,10 @@ class DecodeStep {
       size_t j = 9;
       if (L.moe) { L.router = t.at(j++); L.bias = t.at(j++); L.gate_up = t.at(j++); L.expert_down = t.at(j++); }
       if (dense_or_shared) { L.gate = t.at(j++); L.up = t.at(j++); L.down = t.at(j++); }
-      for (const at::Tensor* w : {&L.attn_norm, &L.wq, &L.wk, &L.wv, &L.wo, &L.k_cache, &L.v_cache, &L.ffn_norm,
-                                  &L.router, &L.bias, &L.gate_up, &L.expert_down, &L.gate, &L.up, &L.down})
+      for (const at::Tensor* w : {&L.attn_norm, &L.k_cache, &L.v_cache, &L.ffn_norm, &L.router, &L.bias})
         if (w->defined()) TORCH_CHECK(w->scalar_type() == kType && w->is_contiguous(), "one dtype, contiguous");
+      for (const at::Tensor* w : {&L.wq, &L.wk, &L.wv, &L.wo, &L.gate_up, &L.expert_down, &L.gate, &L.up, &L.down})
+        if (w->defined()) TORCH_CHECK(w->scalar_type() == kMatrixType && w->is_contiguous(), "matrices: one dtype, contiguous");
       TORCH_CHECK(L.pos_cache.scalar_type() == at::kLong && L.pos_cache.is_contiguous(), "int64 positions");
       layers_.push_back(std::move(L));
     }
@@ -333,15 +367,15 @@ class DecodeStep {
     }
     for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], ptr(norm_), eps_, D, &h_[b * D]);
     at::Tensor logits = at::empty({B, V_}, at::kFloat);
-    linear<T>(h_.data(), B, D, {{ptr(head_), V_, logits.data_ptr<float>()}});
+    linear<W>(h_.data(), B, D, {{wptr(head_), V_, logits.data_ptr<float>()}});
     return logits;
   }
 
  private:
   void attention(Layer& L, int64_t B, const std::vector<int64_t>& positions) {
     const int64_t D = D_, QD = H_ * Dh_, KD = KV_ * Dh_, half = Dh_ / 2, rep = H_ / KV_;
-    linear<T>(h_.data(), B, D, {{ptr(L.wq), QD, q_.data()}, {ptr(L.wk), KD, k_.data()},
-                             {ptr(L.wv), KD, v_.data()}});
+    linear<W>(h_.data(), B, D, {{wptr(L.wq), QD, q_.data()}, {wptr(L.wk), KD, k_.data()},
+                             {wptr(L.wv), KD, v_.data()}});
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = positions[b];
       if (L.rope) {  // rotate each pair of every head (queries and keys), then the weightless QK-norm
@@ -444,15 +478,15 @@ class DecodeStep {
         write(b);
       }
     }
-    linear<T>(att_.data(), B, QD, {{ptr(L.wo), D_, y_.data()}});
+    linear<W>(att_.data(), B, QD, {{wptr(L.wo), D_, y_.data()}});
   }
 
   void swiglu(Layer& L, int64_t B) {  // the dense FFN or the shared expert, added into y_
     const int64_t F = L.gate.size(0);
     g_.resize(B * F); u_.resize(B * F); out_.resize(B * D_);
-    linear<T>(h_.data(), B, D_, {{ptr(L.gate), F, g_.data()}, {ptr(L.up), F, u_.data()}});
+    linear<W>(h_.data(), B, D_, {{wptr(L.gate), F, g_.data()}, {wptr(L.up), F, u_.data()}});
     swiglu_rows(g_.data(), u_.data(), B * F, g_.data());
-    linear<T>(g_.data(), B, F, {{ptr(L.down), D_, out_.data()}});
+    linear<W>(g_.data(), B, F, {{wptr(L.down), D_, out_.data()}});
     for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
@@ -461,7 +495,7 @@ class DecodeStep {
   void experts(Layer& L, int64_t B, bool shared) {
     const int64_t E = L.router.size(0), K = L.top_k, Hd = L.expert_down.size(1);
     logits_.resize(B * E);
-    linear<T>(h_.data(), B, D_, {{ptr(L.router), E, logits_.data()}});
+    linear(h_.data(), B, D_, {Product<const T*>{ptr(L.router), E, logits_.data()}});
     const T* bias = ptr(L.bias);
     std::vector<std::vector<std::pair<int64_t, float>>> rows(E);  // expert -> (row, weight)
     std::vector<int64_t> chosen(K);
@@ -513,9 +547,9 @@ class DecodeStep {
     const int64_t NT = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
     part_.assign(NT * slots * F, 0.f);
     if (shared) { g_.resize(B * SF); u_.resize(B * SF); out_.resize(B * D_); }
-    const Product<T> shared_gate{shared ? ptr(L.gate) : nullptr, SF, g_.data()};
-    const Product<T> shared_up{shared ? ptr(L.up) : nullptr, SF, u_.data()};
-    const Product<T> shared_down{shared ? ptr(L.down) : nullptr, D_, out_.data()};
+    const Product<W> shared_gate{shared ? wptr(L.gate) : W{}, SF, g_.data()};
+    const Product<W> shared_up{shared ? wptr(L.up) : W{}, SF, u_.data()};
+    const Product<W> shared_down{shared ? wptr(L.down) : W{}, D_, out_.data()};
     auto share = [NT](int64_t n, int64_t t) { return n / kWide * t / NT * kWide; };  // thread t's first column
     at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
@@ -525,7 +559,7 @@ class DecodeStep {
         }
         const int64_t k0 = D_ * t / NT, k1 = D_ * (t + 1) / NT;
         for (int64_t e = 0; e < E; ++e) {
-          const T* gate_up = ptr(L.gate_up) + e * D_ * F;
+          const W gate_up = wptr(L.gate_up) + e * D_ * F;
           for (int64_t k = k0; k < k1; k += kRowBlock)
             for (int64_t s = first[e]; s < first[e + 1]; ++s)
               add_rows(&xe_[s * D_], gate_up, F, k, std::min(k + kRowBlock, k1), &part_[(t * slots + s) * F]);
@@ -541,7 +575,7 @@ class DecodeStep {
         const int64_t j0 = Hd * t / NT, j1 = Hd * (t + 1) / NT, width = j1 - j0;
         float* mine = &ye_[t * B * D_];
         for (int64_t e = 0; e < E; ++e) {
-          const T* down = ptr(L.expert_down) + e * Hd * D_;
+          const W down = wptr(L.expert_down) + e * Hd * D_;
           for (int64_t s = first[e]; s < first[e + 1]; ++s) {
             float* g = act.data();
             float* u = act.data() + width;
@@ -566,7 +600,14 @@ class DecodeStep {
   }
 
   static constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  static constexpr at::ScalarType kMatrixType = std::is_same_v<W, Q8> ? at::kByte : kType;
   static const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+  static W wptr(const at::Tensor& t) {
+    if constexpr (std::is_same_v<W, Q8>)
+      return Q8{t.data_ptr<uint8_t>()};
+    else
+      return reinterpret_cast<W>(t.data_ptr());
+  }
 
   at::Tensor embed_, norm_, head_, rope_;
   float eps_;
@@ -581,18 +622,19 @@ class DecodeStep {
 
 }  // namespace
 
-template <typename T>
+template <typename T, typename W = const T*>
 void bind(py::module& m, const char* name) {
   using release = py::call_guard<py::gil_scoped_release>;
-  py::class_<DecodeStep<T>>(m, name)
+  py::class_<DecodeStep<T, W>>(m, name)
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t,
                     std::vector<std::vector<at::Tensor>>, std::vector<std::vector<int64_t>>,
                     std::vector<std::vector<double>>>())
-      .def("step", &DecodeStep<T>::step, "logits (B, vocab) of each entry's token at its position, in its row",
+      .def("step", &DecodeStep<T, W>::step, "logits (B, vocab) of each entry's token at its position, in its row",
            py::arg("tokens"), py::arg("positions"), py::arg("rows") = std::vector<int64_t>{}, release());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind<float>(m, "DecodeStep");
   bind<bf16>(m, "DecodeStepBF16");
+  bind<float, Q8>(m, "DecodeStepQ8");
 }

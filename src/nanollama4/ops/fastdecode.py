@@ -9,11 +9,12 @@ step once, and each step is then one call that writes the rows' new keys into th
 It computes the model files' math for the layers they define: RMSNorm, GQA attention with RoPE, QK-norm,
 chunks, rings and the NoPE temperature, dense SwiGLU, and the MoE with the built-in routers (sigmoid,
 softmax over the chosen or over all experts) and a shared expert. It reads float32 or bfloat16 weights and
-cache (a model loaded with `--dtype bfloat16`: half the bytes a token, what decoding on a CPU is bound by)
-and computes in float32 either way. `unsupported(model)` names what it does not (another dtype or device,
-a router or module of another kind, LoRA's parametrised weights), and the engine's runner then keeps the
-plain step; it also keeps it while anything is watching the modules (`observe`, forward hooks) and where
-capacity at inference makes the rows of a batch compete.
+cache (a model loaded with `--dtype bfloat16`: half the bytes a token, what decoding on a CPU is bound by),
+or 8-bit matrices (`--dtype q8_0`: `round_to_q8_0`, 0.28 of float32's bytes), and computes in float32
+always. `unsupported(model)` names what it does not (another dtype or device, a router or module of another
+kind, LoRA's parametrised weights), and the engine's runner then keeps the plain step; it also keeps it
+while anything is watching the modules (`observe`, forward hooks) and where capacity at inference makes the
+rows of a batch compete.
 The runner measures both on its first steps and keeps the faster (engine/runner.py).
 """
 
@@ -41,6 +42,7 @@ from .linear import FastLinear
 
 SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
 DTYPES = {torch.float32: "DecodeStep", torch.bfloat16: "DecodeStepBF16"}  # the weights' dtype: its C++ class
+Q8_BLOCK = 32  # weights per block of 8-bit codes, each block with a float32 scale (llama.cpp's Q8_0 has 32 too)
 LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) weight
 ATTENDS = (sdpa_attend, cpu_autocast_attend)  # attention backends that compute the plain math
 
@@ -72,6 +74,9 @@ def unsupported(model: Transformer) -> str | None:
         return "weights other than all float32 or all bfloat16"
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         return "parametrised weights (LoRA adapters)"
+    codes = getattr(model, "q8_0", None)
+    if codes is not None and not all(w in codes for _, w in matrices(model)):
+        return "8-bit codes for some of its matrices only"
     if type(model.norm) is not RMSNorm or type(model.embed) is not nn.Embedding or type(model.lm_head) not in LINEARS:
         return "an embedding, final norm or LM head of another kind"
     for block in model.blocks:
@@ -94,6 +99,56 @@ def unsupported(model: Transformer) -> str | None:
     if load() is None:
         return "no C++ compiler (the step could not be built)"
     return None
+
+
+def matrices(model: Transformer) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every matrix the step reads whole each token, the ones `round_to_q8_0` rounds: the
+    attention projections, the feed-forward layers (dense, shared and routed experts) and the LM head. Not the
+    embedding (one row a token), the norms or the router (a few thousand weights that decide the routes)."""
+    found = [("lm_head.weight", model.lm_head.weight)]
+    for i, block in enumerate(model.blocks):
+        ffn = block.ffn
+        parts = [("attn", block.attn, ("q_proj", "k_proj", "v_proj", "o_proj"))]
+        if type(ffn) is MoE:
+            found += [(f"blocks.{i}.ffn.experts.{n}", getattr(ffn.experts, n)) for n in ("gate_up", "down")]
+            if ffn.shared_expert is not None:
+                parts.append(("ffn.shared_expert", ffn.shared_expert, ("gate_proj", "up_proj", "down_proj")))
+        else:
+            parts.append(("ffn", ffn, ("gate_proj", "up_proj", "down_proj")))
+        found += [(f"blocks.{i}.{where}.{n}.weight", getattr(m, n).weight) for where, m, names in parts for n in names]
+    return found
+
+
+def round_to_q8_0(model: Transformer) -> int:
+    """Round every matrix of `model` (`matrices`) to 8 bits in place, for a decode step that reads a quarter of
+    float32's bytes: each row, as stored, in blocks of 32 weights sharing one float32 scale (the block's largest
+    magnitude / 127) and each weight the nearest code in -127..127 times it, as llama.cpp's Q8_0 rounds (its
+    blocks run along each matrix's input; here along the stored rows, which for the routed experts' (in, out)
+    matrices is their output). The parameters keep float32 and take the rounded values, so every path (the
+    plain model, training, explain, eval) computes the rounded model; the codes are kept as `model.q8_0` for
+    the C++ step, which computes the same products from them. Returns how many matrices it rounded; a
+    ValueError where the model is not float32 or a row's length is not a multiple of 32."""
+    found = matrices(model)
+    if any(w.dtype != torch.float32 for _, w in found):
+        raise ValueError("8-bit rounding (q8_0) starts from float32 weights; load the model in float32")
+    for name, w in found:
+        if w.shape[-1] % Q8_BLOCK:
+            raise ValueError(f"8-bit rounding (q8_0) needs rows a multiple of {Q8_BLOCK} long; {name} has rows of "
+                             f"{w.shape[-1]}")
+    codes: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
+    with torch.no_grad():
+        for _, w in found:
+            if w in codes:  # (one tensor twice: tied embeddings)
+                continue
+            blocks = w.reshape(-1, Q8_BLOCK)
+            scale = blocks.abs().amax(1, keepdim=True) / 127
+            q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+            q = q.round().clamp_(-127, 127)
+            w.copy_((q * scale).reshape(w.shape))  # the float32 product the C++ step computes from the codes
+            packed = torch.cat([scale.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], 1)
+            codes[w] = (packed.reshape(*w.shape[:-1], -1), w._version)
+    model.q8_0 = codes
+    return len(codes)
 
 
 def _plain_swiglu(m: nn.Module) -> bool:
@@ -141,23 +196,29 @@ class FastStep:
         if reason is not None:
             raise ValueError(f"the C++ decode step cannot run this model: {reason}")
         cfg = model.cfg
+        codes = getattr(model, "q8_0", None)
+        self._codes = codes  # (each matrix's version when rounded: a weight written since is not what they hold)
+
+        def matrix(w: torch.Tensor) -> torch.Tensor:
+            return w if codes is None else codes[w][0]
+
         rope = rope_angles(model.inv_freq(torch.device("cpu")), torch.arange(context)).contiguous()
         tensors, ints, floats = [], [], []
         for block, layer in zip(model.blocks, layers, strict=True):
             attn, ffn = block.attn, block.ffn
-            t = [block.attn_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                 attn.o_proj.weight, layer.k, layer.v, layer.pos, block.ffn_norm.weight]
+            projections = [matrix(getattr(attn, n).weight) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            t = [block.attn_norm.weight, *projections, layer.k, layer.v, layer.pos, block.ffn_norm.weight]
             moe = type(ffn) is MoE
             shared = moe and ffn.shared_expert is not None
             kind, top_k, scales_input = 0, 1, True
             if moe:
                 r = ffn.router
-                t += [r.weight, r.expert_bias, ffn.experts.gate_up, ffn.experts.down]
+                t += [r.weight, r.expert_bias, matrix(ffn.experts.gate_up), matrix(ffn.experts.down)]
                 kind = 0 if type(r) is SigmoidRouter else 2 if r.over_all else 1
                 top_k, scales_input = r.top_k, r.scales_input
             dense = ffn.shared_expert if shared else None if moe else ffn
             if dense is not None:
-                t += [dense.gate_proj.weight, dense.up_proj.weight, dense.down_proj.weight]
+                t += [matrix(dense.gate_proj.weight), matrix(dense.up_proj.weight), matrix(dense.down_proj.weight)]
             tensors.append([x.detach() for x in t])
             ints.append([attn.use_rope, attn.qk_norm, attn.temperature, attn.chunk or 0, layer.window, moe, shared,
                          kind, top_k, scales_input])
@@ -165,13 +226,16 @@ class FastStep:
         self.model, self.context, self._hooks = model, context, hook_tables(model)
         self._parts = [(b.attn, b.ffn) for b in model.blocks]
         self.capacity_competes = cfg.capacity_at_inference
-        step_class = getattr(load(), DTYPES[model.embed.weight.dtype])
-        self._step = step_class(model.embed.weight.detach(), model.norm.weight.detach(), model.lm_head.weight.detach(),
+        step_class = getattr(load(), "DecodeStepQ8" if codes is not None else DTYPES[model.embed.weight.dtype])
+        self._step = step_class(model.embed.weight.detach(), model.norm.weight.detach(),
+                                matrix(model.lm_head.weight).detach(),
                                 rope, cfg.norm_eps, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, tensors, ints, floats)
 
     def usable(self, rows: int) -> bool:
-        """Whether this step computes what the plain one would now: nothing watching the modules, and no
-        capacity that makes the rows of a batch compete for experts."""
+        """Whether this step computes what the plain one would now: nothing watching the modules, no capacity
+        that makes the rows of a batch compete for experts, and (8-bit codes) no matrix written since rounding."""
+        if self._codes is not None and any(w._version != version for w, (_, version) in self._codes.items()):
+            return False
         return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks, self._parts)
 
     def __call__(self, tokens: list[int], positions: list[int], rows: list[int] | None = None) -> torch.Tensor:
