@@ -67,34 +67,38 @@ inline wvec wload(const bf16* p) {  // one widening load and a shift (GCC's gene
 
 // 8-bit weights (`--dtype q8_0`): each matrix's rows, as stored, cut into blocks of 32 values, each block a
 // float32 scale and 32 signed codes (36 bytes: 1.125 a weight, 0.28 of float32's), one stream in memory
-// order. A weight is float(code) * scale, the same float32 product the Python side wrote into the model's
-// parameters, so this step computes what the float32 step computes on those parameters.
-constexpr int64_t kQBlock = 32, kQBytes = 4 + kQBlock;
+// order. A weight is float(code) * scale, the float32 product the Python side wrote into the model's
+// parameters, so this step computes what the float32 step computes on those parameters, to float32 rounding
+// (the block loops multiply by a block's scale once, on the codes or on the input).
+constexpr int64_t kQBlock = 32, kQBytes = 4 + kQBlock;  // (Q8 below shifts by 5: 32 a block)
 struct Q8 {  // a position in a matrix of blocks, counted in weights, so that `W + n * K` reads as for floats
   const uint8_t* blocks;
-  int64_t at = 0;
-  Q8 operator+(int64_t i) const { return {blocks, at + i}; }
-  const uint8_t* block() const { return blocks + at / kQBlock * kQBytes; }
+  uint64_t at = 0;  // (unsigned: the block and the place in it are a shift and a mask)
+  Q8 operator+(int64_t i) const { return {blocks, at + static_cast<uint64_t>(i)}; }
+  const uint8_t* block() const { return blocks + (at >> 5) * kQBytes; }
   float scale() const { float s; std::memcpy(&s, block(), 4); return s; }
-  const int8_t* codes() const { return reinterpret_cast<const int8_t*>(block() + 4 + at % kQBlock); }
+  const int8_t* codes() const { return reinterpret_cast<const int8_t*>(block() + 4 + (at & 31)); }
   float operator[](int64_t i) const { const Q8 p = *this + i; return static_cast<float>(p.codes()[0]) * p.scale(); }
 };
-// kWide weights (never across a block: every row's length is a multiple of 32, every load at a multiple of kWide)
-inline wvec wload(Q8 p) {
+// kWide codes as floats
+inline wvec wcodes(const int8_t* c) {
 #if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes()))));
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
 #elif defined(__AVX2__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.codes()))));
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
 #else
   typedef int8_t cwvec __attribute__((vector_size(kWide)));
-  cwvec c;
-  std::memcpy(&c, p.codes(), sizeof(c));
-  const wvec f = __builtin_convertvector(c, wvec);
+  cwvec v;
+  std::memcpy(&v, c, sizeof(v));
+  const wvec f = __builtin_convertvector(v, wvec);
 #endif
   wvec v;
   std::memcpy(&v, &f, sizeof(v));
-  return v * p.scale();
+  return v;
 }
+// kWide weights (never across a block: every row's length is a multiple of 32, every load at a multiple of
+// kWide). The hot loops (linear_tile, add_rows) read whole blocks instead, the scale once a block.
+inline wvec wload(Q8 p) { return wcodes(p.codes()) * p.scale(); }
 
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
@@ -122,6 +126,22 @@ template <int R, int C, typename P>
 inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
+  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time: each row's scale read once a block
+    const uint8_t* rows[C];
+    for (int c = 0; c < C; ++c) rows[c] = (w + c * K).block();
+    for (int64_t k = 0; k < K; k += kQBlock) {
+      float scale[C];
+      for (int c = 0; c < C; ++c) std::memcpy(&scale[c], rows[c] + k / kQBlock * kQBytes, 4);
+      for (int64_t j = 0; j < kQBlock; j += kWide) {
+        wvec a[R];
+        for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k + j);
+        for (int c = 0; c < C; ++c) {
+          const wvec b = wcodes(reinterpret_cast<const int8_t*>(rows[c] + k / kQBlock * kQBytes + 4 + j)) * scale[c];
+          for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+        }
+      }
+    }
+  } else {
   for (int64_t k = 0; k < K; k += kWide) {
     wvec a[R];
     for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
@@ -129,6 +149,7 @@ inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
       const wvec b = wload(w + c * K + k);
       for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
     }
+  }
   }
   const wvec sums = whsum_all(acc);
   alignas(64) float out[kWide];
@@ -209,6 +230,41 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<
 // matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
 template <typename P>
 void add_rows(const float* a, P W, int64_t N, int64_t k0, int64_t k1, float* y) {
+  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time, each row's weight times its scale once
+    const int64_t blocks = N / kQBlock;  // (N is a multiple of 32: round_to_q8_0 refuses other rows)
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) {
+      const uint8_t *r0 = (W + k * N).block(), *r1 = (W + (k + 1) * N).block(), *r2 = (W + (k + 2) * N).block(),
+                    *r3 = (W + (k + 3) * N).block();
+      for (int64_t b = 0; b < blocks; ++b) {
+        float s[4];
+        std::memcpy(&s[0], r0 + b * kQBytes, 4); std::memcpy(&s[1], r1 + b * kQBytes, 4);
+        std::memcpy(&s[2], r2 + b * kQBytes, 4); std::memcpy(&s[3], r3 + b * kQBytes, 4);
+        const wvec a0 = wsplat(a[k] * s[0]), a1 = wsplat(a[k + 1] * s[1]), a2 = wsplat(a[k + 2] * s[2]),
+                   a3 = wsplat(a[k + 3] * s[3]);
+        const int8_t *c0 = reinterpret_cast<const int8_t*>(r0 + b * kQBytes + 4),
+                     *c1 = reinterpret_cast<const int8_t*>(r1 + b * kQBytes + 4),
+                     *c2 = reinterpret_cast<const int8_t*>(r2 + b * kQBytes + 4),
+                     *c3 = reinterpret_cast<const int8_t*>(r3 + b * kQBytes + 4);
+        float* yb = y + b * kQBlock;
+        for (int64_t j = 0; j < kQBlock; j += kWide)
+          wstore(yb + j, wload(yb + j) + ((a0 * wcodes(c0 + j) + a1 * wcodes(c1 + j)) +
+                                          (a2 * wcodes(c2 + j) + a3 * wcodes(c3 + j))));
+      }
+    }
+    for (; k < k1; ++k) {
+      const uint8_t* r = (W + k * N).block();
+      for (int64_t b = 0; b < blocks; ++b) {
+        float s;
+        std::memcpy(&s, r + b * kQBytes, 4);
+        const wvec ak = wsplat(a[k] * s);
+        const int8_t* c = reinterpret_cast<const int8_t*>(r + b * kQBytes + 4);
+        for (int64_t j = 0; j < kQBlock; j += kWide)
+          wstore(y + b * kQBlock + j, wload(y + b * kQBlock + j) + ak * wcodes(c + j));
+      }
+    }
+    return;
+  }
   const int64_t vector_end = N - N % kWide;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
