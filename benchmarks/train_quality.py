@@ -114,6 +114,9 @@ def main() -> None:
                 continue
             run = out / f"{name}-{recipe}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
             result = train(configs[name], recipes[recipe].replace(seed=seed), run, progress=False)
+            if result.interrupted:  # (Ctrl-C or a kill: train stops the run cleanly; so does the sweep, unrecorded)
+                raise SystemExit(f"{arm} seed {seed} was interrupted at step {result.step}; not recorded. The same "
+                                 f"command trains what is missing.")
             loss, n_tokens, window = full_validation_loss_of_run(run, prefer="last")
             row = {"arm": arm, "model": name, "recipe": recipe, "seed": seed, "steps": result.step,
                    "tokens_per_s": round(result.tokens_per_s),
@@ -148,8 +151,10 @@ def step_times(configs: dict, recipes: dict, arms: list, rounds: list, steps: in
         for seed in rounds:
             for name, recipe in arms:
                 run = Path(tmp) / f"{name}-{recipe}-{seed}"
-                train(configs[name], recipes[recipe].replace(seed=seed, max_steps=steps, max_time=None,
-                                                             eval_interval=10**6), run, progress=False)
+                result = train(configs[name], recipes[recipe].replace(seed=seed, max_steps=steps, max_time=None,
+                                                                      eval_interval=10**6), run, progress=False)
+                if result.interrupted:
+                    raise SystemExit("interrupted")
                 rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                 clock = [0.0] + [r["time"] for r in rows if "tokens_per_s" in r]
                 step_ms = [1000 * (b - a) for a, b in zip(clock[:-1], clock[1:], strict=True)]
