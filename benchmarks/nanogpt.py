@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         per_iter = statistics.median(times[2:]) / 1000
         iters = int(budget / per_iter)
         shutil.rmtree(work / "out")
-        wall, times, out = nanogpt(work, {**settings, "max_iters": iters, "lr_decay_iters": iters,
+        wall, times, _ = nanogpt(work, {**settings, "max_iters": iters, "lr_decay_iters": iters,
                                           "eval_interval": iters})
         loss = score(work, val)
     tokens_per_iter = int(settings["batch_size"]) * int(settings["block_size"])

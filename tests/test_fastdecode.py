@@ -382,7 +382,12 @@ def test_a_q8_0_step_is_set_aside_when_a_weight_changes_and_bad_widths_are_named
     partly = model_for(**Q8_WIDTHS)
     fastdecode.round_to_q8_0(partly)
     partly.q8_0.pop(partly.lm_head.weight)
-    assert fastdecode.unsupported(partly) == "8-bit codes for some of its matrices only"
+    reason = "8-bit codes for some of its matrices only, or on weights no longer float32"
+    assert fastdecode.unsupported(partly) == reason
+    moved = model_for(**Q8_WIDTHS)
+    fastdecode.round_to_q8_0(moved)
+    moved.to(torch.bfloat16)  # (the same parameters in another dtype: its codes are not what they hold)
+    assert fastdecode.unsupported(moved) == reason
     with pytest.raises(ValueError, match=r"multiple of 32 long; blocks\.0\.ffn\.experts\.gate_up has rows of 48"):
         fastdecode.round_to_q8_0(model_for())
     with pytest.raises(ValueError, match="starts from float32 weights"):

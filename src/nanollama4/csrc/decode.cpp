@@ -127,29 +127,32 @@ inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
   if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time: each row's scale read once a block
-    const uint8_t* rows[C];
-    for (int c = 0; c < C; ++c) rows[c] = (w + c * K).block();
     for (int64_t k = 0; k < K; k += kQBlock) {
       float scale[C];
-      for (int c = 0; c < C; ++c) std::memcpy(&scale[c], rows[c] + k / kQBlock * kQBytes, 4);
+      const int8_t* codes[C];
+      for (int c = 0; c < C; ++c) {
+        const Q8 block = w + c * K + k;
+        scale[c] = block.scale();
+        codes[c] = block.codes();
+      }
       for (int64_t j = 0; j < kQBlock; j += kWide) {
         wvec a[R];
         for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k + j);
         for (int c = 0; c < C; ++c) {
-          const wvec b = wcodes(reinterpret_cast<const int8_t*>(rows[c] + k / kQBlock * kQBytes + 4 + j)) * scale[c];
+          const wvec b = wcodes(codes[c] + j) * scale[c];
           for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
         }
       }
     }
   } else {
-  for (int64_t k = 0; k < K; k += kWide) {
-    wvec a[R];
-    for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
-    for (int c = 0; c < C; ++c) {
-      const wvec b = wload(w + c * K + k);
-      for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+    for (int64_t k = 0; k < K; k += kWide) {
+      wvec a[R];
+      for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
+      for (int c = 0; c < C; ++c) {
+        const wvec b = wload(w + c * K + k);
+        for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
+      }
     }
-  }
   }
   const wvec sums = whsum_all(acc);
   alignas(64) float out[kWide];
@@ -230,39 +233,26 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<
 // matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
 template <typename P>
 void add_rows(const float* a, P W, int64_t N, int64_t k0, int64_t k1, float* y) {
-  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time, each row's weight times its scale once
-    const int64_t blocks = N / kQBlock;  // (N is a multiple of 32: round_to_q8_0 refuses other rows)
+  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time: a[k] times the block's scale, once
+    // (N is a multiple of 32: round_to_q8_0 refuses other rows)
     int64_t k = k0;
-    for (; k + 4 <= k1; k += 4) {
-      const uint8_t *r0 = (W + k * N).block(), *r1 = (W + (k + 1) * N).block(), *r2 = (W + (k + 2) * N).block(),
-                    *r3 = (W + (k + 3) * N).block();
-      for (int64_t b = 0; b < blocks; ++b) {
-        float s[4];
-        std::memcpy(&s[0], r0 + b * kQBytes, 4); std::memcpy(&s[1], r1 + b * kQBytes, 4);
-        std::memcpy(&s[2], r2 + b * kQBytes, 4); std::memcpy(&s[3], r3 + b * kQBytes, 4);
-        const wvec a0 = wsplat(a[k] * s[0]), a1 = wsplat(a[k + 1] * s[1]), a2 = wsplat(a[k + 2] * s[2]),
-                   a3 = wsplat(a[k + 3] * s[3]);
-        const int8_t *c0 = reinterpret_cast<const int8_t*>(r0 + b * kQBytes + 4),
-                     *c1 = reinterpret_cast<const int8_t*>(r1 + b * kQBytes + 4),
-                     *c2 = reinterpret_cast<const int8_t*>(r2 + b * kQBytes + 4),
-                     *c3 = reinterpret_cast<const int8_t*>(r3 + b * kQBytes + 4);
-        float* yb = y + b * kQBlock;
+    for (; k + 4 <= k1; k += 4)
+      for (int64_t n = 0; n < N; n += kQBlock) {
+        const Q8 b0 = W + k * N + n, b1 = b0 + N, b2 = b1 + N, b3 = b2 + N;
+        const wvec a0 = wsplat(a[k] * b0.scale()), a1 = wsplat(a[k + 1] * b1.scale()),
+                   a2 = wsplat(a[k + 2] * b2.scale()), a3 = wsplat(a[k + 3] * b3.scale());
+        const int8_t *c0 = b0.codes(), *c1 = b1.codes(), *c2 = b2.codes(), *c3 = b3.codes();
         for (int64_t j = 0; j < kQBlock; j += kWide)
-          wstore(yb + j, wload(yb + j) + ((a0 * wcodes(c0 + j) + a1 * wcodes(c1 + j)) +
-                                          (a2 * wcodes(c2 + j) + a3 * wcodes(c3 + j))));
+          wstore(y + n + j, wload(y + n + j) + ((a0 * wcodes(c0 + j) + a1 * wcodes(c1 + j)) +
+                                                (a2 * wcodes(c2 + j) + a3 * wcodes(c3 + j))));
       }
-    }
-    for (; k < k1; ++k) {
-      const uint8_t* r = (W + k * N).block();
-      for (int64_t b = 0; b < blocks; ++b) {
-        float s;
-        std::memcpy(&s, r + b * kQBytes, 4);
-        const wvec ak = wsplat(a[k] * s);
-        const int8_t* c = reinterpret_cast<const int8_t*>(r + b * kQBytes + 4);
-        for (int64_t j = 0; j < kQBlock; j += kWide)
-          wstore(y + b * kQBlock + j, wload(y + b * kQBlock + j) + ak * wcodes(c + j));
+    for (; k < k1; ++k)
+      for (int64_t n = 0; n < N; n += kQBlock) {
+        const Q8 block = W + k * N + n;
+        const wvec ak = wsplat(a[k] * block.scale());
+        const int8_t* c = block.codes();
+        for (int64_t j = 0; j < kQBlock; j += kWide) wstore(y + n + j, wload(y + n + j) + ak * wcodes(c + j));
       }
-    }
     return;
   }
   const int64_t vector_end = N - N % kWide;

@@ -46,6 +46,8 @@ Q8_BLOCK = 32  # weights per block of 8-bit codes, each block with a float32 sca
 LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) weight
 ATTENDS = (sdpa_attend, cpu_autocast_attend)  # attention backends that compute the plain math
 
+_VERSION = operator.attrgetter("_version")
+
 _module: ModuleType | None = None
 _tried = False
 _lock = threading.Lock()
@@ -75,8 +77,8 @@ def unsupported(model: Transformer) -> str | None:
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         return "parametrised weights (LoRA adapters)"
     codes = getattr(model, "q8_0", None)
-    if codes is not None and not all(w in codes for _, w in matrices(model)):
-        return "8-bit codes for some of its matrices only"
+    if codes is not None and not all(w in codes and w.dtype == torch.float32 for _, w in matrices(model)):
+        return "8-bit codes for some of its matrices only, or on weights no longer float32"
     if type(model.norm) is not RMSNorm or type(model.embed) is not nn.Embedding or type(model.lm_head) not in LINEARS:
         return "an embedding, final norm or LM head of another kind"
     for block in model.blocks:
@@ -126,8 +128,8 @@ def round_to_q8_0(model: Transformer) -> int:
     blocks run along each matrix's input; here along the stored rows, which for the routed experts' (in, out)
     matrices is their output). The parameters keep float32 and take the rounded values, so every path (the
     plain model, training, explain, eval) computes the rounded model; the codes are kept as `model.q8_0` for
-    the C++ step, which computes the same products from them. Returns how many matrices it rounded; a
-    ValueError where the model is not float32 or a row's length is not a multiple of 32."""
+    the C++ step, which computes the same products from them (to float32 rounding). Returns how many matrices
+    it rounded; a ValueError where the model is not float32 or a row's length is not a multiple of 32."""
     found = matrices(model)
     if any(w.dtype != torch.float32 for _, w in found):
         raise ValueError("8-bit rounding (q8_0) starts from float32 weights; load the model in float32")
@@ -197,7 +199,9 @@ class FastStep:
             raise ValueError(f"the C++ decode step cannot run this model: {reason}")
         cfg = model.cfg
         codes = getattr(model, "q8_0", None)
-        self._codes = codes  # (each matrix's version when rounded: a weight written since is not what they hold)
+        # each rounded matrix and its version then: a weight written since is not what its codes hold
+        self._rounded = list(codes or ())
+        self._versions = [version for _, version in (codes or {}).values()]
 
         def matrix(w: torch.Tensor) -> torch.Tensor:
             return w if codes is None else codes[w][0]
@@ -234,7 +238,7 @@ class FastStep:
     def usable(self, rows: int) -> bool:
         """Whether this step computes what the plain one would now: nothing watching the modules, no capacity
         that makes the rows of a batch compete for experts, and (8-bit codes) no matrix written since rounding."""
-        if self._codes is not None and any(w._version != version for w, (_, version) in self._codes.items()):
+        if self._rounded and any(map(operator.ne, map(_VERSION, self._rounded), self._versions)):  # (loops in C)
             return False
         return not (self.capacity_competes and rows > 1) and not watched(self.model, self._hooks, self._parts)
 
