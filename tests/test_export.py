@@ -167,7 +167,7 @@ def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkey
                                                          temperature=0.0)
     odd = tiny_run(tmp_path, corpus, "odd", model={"expert_dim": 48})
     rc, _, err = run_cli(["generate", str(odd), "--dtype", "q8_0", "--prompt", "the"], capsys)
-    assert rc == 2 and "rows a multiple of 32" in err and "Traceback" not in err, err
+    assert rc == 2 and "input widths that are a multiple of 32" in err and "Traceback" not in err, err
 
 
 def test_a_run_trained_before_the_end_of_text_token_loads_trains_on_and_exports_as_before(corpus, tmp_path,

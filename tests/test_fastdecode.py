@@ -6,10 +6,13 @@ the plain path wherever the step would not compute what the plain one does."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import string
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanollama4.config import ModelConfig
 from nanollama4.engine import Engine, Request, Sampling, TokenEvent
@@ -17,6 +20,7 @@ from nanollama4.engine.cache import SlotCache
 from nanollama4.engine.runner import Runner
 from nanollama4.generation import generate_ids
 from nanollama4.lora import attach
+from nanollama4.moe import Experts
 from nanollama4.observe import observe
 from nanollama4.ops import build_model, fastdecode
 from nanollama4.tokenizer import CharTokenizer
@@ -316,52 +320,87 @@ def test_a_bfloat16_model_steps_from_its_own_weights(name):
         torch.testing.assert_close(mine.k.float(), theirs.k, atol=1e-2, rtol=1e-2)
 
 
-# the variants' widths made multiples of 32, the block of 8-bit codes (rows of 48 cannot be cut into blocks)
+# the variants' widths made multiples of 32, the block of 8-bit codes (inputs of 48 cannot be cut into blocks)
 Q8_WIDTHS = dict(expert_dim=32, ffn_dim=64)
+
+
+def round_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the 8-bit step rounds a product's input: blocks of 32, scale = largest magnitude / 127."""
+    blocks = x.reshape(-1, 32)
+    scale = blocks.abs().amax(1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return (q.round().clamp(-127, 127) * scale).reshape(x.shape)
+
+
+@contextlib.contextmanager
+def inputs_rounded(model: torch.nn.Module):
+    """The plain model with every rounded matrix's input rounded first (a pre-hook on each linear but the
+    routers; the experts through their plain per-expert products): the 8-bit step's arithmetic, in torch."""
+    routers = {moe.router for moe in model.moe_layers()}
+    hooks = [m.register_forward_pre_hook(lambda _, args: (round_inputs(args[0]),))
+             for m in model.modules() if isinstance(m, torch.nn.Linear) and m not in routers]
+
+    def products(experts, x_AD, counts_E):
+        outs = []
+        for x, gate_up, down in zip(x_AD.split(counts_E.tolist()), *map(torch.unbind, experts.weights()),
+                                    strict=True):
+            gate, up = (round_inputs(x) @ gate_up).chunk(2, -1)
+            outs.append(round_inputs(F.silu(gate) * up) @ down)
+        return torch.cat(outs)
+
+    for moe in model.moe_layers():
+        moe.experts.products = functools.partial(products, moe.experts)
+        moe.experts.forward = functools.partial(Experts.forward, moe.experts)  # (not the few-row path)
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for moe in model.moe_layers():
+            del moe.experts.products, moe.experts.forward
 
 
 @pytest.mark.parametrize("name", ["sigmoid, shared expert, every feature", "dense, unchunked, all RoPE",
                                   "softmax over the chosen, no shared expert"])
 def test_a_q8_0_model_steps_from_its_codes(name):
-    """`--dtype q8_0`: the matrices rounded to 8-bit codes in blocks of 32, the parameters holding the rounded
-    values. The C++ step reads the codes (its DecodeStepQ8) and computes float(code) * scale, the product the
-    rounding wrote into the parameters, in the float32 step's loops. For a 40-token prompt in one call and
-    then three rows together, its logits equal those of the float32 C++ step on the rounded parameters and
-    of the plain model to 1e-5 of their scale: float32 rounding (where a weight is itself a product, the
-    compiler fuses other multiply-adds than in the float32 step: 1-2 ulp per layer, 2e-7 of the logits here)."""
+    """`--dtype q8_0`: the matrices rounded to 8-bit codes in blocks of 32 along their inputs, the parameters
+    holding the rounded values. The C++ step (its DecodeStepQ8) rounds each product's input the same way and
+    multiplies codes by codes: for a 40-token prompt a token at a time and then three rows together, each
+    call from the same cache, its logits equal those of the plain model with rounded inputs
+    (`inputs_rounded`) to 1e-5 of their scale (float32 rounding) — except where a value lies within float32
+    rounding of the midpoint between two codes, and the two paths, which differ by that much before
+    rounding, take neighbouring codes: one step of 1/127 of the block's largest magnitude, 6e-3 to 2e-2 of
+    these chaotic models' logits, in 1 call of 47 in each variant here. So: all but 3 calls to 1e-5, all
+    within 5e-2."""
     model = model_for(**VARIANTS[name], **Q8_WIDTHS)
     original = {n: p.clone() for n, p in model.named_parameters()}
     assert fastdecode.round_to_q8_0(model) == len(fastdecode.matrices(model))
-    floats = model_for(**VARIANTS[name], **Q8_WIDTHS)
-    floats.load_state_dict(model.state_dict())  # the same rounded values, and no codes: the float32 step
     cfg, cpu = model.cfg, torch.device("cpu")
-    caches = [SlotCache(cfg, 3, torch.float32, cpu) for _ in range(3)]
+    caches = [SlotCache(cfg, 3, torch.float32, cpu) for _ in range(2)]
     q8 = fastdecode.FastStep(model, caches[0].layers, caches[0].context)
-    f32 = fastdecode.FastStep(floats, caches[1].layers, caches[1].context)
-    assert type(q8._step).__name__ == "DecodeStepQ8" and type(f32._step).__name__ == "DecodeStep"
-    plain = Runner(model, caches[2])
+    assert type(q8._step).__name__ == "DecodeStepQ8"
+    plain = Runner(model, caches[1])
     plain.only = "plain"
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist()
-    with torch.no_grad():
-        got = q8(prompt, list(range(40)), [0] * 40)  # (40 rows: the float32 step's are torch's products here)
-        want = torch.cat([plain.decode([token], [i]) for i, token in enumerate(prompt)])
-        assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
-        for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):  # the same keys from here
-            for name in ("k", "v", "pos"):
-                getattr(theirs, name).copy_(getattr(mine, name))
-        for step in range(40, cfg.max_seq_len - 1):
-            positions = [step, step - 40, step - 38]
-            tokens = torch.randint(0, cfg.vocab_size, (3,), generator=g).tolist()
+    calls = [([t], [i]) for i, t in enumerate(torch.randint(0, cfg.vocab_size, (40,), generator=g).tolist())]
+    calls += [(torch.randint(0, cfg.vocab_size, (3,), generator=g).tolist(), [step, step - 40, step - 38])
+              for step in range(40, cfg.max_seq_len - 1)]
+    errors = []
+    with torch.no_grad(), inputs_rounded(model):
+        for tokens, positions in calls:
+            for mine, theirs in zip(caches[0].layers, caches[1].layers, strict=True):  # the same keys
+                for part in ("k", "v", "pos"):
+                    getattr(theirs, part).copy_(getattr(mine, part))
             got, want = q8(tokens, positions), plain.decode(tokens, positions)
-            assert (got - f32(tokens, positions)).abs().max() <= 1e-5 * max(1.0, want.abs().max()), step
-            assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max()), step
+            errors.append(((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item())
+    assert sum(e > 1e-5 for e in errors) <= 3 and max(errors) < 5e-2, sorted(errors)[-5:]
     rounded = dict(fastdecode.matrices(model))
-    for n, p in model.named_parameters():  # each matrix on its grid, within half a step of where it was
+    for n, p in model.named_parameters():  # each matrix on its grid along its input, within half a step
         if n not in rounded:
             assert torch.equal(p, original[n]), n  # (the embedding, norms and routers are not rounded)
             continue
-        blocks, before = p.reshape(-1, 32), original[n].reshape(-1, 32)
+        along_input = (lambda w: w.transpose(-1, -2)) if p.dim() == 3 else (lambda w: w)  # (experts: (in, out))
+        blocks, before = along_input(p).reshape(-1, 32), along_input(original[n]).reshape(-1, 32)
         scale = before.abs().amax(1, keepdim=True) / 127
         assert torch.equal(blocks, (before / scale).round() * scale), n
         assert ((blocks - before).abs() <= scale / 2 * (1 + 1e-6)).all(), n
@@ -388,7 +427,7 @@ def test_a_q8_0_step_is_set_aside_when_a_weight_changes_and_bad_widths_are_named
     fastdecode.round_to_q8_0(moved)
     moved.to(torch.bfloat16)  # (the same parameters in another dtype: its codes are not what they hold)
     assert fastdecode.unsupported(moved) == reason
-    with pytest.raises(ValueError, match=r"multiple of 32 long; blocks\.0\.ffn\.experts\.gate_up has rows of 48"):
+    with pytest.raises(ValueError, match=r"multiple of 32; blocks\.0\.ffn\.experts\.down has inputs of 24"):
         fastdecode.round_to_q8_0(model_for())
     with pytest.raises(ValueError, match="starts from float32 weights"):
         fastdecode.round_to_q8_0(model_for(**Q8_WIDTHS).to(torch.bfloat16))

@@ -65,11 +65,12 @@ inline wvec wload(const bf16* p) {  // one widening load and a shift (GCC's gene
   return v;
 }
 
-// 8-bit weights (`--dtype q8_0`): each matrix's rows, as stored, cut into blocks of 32 values, each block a
-// float32 scale and 32 signed codes (36 bytes: 1.125 a weight, 0.28 of float32's), one stream in memory
-// order. A weight is float(code) * scale, the float32 product the Python side wrote into the model's
-// parameters, so this step computes what the float32 step computes on those parameters, to float32 rounding
-// (the block loops multiply by a block's scale once, on the codes or on the input).
+// 8-bit weights (`--dtype q8_0`): each matrix as (out, in) rows cut into blocks of 32 along the input, each
+// block a float32 scale and 32 signed codes (36 bytes: 1.125 a weight, 0.28 of float32's), one stream in
+// memory order (the routed experts' (in, out) matrices are packed transposed). As llama.cpp does for its
+// Q8_0 products, the inputs of each product are rounded the same way (`QRows`), so a product of two blocks
+// is one integer sum of 32 code products times the two scales: integer lanes do the work that converting
+// every code to a float would (that conversion bound an earlier version at 0.62x llama.cpp's speed).
 constexpr int64_t kQBlock = 32, kQBytes = 4 + kQBlock;  // (Q8 below shifts by 5: 32 a block)
 struct Q8 {  // a position in a matrix of blocks, counted in weights, so that `W + n * K` reads as for floats
   const uint8_t* blocks;
@@ -78,27 +79,118 @@ struct Q8 {  // a position in a matrix of blocks, counted in weights, so that `W
   const uint8_t* block() const { return blocks + (at >> 5) * kQBytes; }
   float scale() const { float s; std::memcpy(&s, block(), 4); return s; }
   const int8_t* codes() const { return reinterpret_cast<const int8_t*>(block() + 4 + (at & 31)); }
-  float operator[](int64_t i) const { const Q8 p = *this + i; return static_cast<float>(p.codes()[0]) * p.scale(); }
 };
-// kWide codes as floats
-inline wvec wcodes(const int8_t* c) {
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
-#elif defined(__AVX2__)
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-#else
-  typedef int8_t cwvec __attribute__((vector_size(kWide)));
-  cwvec v;
-  std::memcpy(&v, c, sizeof(v));
-  const wvec f = __builtin_convertvector(v, wvec);
-#endif
-  wvec v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
+
+// Rows of float inputs rounded to 8 bits in blocks of 32: a block's scale is its largest magnitude / 127 and
+// each value the nearest code (ties to even, as torch.round) of value / scale, as the weights are rounded.
+struct QRows {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;  // one a block
+  int64_t K = 0;
+  const int8_t* row(int64_t m) const { return codes.data() + m * K; }
+  const float* row_scales(int64_t m) const { return scales.data() + m * (K / kQBlock); }
+};
+inline void quantize_rows(const float* x, int64_t M, int64_t K, QRows& q) {
+  q.K = K;
+  q.codes.resize(M * K);
+  q.scales.resize(M * K / kQBlock);
+  for (int64_t b = 0; b < M * K / kQBlock; ++b) {
+    const float* v = x + b * kQBlock;
+    float top = 0.f;
+    for (int64_t i = 0; i < kQBlock; ++i) top = std::max(top, std::fabs(v[i]));
+    const float d = top / 127.f;
+    q.scales[b] = d;
+    int8_t* c = q.codes.data() + b * kQBlock;
+    for (int64_t i = 0; i < kQBlock; ++i)
+      c[i] = d > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(v[i] / d), -127.f, 127.f)) : 0;
+  }
 }
-// kWide weights (never across a block: every row's length is a multiple of 32, every load at a multiple of
-// kWide). The hot loops (linear_tile, add_rows) read whole blocks instead, the scale once a block.
-inline wvec wload(Q8 p) { return wcodes(p.codes()) * p.scale(); }
+
+// The products of 32 int8 pairs summed in 8 int32 lanes (as floats: exact, |sum| < 2^24). With AVX2, the
+// sign trick: |a| as unsigned bytes times b carrying a's sign (maddubs: pairs into int16, no overflow as codes
+// are within +-127), then pairs of those into int32.
+typedef int8_t qvec __attribute__((vector_size(32)));
+inline qvec qload(const int8_t* p) { qvec v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline half_vec block_dot(qvec a_abs, qvec a, qvec b) {
+#if defined(__AVX2__)
+  __m256i ua, va, vb;
+  std::memcpy(&ua, &a_abs, 32); std::memcpy(&va, &a, 32); std::memcpy(&vb, &b, 32);
+  const __m256i pairs = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(vb, va));
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  half_vec out;
+  std::memcpy(&out, &f, sizeof(out));
+  return out;
+#else
+  (void)a_abs;
+  half_vec out{};
+  for (int i = 0; i < 32; ++i) out[i / 4] += static_cast<float>(static_cast<int32_t>(a[i]) * b[i]);
+  return out;
+#endif
+}
+inline qvec qabs(qvec a) {
+#if defined(__AVX2__)
+  __m256i v;
+  std::memcpy(&v, &a, 32);
+  v = _mm256_sign_epi8(v, v);
+  std::memcpy(&a, &v, 32);
+  return a;
+#else
+  return a < 0 ? -a : a;
+#endif
+}
+
+// R rows of rounded x times C rows of W over K (a multiple of 32), into y's R rows at C columns (stride N):
+// per block, each row's codes and absolute values loaded once for the C weight rows, R * C accumulators of
+// 8 lanes, each block's integer sums added in times the two scales.
+template <int R, int C>
+inline void q8_tile(const QRows& x, int64_t m, Q8 w, int64_t N, float* y) {
+  const int64_t K = x.K;
+  half_vec acc[R * C] = {};
+  for (int64_t k = 0, blk = 0; k < K; k += kQBlock, ++blk) {
+    qvec a[R], a_abs[R];
+    float xs[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = qload(x.row(m + r) + k);
+      a_abs[r] = qabs(a[r]);
+      xs[r] = x.row_scales(m + r)[blk];
+    }
+    for (int c = 0; c < C; ++c) {
+      const Q8 b = w + c * K + k;
+      const qvec codes = qload(b.codes());
+      const float ws = b.scale();
+      for (int r = 0; r < R; ++r) acc[r * C + c] += block_dot(a_abs[r], a[r], codes) * (xs[r] * ws);
+    }
+  }
+  if constexpr (R * C == 8) {
+    alignas(32) float out[8];
+    const half_vec sums = hsum8_all(acc);
+    std::memcpy(out, &sums, sizeof(out));
+    for (int r = 0; r < R; ++r) std::memcpy(y + r * N, out + r * C, C * 4);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) y[r * N + c] = hsum8(acc[r * C + c]);
+  }
+}
+
+// Columns [n0, n1) (any) of y (M x N) = x @ W^T for x's rounded rows m0.. and 8-bit W (N x K), on the
+// calling thread: 8 columns at a time, 4 rows at a time where there are 4 (each weight block read once for them).
+inline void q8_columns(const QRows& x, int64_t m0, int64_t M, Q8 W, int64_t N, float* y, int64_t n0, int64_t n1) {
+  const int64_t K = x.K;
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      for (int64_t c = 0; c < 8; c += 2) q8_tile<4, 2>(x, m0 + m, W + (n + c) * K, N, y + m * N + n + c);
+    for (; m + 2 <= M; m += 2)
+      for (int64_t c = 0; c < 8; c += 4) q8_tile<2, 4>(x, m0 + m, W + (n + c) * K, N, y + m * N + n + c);
+    for (; m < M; ++m) q8_tile<1, 8>(x, m0 + m, W + n * K, N, y + m * N + n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) q8_tile<1, 1>(x, m0 + m, W + n * K, N, y + m * N + n);
+}
+
+// Thread t's first column of n split into NT shares of whole groups of 8 (the last share ends at n).
+inline int64_t share8(int64_t n, int64_t t, int64_t NT) { return t == NT ? n : n / 8 * t / NT * 8; }
 
 constexpr int64_t kChunkBytes = 32 << 10;  // the least weight a thread's share of a product reads
 constexpr int64_t kBlasRows = 32;  // from this many rows (a prompt) torch's products are faster than the tiles here
@@ -126,32 +218,12 @@ template <int R, int C, typename P>
 inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
   static_assert(R * C == kWide, "one vector of sums");
   wvec acc[kWide] = {};
-  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time: each row's scale read once a block
-    for (int64_t k = 0; k < K; k += kQBlock) {
-      float scale[C];
-      const int8_t* codes[C];
-      for (int c = 0; c < C; ++c) {
-        const Q8 block = w + c * K + k;
-        scale[c] = block.scale();
-        codes[c] = block.codes();
-      }
-      for (int64_t j = 0; j < kQBlock; j += kWide) {
-        wvec a[R];
-        for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k + j);
-        for (int c = 0; c < C; ++c) {
-          const wvec b = wcodes(codes[c] + j) * scale[c];
-          for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
-        }
-      }
-    }
-  } else {
-    for (int64_t k = 0; k < K; k += kWide) {
-      wvec a[R];
-      for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
-      for (int c = 0; c < C; ++c) {
-        const wvec b = wload(w + c * K + k);
-        for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
-      }
+  for (int64_t k = 0; k < K; k += kWide) {
+    wvec a[R];
+    for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
+    for (int c = 0; c < C; ++c) {
+      const wvec b = wload(w + c * K + k);
+      for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
     }
   }
   const wvec sums = whsum_all(acc);
@@ -188,12 +260,29 @@ void product_columns(const float* x, int64_t M, int64_t K, const Product<P>& p, 
 // or plain dot products): the shapes a fused region (`experts`) may split between its threads too.
 inline bool tiled(int64_t M, int64_t K, int64_t N) { return M < kBlasRows && K % kWide == 0 && N % kWide == 0; }
 
+// Every product of x (M x K) in `products` from 8-bit weights: x rounded once (`QRows`), then the products'
+// groups of 8 columns split between torch's threads, as `linear` splits float32 ones.
+inline void linear_q8(const float* x, int64_t M, int64_t K, std::initializer_list<Product<Q8>> products) {
+  static thread_local QRows q;
+  quantize_rows(x, M, K, q);
+  std::vector<int64_t> first{0};  // each product's first group of 8 columns
+  for (const Product<Q8>& p : products) first.push_back(first.back() + (p.N + 7) / 8);
+  const int64_t grain = std::max<int64_t>(1, kChunkBytes / (8 * K * kQBytes / kQBlock));
+  at::parallel_for(0, first.back(), grain, [&](int64_t g0, int64_t g1) {
+    for (size_t i = 0; i + 1 < first.size(); ++i) {
+      const int64_t a = std::max(g0, first[i]), b = std::min(g1, first[i + 1]);
+      const Product<Q8>& p = products.begin()[i];
+      if (a < b) q8_columns(q, 0, M, p.W, p.N, p.y, (a - first[i]) * 8, std::min(p.N, (b - first[i]) * 8));
+    }
+  });
+}
+
 // Every product of x (M x K) in `products` (each y_i = x @ W_i^T): each thread takes whole output columns,
 // reading each of its weight rows once for all M rows (from memory once, then from its L1 cache for each
 // further tile of rows). Products of one input (q, k and v; gate and up) share one parallel region: a
 // region costs microseconds to open and join, a tenth of a small model's whole step.
 template <typename P>
-void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<P>> products) {
+void linear_float(const float* x, int64_t M, int64_t K, std::initializer_list<Product<P>> products) {
   if constexpr (std::is_same_v<P, const float*>) {  // (bf16 or int8 weights: the tiles; torch's bf16 products round x)
     if (M >= kBlasRows) {
       auto xt = at::from_blob(const_cast<float*>(x), {M, K});
@@ -229,32 +318,18 @@ void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<
   }
 }
 
+template <typename P>  // (float32 or bfloat16 weights: `linear_float`; 8-bit codes: `linear_q8`)
+void linear(const float* x, int64_t M, int64_t K, std::initializer_list<Product<P>> products) {
+  if constexpr (std::is_same_v<P, Q8>)
+    linear_q8(x, M, K, products);
+  else
+    linear_float(x, M, K, products);
+}
+
 // y (N) += sum over k in [k0, k1) of a[k] * W[k, :] for W (K x N, rows contiguous): the rows of an (in, out)
 // matrix streamed in their order, four at a time, into y (which stays in L1 for the widths here).
 template <typename P>
 void add_rows(const float* a, P W, int64_t N, int64_t k0, int64_t k1, float* y) {
-  if constexpr (std::is_same_v<P, Q8>) {  // a block of 32 at a time: a[k] times the block's scale, once
-    // (N is a multiple of 32: round_to_q8_0 refuses other rows)
-    int64_t k = k0;
-    for (; k + 4 <= k1; k += 4)
-      for (int64_t n = 0; n < N; n += kQBlock) {
-        const Q8 b0 = W + k * N + n, b1 = b0 + N, b2 = b1 + N, b3 = b2 + N;
-        const wvec a0 = wsplat(a[k] * b0.scale()), a1 = wsplat(a[k + 1] * b1.scale()),
-                   a2 = wsplat(a[k + 2] * b2.scale()), a3 = wsplat(a[k + 3] * b3.scale());
-        const int8_t *c0 = b0.codes(), *c1 = b1.codes(), *c2 = b2.codes(), *c3 = b3.codes();
-        for (int64_t j = 0; j < kQBlock; j += kWide)
-          wstore(y + n + j, wload(y + n + j) + ((a0 * wcodes(c0 + j) + a1 * wcodes(c1 + j)) +
-                                                (a2 * wcodes(c2 + j) + a3 * wcodes(c3 + j))));
-      }
-    for (; k < k1; ++k)
-      for (int64_t n = 0; n < N; n += kQBlock) {
-        const Q8 block = W + k * N + n;
-        const wvec ak = wsplat(a[k] * block.scale());
-        const int8_t* c = block.codes();
-        for (int64_t j = 0; j < kQBlock; j += kWide) wstore(y + n + j, wload(y + n + j) + ak * wcodes(c + j));
-      }
-    return;
-  }
   const int64_t vector_end = N - N % kWide;
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
@@ -405,8 +480,8 @@ class DecodeStep {
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
       for (int64_t b = 0; b < B; ++b) rms_norm(&x_[b * D], ptr(L.ffn_norm), eps_, D, &h_[b * D]);
       std::fill(y_.begin(), y_.end(), 0.f);
-      const bool shared_inside = L.moe && L.gate.defined() && tiled(B, D, L.gate.size(0)) &&
-                                 tiled(B, L.gate.size(0), D);
+      const bool shared_inside = L.moe && L.gate.defined() && (kQ8 || tiled(B, D, L.gate.size(0))) &&
+                                 (kQ8 || tiled(B, L.gate.size(0), D));
       if (L.moe) experts(L, B, shared_inside);
       if (L.gate.defined() && !shared_inside) swiglu(L, B);
       for (int64_t i = 0; i < B * D; ++i) x_[i] += y_[i];
@@ -536,10 +611,9 @@ class DecodeStep {
     for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
-  // Route each row, then each chosen expert on its rows, added into y_; with `shared`, the shared expert too,
-  // its products split between the same two regions' threads (a region costs microseconds to open and join).
-  void experts(Layer& L, int64_t B, bool shared) {
-    const int64_t E = L.router.size(0), K = L.top_k, Hd = L.expert_down.size(1);
+  // Each row's top-k experts and their weights (the router's kind), as lists of (row, weight) by expert.
+  std::vector<std::vector<std::pair<int64_t, float>>> route(Layer& L, int64_t B) {
+    const int64_t E = L.router.size(0), K = L.top_k;
     logits_.resize(B * E);
     linear(h_.data(), B, D_, {Product<const T*>{ptr(L.router), E, logits_.data()}});
     const T* bias = ptr(L.bias);
@@ -571,6 +645,38 @@ class DecodeStep {
       }
       for (int64_t k = 0; k < K; ++k) rows[chosen[k]].push_back({b, weight[k]});
     }
+    return rows;
+  }
+
+  // Every chosen expert's rows gathered as `slots` (scaled by their weights where the router scales the
+  // input) into xe_; first[e]: expert e's first slot.
+  void gather(Layer& L, const std::vector<std::vector<std::pair<int64_t, float>>>& rows, std::vector<int64_t>& first) {
+    const int64_t E = static_cast<int64_t>(rows.size());
+    first.assign(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
+    xe_.resize(first[E] * D_);
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t r = 0; r < rows[e].size(); ++r) {
+        const float a = L.scales_input ? rows[e][r].second : 1.f;
+        const float* src = &h_[rows[e][r].first * D_];
+        float* dst = &xe_[(first[e] + r) * D_];
+        for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
+      }
+  }
+
+  // Route each row, then each chosen expert on its rows, added into y_; with `shared`, the shared expert too,
+  // its products split between the same two regions' threads (a region costs microseconds to open and join).
+  void experts(Layer& L, int64_t B, bool shared) {
+    if constexpr (kQ8)
+      experts_q8(L, B, shared);
+    else
+      experts_float(L, B, shared);
+  }
+
+  // The routed experts' (in, out) matrices in float32 or bfloat16 (see below).
+  void experts_float(Layer& L, int64_t B, bool shared) {
+    const int64_t E = L.router.size(0), Hd = L.expert_down.size(1);
+    const auto rows = route(L, B);
     // Every chosen expert's rows gathered (scaled by their weights where the router scales the input) as
     // `slots`, then two parallel regions over all chosen experts, each thread with its share of every one:
     // - gate and up: gate_up (D, 2H) is split over its input rows, so a thread streams whole rows of it,
@@ -579,17 +685,9 @@ class DecodeStep {
     //   and streams their rows of down (H, D) into its own buffer of outputs.
     // No thread waits for another inside a region, and each weight is read once, in the order it lies. The
     // shared expert's (out, in) products are split over their output columns between the same threads.
-    std::vector<int64_t> first(E + 1, 0);
-    for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
+    std::vector<int64_t> first;
+    gather(L, rows, first);
     const int64_t slots = first[E], F = 2 * Hd;
-    xe_.resize(slots * D_);
-    for (int64_t e = 0; e < E; ++e)
-      for (size_t r = 0; r < rows[e].size(); ++r) {
-        const float a = L.scales_input ? rows[e][r].second : 1.f;
-        const float* src = &h_[rows[e][r].first * D_];
-        float* dst = &xe_[(first[e] + r) * D_];
-        for (int64_t d = 0; d < D_; ++d) dst[d] = src[d] * a;
-      }
     const int64_t NT = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
     part_.assign(NT * slots * F, 0.f);
     if (shared) { g_.resize(B * SF); u_.resize(B * SF); out_.resize(B * D_); }
@@ -645,8 +743,76 @@ class DecodeStep {
       for (int64_t i = 0; i < B * D_; ++i) y_[i] += out_[i];
   }
 
+  // The routed experts from 8-bit codes, each packed (out, in): gate_up (E, 2H, D), down (E, D, H). Two
+  // regions, each thread with its share of every chosen expert's output columns (and the shared expert's):
+  // gate and up columns j and H + j with their SwiGLU, then down's. Each input is rounded once before its
+  // region (the gathered rows, then the activations).
+  void experts_q8(Layer& L, int64_t B, bool shared) {
+    const int64_t E = L.router.size(0), F = L.gate_up.size(1), H = F / 2, D = D_;
+    const auto rows = route(L, B);
+    std::vector<int64_t> first;
+    gather(L, rows, first);
+    const int64_t slots = first[E], NT = at::get_num_threads(), SF = shared ? L.gate.size(0) : 0;
+    quantize_rows(xe_.data(), slots, D, qx_);
+    if (shared) {
+      quantize_rows(h_.data(), B, D, qh_);
+      g_.resize(B * SF); u_.resize(B * SF); out_.resize(B * D);
+    }
+    part_.resize(slots * F);  // each slot's gate and up
+    act_.resize(slots * H);
+    at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        if (shared) {
+          const int64_t c0 = share8(SF, t, NT), c1 = share8(SF, t + 1, NT);
+          q8_columns(qh_, 0, B, wptr(L.gate), SF, g_.data(), c0, c1);
+          q8_columns(qh_, 0, B, wptr(L.up), SF, u_.data(), c0, c1);
+        }
+        const int64_t j0 = share8(H, t, NT), j1 = share8(H, t + 1, NT);
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t n = first[e + 1] - first[e];
+          if (!n) continue;
+          const Q8 gate_up = wptr(L.gate_up) + e * F * D;
+          float* gu = &part_[first[e] * F];
+          q8_columns(qx_, first[e], n, gate_up, F, gu, j0, j1);
+          q8_columns(qx_, first[e], n, gate_up, F, gu, H + j0, H + j1);
+          for (int64_t r = 0; r < n; ++r) {
+            float* a = &act_[(first[e] + r) * H];
+            swiglu_rows(gu + r * F + j0, gu + r * F + H + j0, j1 - j0, a + j0);
+            if (!L.scales_input)
+              for (int64_t j = j0; j < j1; ++j) a[j] *= rows[e][r].second;
+          }
+        }
+      }
+    });
+    quantize_rows(act_.data(), slots, H, qa_);
+    if (shared) {
+      swiglu_rows(g_.data(), u_.data(), B * SF, g_.data());
+      quantize_rows(g_.data(), B, SF, qg_);
+    }
+    ye_.resize(slots * D);
+    at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t c0 = share8(D, t, NT), c1 = share8(D, t + 1, NT);
+        if (shared) q8_columns(qg_, 0, B, wptr(L.down), D, out_.data(), c0, c1);
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t n = first[e + 1] - first[e];
+          if (n) q8_columns(qa_, first[e], n, wptr(L.expert_down) + e * D * H, D, &ye_[first[e] * D], c0, c1);
+        }
+      }
+    });
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < first[e + 1] - first[e]; ++r) {
+        const float* src = &ye_[(first[e] + r) * D];
+        float* dst = &y_[rows[e][r].first * D];
+        for (int64_t d = 0; d < D; ++d) dst[d] += src[d];
+      }
+    if (shared)
+      for (int64_t i = 0; i < B * D; ++i) y_[i] += out_[i];
+  }
+
   static constexpr at::ScalarType kType = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
-  static constexpr at::ScalarType kMatrixType = std::is_same_v<W, Q8> ? at::kByte : kType;
+  static constexpr bool kQ8 = std::is_same_v<W, Q8>;
+  static constexpr at::ScalarType kMatrixType = kQ8 ? at::kByte : kType;
   static const T* ptr(const at::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
   static W wptr(const at::Tensor& t) {
     if constexpr (std::is_same_v<W, Q8>)
@@ -662,7 +828,8 @@ class DecodeStep {
   std::vector<int64_t> row_;  // this step's entries' cache rows
   bool distinct_ = true;  // every entry in a row of its own
   // scratch, reused by every step (a step's buffers are sized by its rows)
-  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_, part_;
+  std::vector<float> x_, h_, q_, k_, v_, att_, y_, g_, u_, out_, logits_, xe_, ye_, part_, act_;
+  QRows qx_, qh_, qa_, qg_;  // (8-bit steps: the experts' inputs rounded)
   std::vector<T> kt_, vt_;
 };
 

@@ -69,28 +69,32 @@ inline wvec wload(const float* p) { wvec v; std::memcpy(&v, p, sizeof(v)); retur
 inline void wstore(float* p, wvec v) { std::memcpy(p, &v, sizeof(v)); }
 inline wvec wsplat(float a) { return wvec{} + a; }
 
+// The sums of 8 eight-float vectors as one (lane j: the sum of a[j]), by the same butterfly as hsum16's: the
+// AVX2 width's `whsum_all`, and decode.cpp's 8-bit tiles' at any width.
+inline half_vec halves8(half_vec a, half_vec b) {  // lanes 0-3: a's two halves added, 4-7: b's
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline half_vec quarters8(half_vec a, half_vec b) {
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+inline half_vec lanes8(half_vec a, half_vec b) {
+  return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+inline half_vec hsum8_all(const half_vec* a) {
+  const half_vec t0 = halves8(a[0], a[4]), t1 = halves8(a[1], a[5]), t2 = halves8(a[2], a[6]), t3 = halves8(a[3], a[7]);
+  return lanes8(quarters8(t0, t2), quarters8(t1, t3));
+}
+inline float hsum8(half_vec v) {
+  quarter_vec q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
 #if defined(__AVX512F__)
 inline float whsum(wvec v) { return hsum(v); }
 inline wvec whsum_all(const wvec* a) { return hsum16(a); }  // lane j: the sum of a[j]
 #else
-inline float whsum(wvec v) {
-  quarter_vec q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-// The sums of 8 vectors as one (lane j: the sum of a[j]), by the same butterfly as hsum16's.
-inline wvec whalves(wvec a, wvec b) {  // lanes 0-3: a's two halves added, 4-7: b's
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-inline wvec wquarters(wvec a, wvec b) {
-  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-}
-inline wvec wlanes(wvec a, wvec b) {
-  return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
-}
-inline wvec whsum_all(const wvec* a) {
-  const wvec t0 = whalves(a[0], a[4]), t1 = whalves(a[1], a[5]), t2 = whalves(a[2], a[6]), t3 = whalves(a[3], a[7]);
-  return wlanes(wquarters(t0, t2), wquarters(t1, t3));
-}
+inline float whsum(wvec v) { return hsum8(v); }
+inline wvec whsum_all(const wvec* a) { return hsum8_all(a); }
 #endif
 
 }  // namespace

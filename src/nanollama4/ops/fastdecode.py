@@ -10,11 +10,11 @@ It computes the model files' math for the layers they define: RMSNorm, GQA atten
 chunks, rings and the NoPE temperature, dense SwiGLU, and the MoE with the built-in routers (sigmoid,
 softmax over the chosen or over all experts) and a shared expert. It reads float32 or bfloat16 weights and
 cache (a model loaded with `--dtype bfloat16`: half the bytes a token, what decoding on a CPU is bound by),
-or 8-bit matrices (`--dtype q8_0`: `round_to_q8_0`, 0.28 of float32's bytes), and computes in float32
-always. `unsupported(model)` names what it does not (another dtype or device, a router or module of another
-kind, LoRA's parametrised weights), and the engine's runner then keeps the plain step; it also keeps it
-while anything is watching the modules (`observe`, forward hooks) and where capacity at inference makes the
-rows of a batch compete.
+computing in float32, or 8-bit matrices (`--dtype q8_0`: `round_to_q8_0`, 0.28 of float32's bytes), which
+it multiplies in integer lanes by inputs rounded to 8 bits, as llama.cpp does. `unsupported(model)` names
+what it does not compute (another dtype or device, a router or module of another kind, LoRA's parametrised
+weights), and the engine's runner then keeps the plain step; it also keeps it while anything is watching the
+modules (`observe`, forward hooks) and where capacity at inference makes the rows of a batch compete.
 The runner measures both on its first steps and keeps the faster (engine/runner.py).
 """
 
@@ -123,34 +123,43 @@ def matrices(model: Transformer) -> list[tuple[str, torch.Tensor]]:
 
 def round_to_q8_0(model: Transformer) -> int:
     """Round every matrix of `model` (`matrices`) to 8 bits in place, for a decode step that reads a quarter of
-    float32's bytes: each row, as stored, in blocks of 32 weights sharing one float32 scale (the block's largest
-    magnitude / 127) and each weight the nearest code in -127..127 times it, as llama.cpp's Q8_0 rounds (its
-    blocks run along each matrix's input; here along the stored rows, which for the routed experts' (in, out)
-    matrices is their output). The parameters keep float32 and take the rounded values, so every path (the
-    plain model, training, explain, eval) computes the rounded model; the codes are kept as `model.q8_0` for
-    the C++ step, which computes the same products from them (to float32 rounding). Returns how many matrices
-    it rounded; a ValueError where the model is not float32 or a row's length is not a multiple of 32."""
+    float32's bytes: along each matrix's input, in blocks of 32 weights sharing one float32 scale (the block's
+    largest magnitude / 127), each weight the nearest code in -127..127 times it, as llama.cpp's Q8_0 rounds
+    (its scales are float16). The parameters keep float32 and take the rounded values, so every path (the
+    plain model, training, explain, eval) computes with the rounded weights; the codes are kept as `model.q8_0`
+    for the C++ step, packed (out, in) (the routed experts' (in, out) matrices transposed). That step also
+    rounds each product's input to 8 bits in blocks of 32, as llama.cpp's CPU products do, and multiplies codes
+    by codes in integer lanes: its logits are those of the rounded weights to within that rounding (about 1e-3
+    of their scale). Returns how many matrices it rounded; a ValueError where the model is not float32 or an
+    input width is not a multiple of 32."""
     found = matrices(model)
     if any(w.dtype != torch.float32 for _, w in found):
         raise ValueError("8-bit rounding (q8_0) starts from float32 weights; load the model in float32")
     for name, w in found:
-        if w.shape[-1] % Q8_BLOCK:
-            raise ValueError(f"8-bit rounding (q8_0) needs rows a multiple of {Q8_BLOCK} long; {name} has rows of "
-                             f"{w.shape[-1]}")
+        if _out_in(w).shape[-1] % Q8_BLOCK:
+            raise ValueError(f"8-bit rounding (q8_0) needs input widths that are a multiple of {Q8_BLOCK}; {name} "
+                             f"has inputs of {_out_in(w).shape[-1]}")
     codes: dict[torch.Tensor, tuple[torch.Tensor, int]] = {}
     with torch.no_grad():
         for _, w in found:
             if w in codes:  # (one tensor twice: tied embeddings)
                 continue
-            blocks = w.reshape(-1, Q8_BLOCK)
+            rows = _out_in(w).contiguous()
+            blocks = rows.reshape(-1, Q8_BLOCK)
             scale = blocks.abs().amax(1, keepdim=True) / 127
             q = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
             q = q.round().clamp_(-127, 127)
-            w.copy_((q * scale).reshape(w.shape))  # the float32 product the C++ step computes from the codes
+            _out_in(w).copy_((q * scale).reshape(rows.shape))  # the weights the C++ step's codes stand for
             packed = torch.cat([scale.view(torch.uint8), q.to(torch.int8).view(torch.uint8)], 1)
-            codes[w] = (packed.reshape(*w.shape[:-1], -1), w._version)
+            codes[w] = (packed.reshape(*rows.shape[:-1], -1), w._version)
     model.q8_0 = codes
     return len(codes)
+
+
+def _out_in(w: torch.Tensor) -> torch.Tensor:
+    """A matrix as (out, in) rows, a view: the routed experts' (E, in, out) weights (the only 3-D ones)
+    transposed, an nn.Linear weight as it is."""
+    return w.transpose(-1, -2) if w.dim() == 3 else w
 
 
 def _plain_swiglu(m: nn.Module) -> bool:
