@@ -227,6 +227,7 @@ inline void linear_tile(const float* x, int64_t K, P w, int64_t N, float* y) {
     for (int r = 0; r < R; ++r) a[r] = wload(x + r * K + k);
     for (int c = 0; c < C; ++c) {
       const wvec b = wload(w + c * K + k);
+      if constexpr (!std::is_same_v<P, const float*>) __builtin_prefetch(&w[(c + kWide) * K + k]);
       for (int r = 0; r < R; ++r) acc[r * C + c] += a[r] * b;
     }
   }
@@ -340,8 +341,13 @@ void add_rows(const float* a, P W, int64_t N, int64_t k0, int64_t k1, float* y) 
     const P w0 = W + k * N, w1 = w0 + N, w2 = w1 + N, w3 = w2 + N;
     const wvec a0 = wsplat(a[k]), a1 = wsplat(a[k + 1]), a2 = wsplat(a[k + 2]), a3 = wsplat(a[k + 3]);
     int64_t n = 0;
-    for (; n < vector_end; n += kWide)
+    for (; n < vector_end; n += kWide) {
+      if constexpr (!std::is_same_v<P, const float*>) {
+        __builtin_prefetch(&w0[n + 4 * N]); __builtin_prefetch(&w1[n + 4 * N]);
+        __builtin_prefetch(&w2[n + 4 * N]); __builtin_prefetch(&w3[n + 4 * N]);
+      }
       wstore(y + n, wload(y + n) + ((a0 * wload(w0 + n) + a1 * wload(w1 + n)) + (a2 * wload(w2 + n) + a3 * wload(w3 + n))));
+    }
     for (; n < N; ++n)
       y[n] += (a[k] * as_float(w0[n]) + a[k + 1] * as_float(w1[n])) + (a[k + 2] * as_float(w2[n]) + a[k + 3] * as_float(w3[n]));
   }
