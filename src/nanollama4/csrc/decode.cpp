@@ -268,7 +268,8 @@ inline bool tiled(int64_t M, int64_t K, int64_t N) { return M < kBlasRows && K %
 // Every product of x (M x K) in `products` from 8-bit weights: x rounded once (`QRows`), then the products'
 // groups of 8 columns split between torch's threads, as `linear` splits float32 ones.
 inline void linear_q8(const float* x, int64_t M, int64_t K, std::initializer_list<Product<Q8>> products) {
-  static thread_local QRows q;
+  static thread_local QRows scratch;  // (the calling thread's: the lambda below reads it through `q`)
+  QRows& q = scratch;
   quantize_rows(x, M, K, q);
   std::vector<int64_t> first{0};  // each product's first group of 8 columns
   for (const Product<Q8>& p : products) first.push_back(first.back() + (p.N + 7) / 8);
