@@ -100,7 +100,8 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
                         "checkpoint), at bf16's rounding; on a CPU its decode steps read half the bytes (faster "
                         "where the model does not fit in cache). q8_0: float32 parameters rounded to 8 bits in "
                         "blocks of 32 (llama.cpp's Q8_0 grid), whose codes the CPU decode step reads (0.28 of "
-                        "float32's bytes), held beside them (1.28 times float32's memory)")
+                        "float32's bytes) and multiplies by inputs rounded the same way, as llama.cpp does; held "
+                        "beside them (1.28 times float32's memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
