@@ -109,7 +109,7 @@ def demo_model_folder(folder: Path, dense: bool = False) -> Path:
 
 class Offline:
     """Offline `generate` (the same engine, no HTTP) of one client's requests in turn, on the server's thread
-    count (cores less one), the same prompts, lengths and seeds as one served client."""
+    count (`server_threads`), the same prompts, lengths and seeds as one served client."""
 
     def __init__(self, path: str, args: argparse.Namespace) -> None:
         from nanollama4.hf import load_any
@@ -124,7 +124,7 @@ class Offline:
         from nanollama4.generation import generate
 
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        torch.set_num_threads(server_threads(self.args))
         try:
             if warm_up:  # as the server's
                 generate(self.model, self.tok, PROMPTS[0], WARM_UP, temperature=0.8, seed=0)
@@ -141,12 +141,18 @@ class Offline:
         return self.args.requests * self.args.max_tokens / self.best
 
 
+def server_threads(args: argparse.Namespace) -> int:
+    """The server's thread count: --threads, else its default (the cores less one)."""
+    return args.threads or max(1, (os.cpu_count() or 2) - 1)
+
+
 def sweep(path: str, levels: list[int], args: argparse.Namespace, offline: Offline) -> list[dict]:
     """The load levels against one `nanollama4 serve PATH` process; offline generate in turn with the
     one-client level's runs."""
     interval = [] if args.stream_interval is None else ["--stream-interval", str(args.stream_interval)]
+    threads = [] if args.threads is None else ["--threads", str(args.threads)]
     server = subprocess.Popen([sys.executable, "-m", "nanollama4", "serve", path, "--port", "0",
-                               "--max-batch", str(args.max_batch), "--name", "bench", *interval],
+                               "--max-batch", str(args.max_batch), "--name", "bench", *interval, *threads],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -196,6 +202,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--stream-interval", type=int, metavar="MS", help="the server's (default: its own)")
+    parser.add_argument("--threads", type=int, help="the server's and offline generate's (default: the server's own, "
+                        "the cores less one)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each level and of offline generate; "
                         "the fastest is reported")
     args = parser.parse_args()
