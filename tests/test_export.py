@@ -145,7 +145,9 @@ def test_generate_and_explain_load_a_model_in_bfloat16(runs, tmp_path, capsys):
 
 def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkeypatch, capsys):
     """--dtype q8_0: generate decodes through the C++ step's 8-bit codes and answers as the rounded float32
-    model does (greedy, the same tokens); a model whose rows do not cut into blocks of 32 is one line and exit 2."""
+    model does (greedy, the same tokens: the step's rounded inputs move this trained model's log-probabilities
+    by far less than the gaps between its choices here); a model whose inputs do not cut into blocks of 32 is
+    one line and exit 2."""
     from nanollama4.generation import generate
     from nanollama4.ops import fastdecode
 
