@@ -43,7 +43,7 @@ demo: $(STAMP)
 	$(BIN)/nanollama4 summary --preset shakespeare-char
 	$(BIN)/nanollama4 train --preset shakespeare-char --out $(DEMO_RUN) --max-time $(DEMO_TIME) \
 		--set bf16=auto --set seq_len=256 --set batch_size=32 --set optimizer=muon --set lr=2e-3 --set min_lr=2e-4 \
-		--set muon.experts_per_step=2
+		--set muon.experts_per_step=2 --set eval_batches=4
 	@echo "--- 300 characters from the trained model ---"
 	$(BIN)/nanollama4 generate $(DEMO_RUN) --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.8 --seed 0
 	@echo "--- validation loss (every character of the held-out 10%) ---"

@@ -8,8 +8,8 @@ step, with the AdamW part at 2e-3 decaying to 2e-4;
 `today` is the demo's recipe before Quality II: AdamW at the TrainConfig defaults, batch 16 x 256; `muon16`
 is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps; `demo-adamx` is `demo`
 with the routed experts on AdamW, `muon.experts=False`; `demo-turn2` is `demo` with two of each layer's experts
-orthogonalised per step in turn, `muon.experts_per_step=2`: `make demo`'s settings now; `demo-ev4` is
-`demo-turn2` validating on 4 fixed batches instead of 16 during the run), plus
+orthogonalised per step in turn, `muon.experts_per_step=2`; `demo-ev4` is `demo-turn2` validating on 4 fixed
+batches instead of 16 during the run: `make demo`'s settings now), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -51,7 +51,7 @@ from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
 
-RECIPES = {  # TrainConfig settings; `demo-turn2` repeats the Makefile's `make demo` line
+RECIPES = {  # TrainConfig settings; `demo-ev4` repeats the Makefile's `make demo` line
     "demo": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
     "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},

@@ -207,8 +207,9 @@ class TrainConfig(Composed):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
     The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
-    optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU, and
-    muon.experts_per_step=2 (docs/experiments.md section 7).
+    optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU,
+    muon.experts_per_step=2 (docs/experiments.md section 7) and eval_batches=4 (fewer seconds of its five
+    minutes spent validating: benchmarks/RESULTS.md, the record of Quality III).
     """
 
     batch_size: Count = 32  # sequences per optimizer step (per accumulation micro-step)
