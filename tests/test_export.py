@@ -24,7 +24,7 @@ from nanollama4.moe import MoE
 from nanollama4.ops import build_model
 from nanollama4.tokenizer import CharTokenizer
 from nanollama4.train import train
-from tests.helpers import assert_cli_error, run_cli
+from tests.helpers import assert_cli_error, assert_same_greedy_ids, run_cli
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -145,9 +145,8 @@ def test_generate_and_explain_load_a_model_in_bfloat16(runs, tmp_path, capsys):
 
 def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkeypatch, capsys):
     """--dtype q8_0: generate decodes through the C++ step's 8-bit codes and answers as the rounded float32
-    model does (greedy, the same tokens: the step's rounded inputs move this trained model's log-probabilities
-    by far less than the gaps between its choices here); a model whose inputs do not cut into blocks of 32 is
-    one line and exit 2."""
+    model does (greedy: the same tokens up to a near tie, the step rounding its inputs too); a model whose
+    inputs do not cut into blocks of 32 is one line and exit 2."""
     from nanollama4.generation import generate
     from nanollama4.ops import fastdecode
 
@@ -164,9 +163,13 @@ def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkey
     assert rc == 0 and steps and set(steps) == {"DecodeStepQ8"}, (err, steps)
     model, tok, _ = load_run(runs["char"])
     fastdecode.round_to_q8_0(model)
-    del model.q8_0  # the same rounded parameters, decoded as float32
-    assert printed.rstrip("\n") == "the cat" + generate(model.eval(), tok, "the cat", max_new_tokens=12,
-                                                         temperature=0.0)
+    del model.q8_0  # the same rounded parameters, decoded with float products
+    plain = "the cat" + generate(model.eval(), tok, "the cat", max_new_tokens=12, temperature=0.0)
+    prompt = tok.encode("the cat")
+    # (the step's rounded inputs moved the top token's log-probability by up to 0.14 over 255 tokens of
+    # `make demo`'s run: two greedy texts may part only at a near tie that close)
+    assert_same_greedy_ids(model, prompt, tok.encode(printed.rstrip("\n"))[len(prompt):],
+                           tok.encode(plain)[len(prompt):], tol=0.3)
     odd = tiny_run(tmp_path, corpus, "odd", model={"expert_dim": 48})
     rc, _, err = run_cli(["generate", str(odd), "--dtype", "q8_0", "--prompt", "the"], capsys)
     assert rc == 2 and "input widths that are a multiple of 32" in err and "Traceback" not in err, err

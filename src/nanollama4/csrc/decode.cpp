@@ -177,7 +177,7 @@ inline void q8_tile(const QRows& x, int64_t m, Q8 w, int64_t N, float* y) {
 // calling thread: 8 columns at a time, 4 rows at a time where there are 4 (each weight block read once for them).
 // The tiles read 8 weight rows side by side, 8 short streams (a row of 768 inputs is 864 bytes) that the
 // CPU's prefetcher barely starts on before they end; so each tile asks for the same place 8 rows on, the
-// next tile's, as it reads: on a Zen 3 that took one token of a 494M MoE from 3.9 to 2.5-2.9 ms (2 threads).
+// next tile's, as it reads: on a Zen 3 that took one token of a 494M MoE from 3.9 to 2.7-2.9 ms (2 threads).
 inline void q8_columns(const QRows& x, int64_t m0, int64_t M, Q8 W, int64_t N, float* y, int64_t n0, int64_t n1) {
   const int64_t K = x.K;
   int64_t n = n0;
