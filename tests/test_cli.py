@@ -385,6 +385,30 @@ def test_a_signal_while_the_command_starts_is_status_130_and_one_line(sig, tiny_
     assert "Traceback" not in err + out
 
 
+def test_a_ctrl_c_due_as_the_sigterm_handler_goes_in_is_the_commands(tiny_run, monkeypatch, capsys):
+    """The race above at its narrowest, made certain: Python runs a pending SIGINT's handler as soon as
+    `signal.signal` returns, so a Ctrl-C that arrives while `main` installs its SIGTERM handler raises right
+    there (before the fix, outside `main`'s try: a traceback and status -2)."""
+    install, calls = signal.signal, []
+
+    def install_then_interrupt(sig, handler):
+        previous = install(sig, handler)
+        calls.append(sig)
+        if calls == [signal.SIGTERM]:  # the first: main's own handler going in
+            raise KeyboardInterrupt
+        return previous
+
+    monkeypatch.setattr(signal, "signal", install_then_interrupt)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        status = main(["eval", str(tiny_run)])
+    except KeyboardInterrupt:  # caught here, or pytest would take it as its own Ctrl-C and stop the session
+        pytest.fail("the Ctrl-C came out of main: from the command line, a traceback and status -2")
+    assert status == 130
+    assert capsys.readouterr().err.strip() == "nanollama4 eval: interrupted; nothing more was saved"
+    assert signal.getsignal(signal.SIGTERM) == before  # main's own handler is gone again
+
+
 # A command whose end a SIGTERM reaches where Python cannot raise it: in a finalizer (the import system runs
 # one after each import; before the fix Python printed "Exception ignored in ..." with a KeyboardInterrupt
 # traceback and went on, the stop lost), or while `main` reports the command's error (before the fix a

@@ -374,11 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     # the command like Ctrl-C: status 130 and a line saying so, not a silent 143
     in_charge = not under_torchrun and threading.current_thread() is threading.main_thread()
     stopping = _Stopping(sys.unraisablehook) if in_charge else None
-    previous = signal.signal(signal.SIGTERM, stopping.handler) if stopping else None
+    previous = signal.getsignal(signal.SIGTERM)
     previous_hook = sys.unraisablehook
-    if stopping:
-        sys.unraisablehook = stopping.unraisable
     try:
+        # inside the try: Python runs a signal's handler as soon as signal.signal returns, so a Ctrl-C that
+        # arrives just as the handler goes in must already be the command's to report
+        if stopping:
+            sys.unraisablehook = stopping.unraisable
+            signal.signal(signal.SIGTERM, stopping.handler)
         if args.command in ("train", "generate", "eval", "serve"):
             from .runtime import tune_allocator
 
@@ -416,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stopping is not None:
             stopping.running = False
-        if previous is not None:
+        if stopping is not None and previous is not None:
             signal.signal(signal.SIGTERM, previous)
         sys.unraisablehook = previous_hook
 
