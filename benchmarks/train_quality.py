@@ -9,7 +9,9 @@ step, with the AdamW part at 2e-3 decaying to 2e-4;
 is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps; `demo-adamx` is `demo`
 with the routed experts on AdamW, `muon.experts=False`; `demo-turn2` is `demo` with two of each layer's experts
 orthogonalised per step in turn, `muon.experts_per_step=2`; `demo-ev4` is `demo-turn2` validating on 4 fixed
-batches instead of 16 during the run: `make demo`'s settings now), plus
+batches instead of 16 during the run: `make demo`'s settings now; `demo-b16` is `demo-ev4` at batch 16 x 256,
+twice the steps of half the tokens where a slow CPU takes few steps in the budget; `demo-b16-turn1` that with
+one expert a layer orthogonalised per step), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -61,6 +63,10 @@ RECIPES = {  # TrainConfig settings; `demo-ev4` repeats the Makefile's `make dem
                    "muon.experts_per_step": 2},
     "demo-ev4": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
                  "muon.experts_per_step": 2, "eval_batches": 4},
+    "demo-b16": {"bf16": "auto", "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
+                 "muon.experts_per_step": 2, "eval_batches": 4},
+    "demo-b16-turn1": {"bf16": "auto", "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3,
+                       "min_lr": 2e-4, "muon.experts_per_step": 1, "eval_batches": 4},
 }
 
 
