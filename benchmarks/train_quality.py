@@ -53,20 +53,17 @@ from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator
 from nanollama4.train import train
 
+DEMO = {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4}
+TURN2 = {**DEMO, "muon.experts_per_step": 2}
 RECIPES = {  # TrainConfig settings; `demo-ev4` repeats the Makefile's `make demo` line
-    "demo": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
+    "demo": DEMO,
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
-    "muon16": {"bf16": True, "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4},
-    "demo-adamx": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                   "muon.experts": False},
-    "demo-turn2": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                   "muon.experts_per_step": 2},
-    "demo-ev4": {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                 "muon.experts_per_step": 2, "eval_batches": 4},
-    "demo-b16": {"bf16": "auto", "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4,
-                 "muon.experts_per_step": 2, "eval_batches": 4},
-    "demo-b16-turn1": {"bf16": "auto", "seq_len": 256, "batch_size": 16, "optimizer": "muon", "lr": 2e-3,
-                       "min_lr": 2e-4, "muon.experts_per_step": 1, "eval_batches": 4},
+    "muon16": {**DEMO, "bf16": True, "batch_size": 16},
+    "demo-adamx": {**DEMO, "muon.experts": False},
+    "demo-turn2": TURN2,
+    "demo-ev4": {**TURN2, "eval_batches": 4},
+    "demo-b16": {**TURN2, "eval_batches": 4, "batch_size": 16},
+    "demo-b16-turn1": {**DEMO, "eval_batches": 4, "batch_size": 16, "muon.experts_per_step": 1},
 }
 
 
