@@ -33,7 +33,9 @@ the same active size, for the sweep of Quality II's item 5: `moe-N4` (4 experts)
 experts of 2/3 the width, the shared expert as wide), `moe-every2-N16` (16 experts on every second layer); for
 Quality III's, finer experts with the shared expert held at the preset's width: `moe-16x2` (top-2 of 16 experts
 of half the width) and `moe-32x4` (top-4 of 32 of a quarter). Any model + `+cpp` (`dense+cpp`) is that model as
-llama.cpp computes it: no chunked attention, temperature floor 8,192, no balancing bias.
+llama.cpp computes it: no chunked attention, temperature floor 8,192, no balancing bias. Any model + `-eW`
+(`moe-e192`, `dense-e192`, `moe-e192+cpp`) is that model built from the preset with routed and shared experts
+of width W (the twin's FFN W x (k + 1)), so that models of two sizes alternate in one invocation.
 
 `--step-time N` measures the step before the loss: N steps per arm and seed, arms alternated, median step times.
 """
@@ -42,12 +44,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from nanollama4.config import TrainConfig, parse_duration, parse_overrides, preset
+from nanollama4.config import ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
 from nanollama4.evaluation import full_validation_loss_of_run
 from nanollama4.experiments.common import paired_test
 from nanollama4.runtime import tune_allocator
@@ -85,23 +88,12 @@ def main() -> None:
     budget = parse_duration(args.time)
     moe = preset("shakespeare-char")
     moe = moe.replace(**parse_overrides(args.model_set, type(moe))) if args.model_set else moe
-    configs = {"moe": moe, "moe-full": moe.replace(attention_chunk_size=None, floor_scale=8192),
-               "moe-every2": moe.replace(moe_every=2),
-               # other MoE shapes of the same active size, each against the same dense twin
-               "moe-N4": moe.replace(n_experts=4), "moe-N16": moe.replace(n_experts=16),
-               "moe-k2": moe.replace(experts_per_token=2, expert_dim=moe.expert_dim * 2 // 3),
-               "moe-every2-N16": moe.replace(moe_every=2, n_experts=16),
-               # finer experts at equal active size, the shared expert held at the preset's width (Quality III)
-               "moe-16x2": moe.replace(n_experts=16, experts_per_token=2, expert_dim=moe.expert_dim // 2,
-                                       shared_expert_dim=moe.expert_dim),
-               "moe-32x4": moe.replace(n_experts=32, experts_per_token=4, expert_dim=moe.expert_dim // 4,
-                                       shared_expert_dim=moe.expert_dim),
-               "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
-    # NAME+cpp: NAME trained as llama.cpp computes it (Llama 4's own chunk, 8192, so full attention within the
-    # context; its temperature floor; no balancing bias), so that its run exports to GGUF as it is
-    configs |= {f"{name}+cpp": c.replace(attention_chunk_size=None, floor_scale=8192, bias_balance_rate=0.0)
-                for name, c in list(configs.items())}
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
+    configs = shapes(moe)
+    for name in models:  # NAME-eW: NAME with routed (and shared) experts of W, its twin's FFN to match
+        if (sized := re.fullmatch(r"(.+)-e(\d+)(\+cpp)?", name)) and name not in configs:
+            base, width, cpp = sized.groups()
+            configs[name] = shapes(moe.replace(expert_dim=int(width)))[base + (cpp or "")]
     extra = parse_overrides(args.set, TrainConfig)
     limit = {"max_steps": args.steps} if args.steps else {"max_time": budget}
     recipes = {r: TrainConfig.from_dict({**RECIPES[r], **extra, **limit}) for r in args.recipes.split(",")}
@@ -146,6 +138,28 @@ def main() -> None:
             test = paired_test([done[a, s]["full_val_loss"] - done[b, s]["full_val_loss"] for s in seeds])
             per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
             print(f"{a} minus {b}, per seed {per_seed}: {test.interval} -> {test.reading}")
+
+
+def shapes(moe: ModelConfig) -> dict[str, ModelConfig]:
+    """The models of the comparison, built from the MoE `moe`: its other shapes of the same active size, and its
+    dense twin."""
+    configs = {"moe": moe, "moe-full": moe.replace(attention_chunk_size=None, floor_scale=8192),
+               "moe-every2": moe.replace(moe_every=2),
+               # other MoE shapes of the same active size, each against the same dense twin
+               "moe-N4": moe.replace(n_experts=4), "moe-N16": moe.replace(n_experts=16),
+               "moe-k2": moe.replace(experts_per_token=2, expert_dim=moe.expert_dim * 2 // 3),
+               "moe-every2-N16": moe.replace(moe_every=2, n_experts=16),
+               # finer experts at equal active size, the shared expert held at the preset's width (Quality III)
+               "moe-16x2": moe.replace(n_experts=16, experts_per_token=2, expert_dim=moe.expert_dim // 2,
+                                       shared_expert_dim=moe.expert_dim),
+               "moe-32x4": moe.replace(n_experts=32, experts_per_token=4, expert_dim=moe.expert_dim // 4,
+                                       shared_expert_dim=moe.expert_dim),
+               "dense": moe.replace(n_experts=0, ffn_dim=moe.expert_dim * (moe.experts_per_token + 1))}
+    # NAME+cpp: NAME trained as llama.cpp computes it (Llama 4's own chunk, 8192, so full attention within the
+    # context; its temperature floor; no balancing bias), so that its run exports to GGUF as it is
+    configs |= {f"{name}+cpp": c.replace(attention_chunk_size=None, floor_scale=8192, bias_balance_rate=0.0)
+                for name, c in list(configs.items())}
+    return configs
 
 
 def step_times(configs: dict, recipes: dict, arms: list, rounds: list, steps: int) -> None:
