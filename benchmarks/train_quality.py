@@ -38,6 +38,10 @@ llama.cpp computes it: no chunked attention, temperature floor 8,192, no balanci
 of width W (the twin's FFN W x (k + 1)), so that models of two sizes alternate in one invocation.
 
 `--step-time N` measures the step before the loss: N steps per arm and seed, arms alternated, median step times.
+`--steps ARM=N,...` trains each arm its own number of steps: set in the ratio of the arms' median step times in a
+sitting's timed runs, it compares them at equal time with the machine's drift taken out of the loss (a run's
+speed then changes only how long it takes, not how far it gets), so the paired differences carry seed noise
+alone.
 """
 
 from __future__ import annotations
@@ -73,7 +77,9 @@ RECIPES = {  # TrainConfig settings; `demo-ev4` repeats the Makefile's `make dem
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--time", default="5m")
-    ap.add_argument("--steps", type=int, help="train each arm this many steps instead of for --time")
+    ap.add_argument("--steps", help="train each arm this many steps instead of for --time; or each its own, e.g. "
+                    "moe@demo=700,dense@demo=800 (steps in the ratio of the arms' measured step times: equal time "
+                    "without the machine's drift)")
     ap.add_argument("--step-time", type=int, metavar="N",
                     help="only time the arms' steps: N steps each, arms alternated, per seed; no loss")
     ap.add_argument("--models", default="moe,dense")
@@ -95,9 +101,13 @@ def main() -> None:
             base, width, cpp = sized.groups()
             configs[name] = shapes(moe.replace(expert_dim=int(width)))[base + (cpp or "")]
     extra = parse_overrides(args.set, TrainConfig)
-    limit = {"max_steps": args.steps} if args.steps else {"max_time": budget}
+    steps = arm_steps(args.steps)
+    limit = {"max_steps": steps} if isinstance(steps, int) else {"max_time": budget}
     recipes = {r: TrainConfig.from_dict({**RECIPES[r], **extra, **limit}) for r in args.recipes.split(",")}
     arms = [(m, r) for r in recipes for m in models if not args.arms or f"{m}@{r}" in args.arms.split(",")]
+    if isinstance(steps, dict) and (unnamed := {f"{m}@{r}" for m, r in arms} ^ steps.keys()):
+        raise SystemExit(f"--steps names {', '.join(sorted(steps))}: give every arm run, and only those "
+                         f"({', '.join(sorted(unnamed))} differ)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
@@ -111,7 +121,9 @@ def main() -> None:
             if (arm, seed) in done:
                 continue
             run = out / f"{name}-{recipe}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-            result = train(configs[name], recipes[recipe].replace(seed=seed), run, progress=False)
+            tc = recipes[recipe].replace(seed=seed)
+            tc = tc.replace(max_steps=steps[arm], max_time=None) if isinstance(steps, dict) else tc
+            result = train(configs[name], tc, run, progress=False)
             if result.interrupted:  # (Ctrl-C or a kill: train stops the run cleanly; so does the sweep, unrecorded)
                 raise SystemExit(f"{arm} seed {seed} was interrupted at step {result.step}; not recorded. The same "
                                  f"command trains what is missing.")
@@ -124,7 +136,7 @@ def main() -> None:
             done[arm, seed] = row
             print(f"{arm} seed {seed}: {result.step} steps, {result.tokens_per_s:,.0f} tokens/s, full validation "
                   f"loss {loss:.4f} ({n_tokens:,} tokens, windows of {window}) -> {run}", flush=True)
-    print(f"\nbudget {f'{args.steps} steps' if args.steps else args.time} of training; recipes: "
+    print(f"\nbudget {f'{args.steps} steps' if steps else args.time} of training; recipes: "
           + "; ".join(f"{r} = {' '.join(f'{k}={v}' for k, v in RECIPES[r].items())}" for r in recipes)
           + f"; also {' '.join(args.set + args.model_set) or 'nothing'}")
     print("| arm | seed | steps | tokens/s | full val loss |\n|---|---:|---:|---:|---:|")
@@ -138,6 +150,19 @@ def main() -> None:
             test = paired_test([done[a, s]["full_val_loss"] - done[b, s]["full_val_loss"] for s in seeds])
             per_seed = ", ".join(f"{d:+.4f}" for d in test.diffs)
             print(f"{a} minus {b}, per seed {per_seed}: {test.interval} -> {test.reading}")
+
+
+def arm_steps(text: str | None) -> int | dict[str, int] | None:
+    """--steps: one step count for every arm, each arm's own (`ARM=N,...`), or None (train for --time)."""
+    if not text:
+        return None
+    if text.isdigit():
+        return int(text)
+    try:
+        return {arm: int(n) for arm, n in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--steps {text!r}: give a step count, or ARM=N pairs, e.g. "
+                         f"moe@demo=700,dense@demo=800") from None
 
 
 def shapes(moe: ModelConfig) -> dict[str, ModelConfig]:
