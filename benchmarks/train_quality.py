@@ -9,9 +9,10 @@ step, with the AdamW part at 2e-3 decaying to 2e-4;
 is `demo` at batch 16, for Muon against AdamW at equal steps and tokens, with --steps; `demo-adamx` is `demo`
 with the routed experts on AdamW, `muon.experts=False`; `demo-turn2` is `demo` with two of each layer's experts
 orthogonalised per step in turn, `muon.experts_per_step=2`; `demo-ev4` is `demo-turn2` validating on 4 fixed
-batches instead of 16 during the run: `make demo`'s settings now; `demo-b16` is `demo-ev4` at batch 16 x 256,
-twice the steps of half the tokens where a slow CPU takes few steps in the budget; `demo-b16-turn1` that with
-one expert a layer orthogonalised per step), plus
+batches instead of 16 during the run, `make demo`'s settings before Quality III's change of size; `demo-b16` is
+`demo-ev4` at batch 16 x 256, twice the steps of half the tokens where a CPU takes few steps in the budget,
+and with the model `moe-e192` it is `make demo` now; `demo-b16-turn1` that with one expert a layer
+orthogonalised per step), plus
 whatever --set adds, then its full validation loss is measured (mean nats per character over every
 character of the held-out 10%, in non-overlapping windows of the training context). Runs go one after the
 other, never side by side, alternating the arms (model x recipe) within each seed (A B, A B, ...) so that a drift of the
@@ -62,7 +63,7 @@ from nanollama4.train import train
 
 DEMO = {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4}
 TURN2 = {**DEMO, "muon.experts_per_step": 2}
-RECIPES = {  # TrainConfig settings; `demo-ev4` repeats the Makefile's `make demo` line
+RECIPES = {  # TrainConfig settings; `moe-e192@demo-b16` repeats the Makefile's `make demo` line
     "demo": DEMO,
     "today": {"bf16": True, "seq_len": 256, "batch_size": 16},
     "muon16": {**DEMO, "bf16": True, "batch_size": 16},

@@ -206,10 +206,11 @@ class ModelConfig(Composed):
 class TrainConfig(Composed):
     """How to train: optimisation, schedule, evaluation and checkpointing.
 
-    The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, batch_size=32,
-    optimizer=muon, lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU,
-    muon.experts_per_step=2 (docs/experiments.md section 7) and eval_batches=4 (fewer seconds of its five
-    minutes spent validating: benchmarks/RESULTS.md, the record of Quality III).
+    The defaults are a plain float32 AdamW recipe; `make demo` also sets bf16=auto, seq_len=256, optimizer=muon,
+    lr=2e-3 and min_lr=2e-4, the best of benchmarks/demo_sweep.py on a CPU, muon.experts_per_step=2
+    (docs/experiments.md section 7), eval_batches=4 (fewer seconds of its five minutes spent validating) and
+    batch_size=16 with the model's experts at 192 (more steps in five minutes; benchmarks/RESULTS.md, the
+    record of Quality III).
     """
 
     batch_size: Count = 32  # sequences per optimizer step (per accumulation micro-step)
@@ -295,7 +296,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=64, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
                  max_seq_len=64, attention_chunk_size=8, ffn_dim=128, n_experts=4,
                  experts_per_token=2, expert_dim=64, floor_scale=4, attn_scale=0.1),
-    # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU. 4 heads of 64
+    # The demo: a character-level MoE that learns Shakespeare in minutes on a laptop CPU (`make demo` trains it
+    # with experts of 192, `--set expert_dim=192`, for more steps in its five minutes). 4 heads of 64
     # rather than 8 of 32: the CPU's attention kernels run the wider heads faster, and in 5 minutes the
     # model reached a lower validation loss (runs q15 and q21, measured 2026-11-29, see git history of
     # benchmarks/RESULTS.md). A miniature of Llama 4's attention: its RoPE layers attend in chunks of
