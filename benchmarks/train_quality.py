@@ -41,8 +41,8 @@ of width W (the twin's FFN W x (k + 1)), so that models of two sizes alternate i
 `--step-time N` measures the step before the loss: N steps per arm and seed, arms alternated, median step times.
 `--steps ARM=N,...` trains each arm its own number of steps: set in the ratio of the arms' median step times in a
 sitting's timed runs, it compares them at equal time with the machine's drift taken out of the loss (a run's
-speed then changes only how long it takes, not how far it gets), so the paired differences carry seed noise
-alone.
+speed then changes only how long it takes, not how far it gets), so the paired differences carry mostly seed
+noise (the ratio is itself a measurement, and moves between runs: RESULTS.md).
 """
 
 from __future__ import annotations
