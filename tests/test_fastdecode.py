@@ -7,6 +7,7 @@ the plain path wherever the step would not compute what the plain one does."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import string
 
@@ -37,11 +38,36 @@ VARIANTS = {
     "sigmoid, shared expert, every feature": {},
     "softmax over the chosen, no shared expert": dict(router="softmax", shared_expert=False),
     "softmax over all, capacity at inference": dict(router="softmax", settings={"softmax": {"over": "all"}},
-                                                    capacity_factor=1.0, capacity_in_eval=True),
+                                                    capacity_factor=1.0, capacity_in_eval=True,
+                                                    capacity_overflow="drop"),
     "top-1, no QK-norm, one MoE layer in two": dict(experts_per_token=1, use_qk_norm=False, moe_every=2),
     "dense, unchunked, all RoPE": dict(n_experts=0, attention_chunk_size=None, nope_interval=0),
     "chunk as long as the context (no ring)": dict(attention_chunk_size=48),
+    "llama3 RoPE scaling, tied embeddings, one KV head, no temperature": dict(
+        n_layers=3, n_kv_heads=1, rope_theta=500000.0, rope_scaling=8.0, rope_low_freq_factor=2.0,
+        rope_high_freq_factor=8.0, rope_original_max_len=16, attn_temperature_tuning=False, shared_expert_dim=16,
+        norm_eps=1e-6, tie_embeddings=True),
 }
+
+
+def test_every_config_field_is_in_the_steps_contract():
+    """decode.cpp restates the model's math, so an option it does not know would be ignored without a word:
+    each ModelConfig field, and each own setting of a router kind the step computes, is in its contract
+    (`fastdecode.COMPUTES` or `NEEDLESS`), and each field it computes is set off its default by some case of
+    test_each_step_equals_the_plain_step below, which holds the step to the plain one there."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    declared = fastdecode.COMPUTES.keys() | fastdecode.NEEDLESS.keys()
+    assert not fields.keys() - declared, "ModelConfig fields the C++ step's contract does not name (ops/fastdecode.py)"
+    assert not declared - fields.keys(), "the contract names fields ModelConfig no longer has"
+    assert not fastdecode.COMPUTES.keys() & fastdecode.NEEDLESS.keys()
+    for router in fastdecode.ROUTERS:
+        own = {f.name for f in dataclasses.fields(router.Settings)} if dataclasses.is_dataclass(router.Settings) \
+            else set()
+        assert own == fastdecode.ROUTER_SETTINGS.get(router.name, {}).keys(), router.name
+    defaults = {name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for name, f in fields.items()}
+    varied = {key for case in VARIANTS.values() for key, value in {**BASE, **case}.items() if value != defaults[key]}
+    assert not fastdecode.COMPUTES.keys() - varied, "computed fields no case below sets off their default"
 
 
 def model_for(**overrides) -> torch.nn.Module:

@@ -13,8 +13,9 @@ cache (a model loaded with `--dtype bfloat16`: half the bytes a token, what deco
 computing in float32, or 8-bit matrices (`--dtype q8_0`: `round_to_q8_0`, 0.28 of float32's bytes), which
 it multiplies in integer lanes by inputs rounded to 8 bits, as llama.cpp does. `unsupported(model)` names
 what it does not compute (another dtype or device, a router or module of another kind, LoRA's parametrised
-weights), and the engine's runner then keeps the plain step; it also keeps it while anything is watching the
-modules (`observe`, forward hooks) and where capacity at inference makes the rows of a batch compete.
+weights), and the engine's runner then keeps the plain step; it also keeps it while anything is watching
+the modules (`observe`, forward hooks) and where capacity at inference makes the rows of a batch compete.
+`COMPUTES` and `NEEDLESS` account for every `ModelConfig` field: where the step computes it, or why it need not.
 The runner measures both on its first steps and keeps the faster (engine/runner.py).
 """
 
@@ -47,6 +48,61 @@ LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) we
 ATTENDS = (sdpa_attend, cpu_autocast_attend)  # attention backends that compute the plain math
 
 _VERSION = operator.attrgetter("_version")
+
+# The step's contract with ModelConfig, field by field. decode.cpp restates the model's math, so a new option
+# it does not know would be silently ignored: tests/test_fastdecode.py fails when a ModelConfig field (or a
+# built-in router's own setting) is in neither table, and runs every field of COMPUTES at a value other than
+# its default against the plain step. COMPUTES says where the step reads what the field built; NEEDLESS why
+# the decode step need not read it. A field that changes inference must go in COMPUTES with a case in that
+# test, or make `unsupported` name it.
+COMPUTES: dict[str, str] = {
+    "vocab_size": "the embedding's and the LM head's rows",
+    "d_model": "the weights' shapes",
+    "n_layers": "one entry per block",
+    "n_heads": "passed to the step",
+    "n_kv_heads": "passed to the step (each KV head serves n_heads / n_kv_heads query heads)",
+    "head_dim": "passed to the step",
+    "max_seq_len": "the engine's context, which sizes the RoPE table",
+    "rope_theta": "the RoPE table (`rope_angles` of the model's `inv_freq`)",
+    "rope_scaling": "the RoPE table",
+    "rope_low_freq_factor": "the RoPE table",
+    "rope_high_freq_factor": "the RoPE table",
+    "rope_original_max_len": "the RoPE table",
+    "nope_interval": "each layer's `attn.use_rope`",
+    "attention_chunk_size": "each layer's `attn.chunk` and its cache's ring (`window`)",
+    "use_qk_norm": "each layer's `attn.qk_norm`",
+    "attn_temperature_tuning": "each layer's `attn.temperature`",
+    "floor_scale": "each layer's `attn.floor_scale`",
+    "attn_scale": "each layer's `attn.attn_scale`",
+    "ffn_dim": "the dense SwiGLU's weights",
+    "n_experts": "the router's and the experts' weights",
+    "experts_per_token": "the router's `top_k`",
+    "expert_dim": "the experts' weights",
+    "shared_expert": "whether a block's MoE has one",
+    "shared_expert_dim": "the shared expert's weights",
+    "moe_every": "each block's feed-forward class",
+    "router": "the router's class: sigmoid or softmax (over the chosen or all); `unsupported` names any other",
+    "capacity_factor": "where capacity acts at inference, `usable` steps one row at a time, where a token's "
+                       "top-k fits any capacity (every expert has room for at least one)",
+    "capacity_in_eval": "as capacity_factor",
+    "capacity_overflow": "as capacity_factor: with one row no expert overflows",
+    "norm_eps": "passed to the step",
+    "tie_embeddings": "the LM head's weight, which is then the embedding's tensor",
+}
+NEEDLESS: dict[str, str] = {
+    "aux_loss_coef": "a training loss",
+    "z_loss_coef": "a training loss",
+    "bias_balance_rate": "how training moves the routers' bias; the step reads the bias itself",
+    "init_std": "the initialisation",
+    "imports": "which modules define the parts: `unsupported` checks the classes they built",
+    "settings": "the router kinds' own settings: ROUTER_SETTINGS, each",
+}
+ROUTERS = (SigmoidRouter, SoftmaxRouter)  # the router kinds the step computes
+ROUTER_SETTINGS: dict[str, dict[str, str]] = {  # their own settings, by kind: read by the step, or needless
+    "softmax": {"noise": "needless: noise acts in training only",
+                "noise_std": "needless: noise acts in training only",
+                "over": "read: the router's `over_all`"},
+}
 
 _module: ModuleType | None = None
 _tried = False
@@ -90,7 +146,7 @@ def unsupported(model: Transformer) -> str | None:
             return "a norm of another kind"
         ffn = block.ffn
         if type(ffn) is MoE:
-            if type(ffn.router) not in (SigmoidRouter, SoftmaxRouter):
+            if type(ffn.router) not in ROUTERS:
                 return f"the router kind {ffn.router.name!r}"
             if type(ffn.experts) not in (Experts, FastExperts):
                 return f"routed experts of class {type(ffn.experts).__name__}"
