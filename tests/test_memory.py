@@ -198,3 +198,27 @@ def test_a_router_kind_with_weights_of_its_own_is_counted_without_building_the_m
         assert param_counts(preset("tiny", router="gated-test")).noise == 4 * preset("tiny").n_layers
     finally:
         ROUTERS.remove("gated-test")
+
+
+@pytest.mark.parametrize("chunk", [8, 33, 48, None])
+def test_every_cache_keeps_the_slots_the_config_states(chunk):
+    """How many keys a layer keeps is stated once (`ModelConfig.cache_slots`): a chunked layer a ring of
+    chunk - 1 where that is shorter than the context, any other one slot a position. Generation's cache, the
+    engine's slot cache and the memory arithmetic all keep that many."""
+    import torch
+
+    from nanollama4.attention import KVCache
+    from nanollama4.engine.cache import SlotCache
+
+    cfg = ModelConfig(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=40,
+                      attention_chunk_size=chunk, nope_interval=2, n_experts=0, ffn_dim=32)
+    context = 40
+    want = [cfg.cache_slots(i, context) for i in range(cfg.n_layers)]
+    assert want[1] == (context, False)  # a NoPE layer attends to the whole past
+    assert want[0] == ((chunk - 1, True) if chunk is not None and chunk <= context else (context, False))
+    generation = KVCache(cfg, 1, context)
+    engine = SlotCache(cfg, 1, torch.float32, torch.device("cpu"), context)
+    assert [(layer.k.shape[1], layer.window) for layer in generation.layers] == want
+    assert [(layer.k.shape[1], layer.window) for layer in engine.layers] == want
+    per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * 2  # keys and values in float16
+    assert kv_cache(cfg, context, "float16").bytes_for_sequence == per_slot * sum(slots for slots, _ in want)

@@ -67,8 +67,8 @@ class LayerCache:
     """One layer's keys and values for a batch, preallocated, KV heads only (the point of GQA).
 
     Full-attention layers keep every position (`slots` = the longest sequence). Chunked layers keep
-    only the last chunk - 1 positions: a query never sees further back than the start of its own
-    chunk, so older keys can never be used again and memory stays bounded by the chunk.
+    only the last few (`ModelConfig.cache_slots`): older keys can never be used again, and memory stays
+    bounded by the chunk.
     Each slot remembers its position (-1 = empty or padding) so the mask can be built from positions.
     """
 
@@ -130,10 +130,9 @@ class KVCache:
         self.masks: MaskMemo = {}
         self.layers = []
         for i in range(cfg.n_layers):
-            chunk = cfg.chunk_size(i)
-            slots = max_len if chunk is None else min(max_len, chunk - 1)
-            self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, chunk is not None,
-                                          dtype, device, self.masks))
+            slots, ring = cfg.cache_slots(i, max_len)
+            self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, ring, dtype, device,
+                                          self.masks))
 
     def new_step(self) -> None:
         """Forget the masks of the previous forward pass. `Transformer.forward` calls this at its start;

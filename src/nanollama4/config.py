@@ -176,6 +176,15 @@ class ModelConfig(Composed):
         """Chunked local attention applies to RoPE layers only; NoPE layers see the whole past."""
         return self.attention_chunk_size if self.uses_rope(layer) else None
 
+    def cache_slots(self, layer: int, context: int) -> tuple[int, bool]:
+        """(slots, ring) of a KV cache for `layer` over positions 0..context-1: the one statement of how many
+        keys a layer keeps (the engine's and generation's caches, and the memory arithmetic, read it). A query
+        of a chunked layer never looks further back than the start of its own chunk, so chunk - 1 earlier keys
+        are all it can use: a ring of chunk - 1 slots, where that is shorter than the context. Otherwise one
+        slot per position."""
+        chunk = self.chunk_size(layer)
+        return (chunk - 1, True) if chunk is not None and chunk - 1 < context else (context, False)
+
     @property
     def capacity_at_inference(self) -> bool:
         """Whether expert capacity also acts in eval mode: the tokens of a batch then compete for expert slots,

@@ -113,11 +113,7 @@ def kv_cache(cfg: ModelConfig, seq_len: int, dtype: str = "float16") -> KVCacheR
         raise ConfigError(f"unknown dtype {dtype!r}; valid: {', '.join(_BYTES_PER_VALUE)}")
     per_layer = 2 * cfg.n_kv_heads * cfg.head_dim
     bpv = _BYTES_PER_VALUE[dtype]
-    positions = 0
-    for layer in range(cfg.n_layers):
-        chunk = cfg.chunk_size(layer)
-        # A chunked layer attends only within its chunk: at most chunk-1 earlier positions are needed.
-        positions += seq_len if chunk is None else min(seq_len, chunk - 1)
+    positions = sum(cfg.cache_slots(layer, seq_len)[0] for layer in range(cfg.n_layers))
     return KVCacheReport(
         seq_len=seq_len, n_layers=cfg.n_layers, dtype=dtype,
         values_per_token_per_layer=per_layer,

@@ -19,10 +19,11 @@ class SlotLayer(LayerCache):
     """One layer's keys and values for `rows` independent sequences: an `attention.LayerCache` whose rows
     each advance on their own (the mask memo, built from positions, is the parent's).
 
-    Full-attention layers keep position p of a row in slot p. Chunked layers keep a ring of chunk - 1
-    slots, position p in slot p mod (chunk - 1): a query never looks further back than the start of its
-    chunk, so the ring always holds every key it may see. Empty slots have position -1; the mask is
-    built from positions, so stale keys of a row's previous request are invisible once the row is reset.
+    Full-attention layers keep position p of a row in slot p. Chunked layers keep a ring
+    (`ModelConfig.cache_slots`), position p in slot p mod its length: a query never looks further back
+    than the start of its chunk, so the ring always holds every key it may see. Empty slots have position
+    -1; the mask is built from positions, so stale keys of a row's previous request are invisible once the
+    row is reset.
     """
 
     def __init__(self, rows: int, slots: int, kv_heads: int, head_dim: int, window: bool, dtype: torch.dtype,
@@ -71,14 +72,8 @@ class SlotCache:
 
     @staticmethod
     def shapes(cfg: ModelConfig, context: int) -> list[tuple[int, bool]]:
-        """(slots, ring or not) per layer: chunked layers keep a ring of chunk - 1 slots, the others one slot
-        per position of the context."""
-        out = []
-        for i in range(cfg.n_layers):
-            chunk = cfg.chunk_size(i)
-            window = chunk is not None and chunk - 1 < context
-            out.append((chunk - 1 if window else context, window))
-        return out
+        """(slots, ring or not) per layer (`ModelConfig.cache_slots`)."""
+        return [cfg.cache_slots(i, context) for i in range(cfg.n_layers)]
 
     @classmethod
     def nbytes(cls, cfg: ModelConfig, rows: int, dtype: torch.dtype, context: int) -> int:
