@@ -82,10 +82,10 @@ COMPUTES: dict[str, str] = {
     "shared_expert_dim": "the shared expert's weights",
     "moe_every": "each block's feed-forward class",
     "router": "the router's class: sigmoid or softmax (over the chosen or all); `unsupported` names any other",
-    "capacity_factor": "where capacity acts at inference, `usable` steps one row at a time, where a token's "
-                       "top-k fits any capacity (every expert has room for at least one)",
+    "capacity_factor": "where capacity acts at inference, `usable` lets the step take one token a call (a "
+                       "prompt's too), whose top-k fits any capacity (every expert has room for one)",
     "capacity_in_eval": "as capacity_factor",
-    "capacity_overflow": "as capacity_factor: with one row no expert overflows",
+    "capacity_overflow": "as capacity_factor: with one token a call no expert overflows",
     "norm_eps": "passed to the step",
     "tie_embeddings": "the LM head's weight, which is then the embedding's tensor",
 }
