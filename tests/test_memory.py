@@ -200,8 +200,9 @@ def test_a_router_kind_with_weights_of_its_own_is_counted_without_building_the_m
         ROUTERS.remove("gated-test")
 
 
-@pytest.mark.parametrize("chunk", [8, 33, 48, None])
-def test_every_cache_keeps_the_slots_the_config_states(chunk):
+@pytest.mark.parametrize("chunk,first_layer", [(8, (7, True)), (33, (32, True)), (41, (40, False)),
+                                               (48, (40, False)), (None, (40, False))])
+def test_every_cache_keeps_the_slots_the_config_states(chunk, first_layer):
     """How many keys a layer keeps is stated once (`ModelConfig.cache_slots`): a chunked layer a ring of
     chunk - 1 where that is shorter than the context, any other one slot a position. Generation's cache, the
     engine's slot cache and the memory arithmetic all keep that many."""
@@ -215,7 +216,7 @@ def test_every_cache_keeps_the_slots_the_config_states(chunk):
     context = 40
     want = [cfg.cache_slots(i, context) for i in range(cfg.n_layers)]
     assert want[1] == (context, False)  # a NoPE layer attends to the whole past
-    assert want[0] == ((chunk - 1, True) if chunk is not None and chunk <= context else (context, False))
+    assert want[0] == first_layer  # a RoPE layer: a ring of chunk - 1 where that is shorter than the context
     generation = KVCache(cfg, 1, context)
     engine = SlotCache(cfg, 1, torch.float32, torch.device("cpu"), context)
     assert [(layer.k.shape[1], layer.window) for layer in generation.layers] == want

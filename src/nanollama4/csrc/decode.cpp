@@ -15,8 +15,9 @@
 // The math is the model files' (model.py, attention.py, moe.py, router.py), and ops/fastdecode.py
 // describes the layers to this file and decides when it applies; its COMPUTES and NEEDLESS tables say, for
 // each ModelConfig field, where this file computes it or why it need not, and a test fails on a field in
-// neither. The plain engine path is the reference that tests compare it to. Layouts: nn.Linear weights are (out, in) ("linear"); the routed
-// experts' gate_up (E, D, 2H) and down (E, H, D) are (in, out) ("matmul").
+// neither. The plain engine path is the reference that tests compare it to. Layouts: nn.Linear weights
+// are (out, in) ("linear"); the routed experts' gate_up (E, D, 2H) and down (E, H, D) are (in, out)
+// ("matmul").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
