@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 import nanollama4
-from nanollama4.config import TrainConfig, preset
-from nanollama4.generation import generate_ids
-from nanollama4.runtime import tune_allocator
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.engine.generation import generate_ids
+from nanollama4.training.train import train
 
 # muon_experts_per_step: the flat key older checkouts take as a field and today's reads as muon.experts_per_step,
 # so that the script runs against both

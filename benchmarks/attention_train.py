@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from moe_scaling import timed  # benchmarks/ is on the path when this runs as a script
-from nanollama4.attention import attention_mask
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.model.attention import attention_mask
 from nanollama4.ops.attention import scores_attention
-from nanollama4.runtime import tune_allocator
 
 H, KV, DH, TOKENS = 4, 2, 64, 4096
 

@@ -15,9 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from nanollama4.config import TrainConfig, preset
-from nanollama4.runtime import tune_allocator
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.training.train import train
 
 
 def main() -> None:

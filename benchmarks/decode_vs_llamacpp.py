@@ -40,13 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import read_bandwidth, step_bytes  # noqa: E402
 from llama_cpp import default_bin  # noqa: E402
-from nanollama4.config import ModelConfig, preset  # noqa: E402
-from nanollama4.generation import generate_ids  # noqa: E402
-from nanollama4.llamacpp import export_gguf  # noqa: E402
+from nanollama4.base.config import ModelConfig, preset  # noqa: E402
+from nanollama4.base.runtime import tune_allocator  # noqa: E402
+from nanollama4.engine.generation import generate_ids  # noqa: E402
+from nanollama4.interop.llamacpp import export_gguf  # noqa: E402
+from nanollama4.model.tokenizer import CharTokenizer  # noqa: E402
 from nanollama4.ops import build_model  # noqa: E402
 from nanollama4.ops.fastdecode import round_to_q8_0  # noqa: E402
-from nanollama4.runtime import tune_allocator  # noqa: E402
-from nanollama4.tokenizer import CharTokenizer  # noqa: E402
 
 PROMPT = "ROMEO:\nBut soft,"  # 16 characters, 16 tokens of the character vocabulary
 EXACT = dict(attention_chunk_size=None, floor_scale=8192, bias_balance_rate=0.0)  # what llama.cpp computes as is

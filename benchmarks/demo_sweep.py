@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanollama4.config import TrainConfig, parse_duration, preset
-from nanollama4.evaluation import full_validation_loss_of_run
-from nanollama4.runtime import tune_allocator
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, parse_duration, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.training.evaluation import full_validation_loss_of_run
+from nanollama4.training.train import train
 
 DEMO = dict(bf16=True, seq_len=256, batch_size=16)
 DENSE = dict(n_experts=0, ffn_dim=768)  # the dense twin: its FFN as wide as the routed expert + the shared one

@@ -16,8 +16,8 @@ import time
 import torch
 
 import nanollama4
-from nanollama4.config import preset
-from nanollama4.runtime import tune_allocator
+from nanollama4.base.config import preset
+from nanollama4.base.runtime import tune_allocator
 
 
 def step_ms(cfg: nanollama4.ModelConfig, mode: str, bf16: bool, batch_size: int = 32, seq: int = 128) -> float:

@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from nanollama4.config import ModelConfig, preset
+from nanollama4.base.config import ModelConfig, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.engine.generation import generate_ids
 from nanollama4.engine.runner import Runner
-from nanollama4.generation import generate_ids
-from nanollama4.memory import param_counts
+from nanollama4.model.memory import param_counts
 from nanollama4.ops import build_model
-from nanollama4.runtime import tune_allocator
 
 PROMPT = 16
 

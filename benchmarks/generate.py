@@ -20,11 +20,11 @@ import time
 import torch
 
 import nanollama4
-from nanollama4.attention import KVCache
-from nanollama4.config import preset
-from nanollama4.generation import iter_tokens, sample
-from nanollama4.memory import kv_cache
-from nanollama4.runtime import tune_allocator
+from nanollama4.base.config import preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.engine.generation import iter_tokens, sample
+from nanollama4.model.attention import KVCache
+from nanollama4.model.memory import kv_cache
 
 PROMPT = 16
 

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llama_cpp import _tool, default_bin, our_perplexity  # noqa: E402
-from nanollama4.evaluation import full_validation_loss, validation_of_run  # noqa: E402
-from nanollama4.llamacpp import GGUF_TYPES, export_gguf, nearest_llamacpp  # noqa: E402
+from nanollama4.interop.llamacpp import GGUF_TYPES, export_gguf, nearest_llamacpp  # noqa: E402
 from nanollama4.ops import build_model  # noqa: E402
+from nanollama4.training.evaluation import full_validation_loss, validation_of_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,16 +40,16 @@ from functools import partial
 
 import torch
 
-from nanollama4.attention import BY_CHUNKS
-from nanollama4.config import TrainConfig, preset
+from nanollama4.base.config import TrainConfig, preset
 from nanollama4.engine.cache import SlotCache
+from nanollama4.engine.generation import generate_ids
 from nanollama4.engine.runner import Runner
-from nanollama4.generation import generate_ids
-from nanollama4.memory import param_counts
-from nanollama4.model import Transformer
-from nanollama4.moe import SwiGLU
+from nanollama4.model.attention import BY_CHUNKS
+from nanollama4.model.memory import param_counts
+from nanollama4.model.moe import SwiGLU
+from nanollama4.model.transformer import Transformer
 from nanollama4.ops import install
-from nanollama4.optim import make_optimizer
+from nanollama4.training.optim import make_optimizer
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}  # dense bf16
 ROUTINGS = {  # name -> ModelConfig changes on the demo preset

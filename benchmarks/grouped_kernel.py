@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_scaling import timed  # benchmarks/ is on the path when this runs as a script
+from nanollama4.base.runtime import tune_allocator
 from nanollama4.ops import kernels
-from nanollama4.runtime import tune_allocator
 
 # (groups, K, N, rows): the throughput benchmark's experts, the MoE-scaling benchmark's, large groups, and
 # the dense twin's gate / up projection of moe_cost.py's fp32 regime (an nn.Linear's forward x @ w^T is

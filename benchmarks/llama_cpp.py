@@ -74,9 +74,9 @@ def compare(run: Path, text_file: Path, where: Path, work: Path, n_ctx: int = 25
             new_tokens: int = 200, threads: int = 2) -> dict:
     """One run through llama.cpp and through us (module docstring); returns the row, with the window and the
     number of new tokens used (cut to the run's context)."""
-    from nanollama4.checkpoint import load_run
-    from nanollama4.generation import generate
-    from nanollama4.llamacpp import export_gguf
+    from nanollama4.engine.generation import generate
+    from nanollama4.interop.checkpoint import load_run
+    from nanollama4.interop.llamacpp import export_gguf
 
     model, tokenizer, _ = load_run(run)
     model.eval()

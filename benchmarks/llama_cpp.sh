@@ -23,6 +23,6 @@ fi
 TEXT=$(mktemp)
 trap 'rm -f "$TEXT"' EXIT
 # the held-out text: the last 100,000 characters of the default corpus (within its last 10%, the validation share)
-.venv/bin/python -c "from nanollama4.corpus import find_corpus_files, read_corpus; import sys; \
+.venv/bin/python -c "from nanollama4.training.corpus import find_corpus_files, read_corpus; import sys; \
 sys.stdout.write(read_corpus(find_corpus_files(None))[-100_000:])" > "$TEXT"
 .venv/bin/python benchmarks/llama_cpp.py "$CHAR" "$BPE" --text "$TEXT" --bin "$BIN" --ctx 256 --chunks 40

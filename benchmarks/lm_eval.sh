@@ -13,7 +13,7 @@ SERVER=
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/nanollama4 export "$RUN" "$WORK/hf" >/dev/null
-.venv/bin/python -c "from nanollama4.corpus import find_corpus_files, read_corpus; import sys; \
+.venv/bin/python -c "from nanollama4.training.corpus import find_corpus_files, read_corpus; import sys; \
 sys.stdout.write(read_corpus(find_corpus_files(None))[-100_000:])" > "$WORK/text.txt"
 .venv/bin/python benchmarks/lm_eval_check.py tasks "$WORK/tasks" "$WORK/text.txt"
 TASKS=nanollama4_next_line,nanollama4_rolling

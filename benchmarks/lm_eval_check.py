@@ -85,7 +85,7 @@ def _accuracy(out: Path, task: str) -> float | None:
 
 
 def compare(hf_out: Path, api_out: Path, tasks: Path, export: Path) -> int:
-    from nanollama4.tokenizer import load_tokenizer
+    from nanollama4.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(export / "tokenizer.json")
     passages = [json.loads(line)["text"] for line in (tasks / "rolling.jsonl").read_text().splitlines()]

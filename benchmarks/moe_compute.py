@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 import nanollama4
-from nanollama4.config import preset
-from nanollama4.corpus import find_corpus_files
-from nanollama4.data import TokenDataset, default_cache_dir
-from nanollama4.generation import generate
-from nanollama4.memory import param_counts
-from nanollama4.plots import save_png
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.base.config import preset
+from nanollama4.engine.generation import generate
+from nanollama4.model.memory import param_counts
+from nanollama4.model.tokenizer import CharTokenizer
+from nanollama4.reports.plots import save_png
+from nanollama4.training.corpus import find_corpus_files
+from nanollama4.training.data import TokenDataset, default_cache_dir
 
 BATCH, SEQ, STEPS, WARMUP = 16, 128, 12, 3
 NEW, PROMPT = 64, "ROMEO.\nWhat ligh"
@@ -84,7 +84,7 @@ def main() -> None:
     built, data = {}, None
     for name, cfg in configs.items():
         if tokenizer is None:
-            from nanollama4.corpus import corpus_characters
+            from nanollama4.training.corpus import corpus_characters
 
             tokenizer = CharTokenizer.from_text(corpus_characters(files))
             data = TokenDataset.build(files, tokenizer, default_cache_dir())

@@ -34,14 +34,14 @@ import torch
 
 import nanollama4
 from moe_scaling import timed  # (this folder is on the path when a benchmark runs as a script)
-from nanollama4.config import ModelConfig, preset
-from nanollama4.corpus import find_corpus_files, read_corpus
-from nanollama4.data import TokenDataset, default_cache_dir
-from nanollama4.moe import count_per_expert
+from nanollama4.base.config import ModelConfig, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.model.moe import count_per_expert
+from nanollama4.model.tokenizer import CharTokenizer
 from nanollama4.ops import kernels
 from nanollama4.ops.experts import PRODUCTS, ROW_MULTIPLE, chosen_product, pad_groups
-from nanollama4.runtime import tune_allocator
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.training.corpus import find_corpus_files, read_corpus
+from nanollama4.training.data import TokenDataset, default_cache_dir
 
 
 def dense_twin(cfg: ModelConfig) -> ModelConfig:

@@ -34,10 +34,10 @@ import time
 import torch
 
 from nanollama4 import ops
-from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE
+from nanollama4.base.config import ModelConfig
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.model.moe import MoE
 from nanollama4.ops import kernels
-from nanollama4.runtime import tune_allocator
 
 WIDTH, EXPERT_WIDTH = 256, 512
 

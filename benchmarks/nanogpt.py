@@ -34,11 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanollama4.checkpoint import load_run, load_train_state, resolve_checkpoint
-from nanollama4.config import parse_duration
-from nanollama4.evaluation import full_validation_loss
-from nanollama4.runs import saved_train_config
-from nanollama4.runtext import read_run_text
+from nanollama4.base.config import parse_duration
+from nanollama4.interop.checkpoint import load_run, load_train_state, resolve_checkpoint
+from nanollama4.training.evaluation import full_validation_loss
+from nanollama4.training.runs import saved_train_config
+from nanollama4.training.runtext import read_run_text
 
 TUNED = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=6, learning_rate=2e-3, min_lr=2e-4,
              warmup_iters=100, dropout=0.0, beta2=0.99, dtype="float32", compile=False, device="cpu",

@@ -23,12 +23,12 @@ import time
 
 import torch
 
-import nanollama4.optim as optim
-from nanollama4.config import TrainConfig, preset
-from nanollama4.memory import param_counts
+import nanollama4.training.optim as optim
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.runtime import tune_allocator
+from nanollama4.model.memory import param_counts
 from nanollama4.ops import build_model
-from nanollama4.optim import make_optimizer
-from nanollama4.runtime import tune_allocator
+from nanollama4.training.optim import make_optimizer
 
 DEMO = dict(optimizer="muon", lr=2e-3, min_lr=2e-4)  # make demo's optimizer settings
 

@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 from nanollama4.engine.cache import SlotCache  # noqa: E402
-from nanollama4.evaluation import validation_of_run  # noqa: E402
 from nanollama4.ops.fastdecode import FastStep, round_to_q8_0  # noqa: E402
+from nanollama4.training.evaluation import validation_of_run  # noqa: E402
 
 
 def stepped_loss(model: torch.nn.Module, ids: list[int], windows: int) -> tuple[float, int]:

@@ -94,7 +94,7 @@ def demo_model_folder(folder: Path, dense: bool = False) -> Path:
     import torch
 
     import nanollama4
-    from nanollama4.tokenizer import CharTokenizer
+    from nanollama4.model.tokenizer import CharTokenizer
 
     text = "".join(PROMPTS) + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'-\n"
     tok = CharTokenizer.from_text(text)
@@ -112,7 +112,7 @@ class Offline:
     count (`server_threads`), the same prompts, lengths and seeds as one served client."""
 
     def __init__(self, path: str, args: argparse.Namespace) -> None:
-        from nanollama4.hf import load_any
+        from nanollama4.interop.hf import load_any
 
         self.args, self.best = args, float("inf")
         self.model, self.tok = load_any(path)
@@ -121,7 +121,7 @@ class Offline:
     def run(self, warm_up: bool = False) -> None:
         import torch
 
-        from nanollama4.generation import generate
+        from nanollama4.engine.generation import generate
 
         threads = torch.get_num_threads()
         torch.set_num_threads(server_threads(self.args))

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from nanollama4.runtime import tune_allocator
+from nanollama4.base.runtime import tune_allocator
 
 
 def best_ms(fn: Callable[[], object], reps: int = 5) -> float:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 VOCABULARY = r"""
 import json, resource, sys, time
-from nanollama4.corpus import corpus_characters, find_corpus_files, vocabulary_pieces
-from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+from nanollama4.training.corpus import corpus_characters, find_corpus_files, vocabulary_pieces
+from nanollama4.model.tokenizer import BPETokenizer, CharTokenizer
 kind, corpus, saved = sys.argv[1:4]
 files = find_corpus_files(corpus)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -39,9 +39,9 @@ print(json.dumps({"s": seconds, "grew": after - before}))
 
 TOKENISE = r"""
 import json, resource, sys, time
-from nanollama4.corpus import find_corpus_files
-from nanollama4.data import TokenDataset
-from nanollama4.tokenizer import load_tokenizer
+from nanollama4.training.corpus import find_corpus_files
+from nanollama4.training.data import TokenDataset
+from nanollama4.model.tokenizer import load_tokenizer
 corpus, saved, cache = sys.argv[1:4]
 files, tok = find_corpus_files(corpus), load_tokenizer(saved)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -61,7 +61,7 @@ def _run(script: str, *args: str) -> dict:
 
 def generate(path: Path, size: int) -> None:
     """`size` bytes of Shakespeare's lines in a seeded random order, in one file."""
-    from nanollama4.corpus import find_corpus_files, read_corpus
+    from nanollama4.training.corpus import find_corpus_files, read_corpus
 
     lines = read_corpus(find_corpus_files(None)).splitlines(keepends=True)
     rng = random.Random(0)

@@ -27,7 +27,7 @@ CASES = [  # (preset, overrides, seq_len, bf16)
 
 CHILD = """
 import json, resource, sys, torch
-from nanollama4.config import preset
+from nanollama4.base.config import preset
 from nanollama4.ops import build_model
 name, over, b, seq, bf16 = json.loads(sys.argv[1])
 cfg = preset(name, **over)
@@ -51,8 +51,8 @@ def peak_growth(name: str, over: dict, batch: int, seq: int, bf16: bool) -> int:
 
 
 def main() -> None:
-    from nanollama4.config import preset
-    from nanollama4.memory import training_memory
+    from nanollama4.base.config import preset
+    from nanollama4.model.memory import training_memory
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="16,64", help="two batch sizes")

@@ -55,11 +55,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanollama4.config import ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
-from nanollama4.evaluation import full_validation_loss_of_run
+from nanollama4.base.config import ModelConfig, TrainConfig, parse_duration, parse_overrides, preset
+from nanollama4.base.runtime import tune_allocator
 from nanollama4.experiments.common import paired_test
-from nanollama4.runtime import tune_allocator
-from nanollama4.train import train
+from nanollama4.training.evaluation import full_validation_loss_of_run
+from nanollama4.training.train import train
 
 DEMO = {"bf16": "auto", "seq_len": 256, "batch_size": 32, "optimizer": "muon", "lr": 2e-3, "min_lr": 2e-4}
 TURN2 = {**DEMO, "muon.experts_per_step": 2}

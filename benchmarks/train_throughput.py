@@ -18,8 +18,8 @@ import time
 import torch
 
 import nanollama4
-from nanollama4.config import ModelConfig
-from nanollama4.runtime import tune_allocator
+from nanollama4.base.config import ModelConfig
+from nanollama4.base.runtime import tune_allocator
 
 BATCH, SEQ = 12, 64
 

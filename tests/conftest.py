@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanollama4.config import TrainConfig, preset
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.training.train import train
 from tests.helpers import write_corpus
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread each (above)

@@ -33,7 +33,7 @@ def randomize_(module: torch.nn.Module, seed: int = 1234, gain: float = 1.0) -> 
 def random_model(cfg: dict, seed: int, gain: float = 1.5) -> torch.nn.Module:
     """The fast model of ModelConfig(**cfg) in eval mode with `randomize_`'s weights (trained-like: routers and
     norms that are not uniform)."""
-    from nanollama4.config import ModelConfig
+    from nanollama4.base.config import ModelConfig
     from nanollama4.ops import build_model
 
     torch.manual_seed(0)

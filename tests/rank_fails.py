@@ -6,8 +6,8 @@ import signal
 import sys
 import time
 
-from nanollama4 import train as train_mod
 from nanollama4.cli import main
+from nanollama4.training import train as train_mod
 
 real_step = train_mod.train_step
 

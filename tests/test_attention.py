@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from nanollama4.attention import BY_CHUNKS, Attention
-from nanollama4.config import ModelConfig
+from nanollama4.base.config import ModelConfig
+from nanollama4.model.attention import BY_CHUNKS, Attention
+from nanollama4.model.rope import apply_rope, rope_angles, rope_frequencies
 from nanollama4.ops.attention import cpu_autocast_attend
-from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
 from tests.helpers import randomize_
 
 ATTN_CFG = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, n_layers=4, nope_interval=4,

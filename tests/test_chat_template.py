@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import nanollama4
-from nanollama4.errors import CheckpointError
-from nanollama4.hf import export_hf, load_any
+from nanollama4.base.errors import CheckpointError
+from nanollama4.interop.hf import export_hf, load_any
+from nanollama4.model.tokenizer import BPETokenizer, encode_pieces
 from nanollama4.serve.chat import PlayFormat, TemplateFormat, chat_format_of
-from nanollama4.tokenizer import BPETokenizer, encode_pieces
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanollama4.checkpoint import (
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.interop.checkpoint import (
     CheckpointError,
     load_model,
     load_optimizer_state,
@@ -27,12 +28,11 @@ from nanollama4.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from nanollama4.config import TrainConfig, preset
-from nanollama4.model import Transformer
+from nanollama4.model.tokenizer import CharTokenizer, load_tokenizer
+from nanollama4.model.transformer import Transformer
 from nanollama4.ops import build_model
-from nanollama4.optim import make_optimizer
-from nanollama4.tokenizer import CharTokenizer, load_tokenizer
-from nanollama4.train import train
+from nanollama4.training.optim import make_optimizer
+from nanollama4.training.train import train
 from tests.helpers import assert_cli_error, assert_refused, run_cli, run_cli_limited, snapshot, train_cli
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "nanollama4"
@@ -385,7 +385,7 @@ def _fill_disk_run(corpus: Path, run: Path, capsys) -> None:
 
 def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint_injected(corpus, tmp_path, capsys, monkeypatch):
     """The second save meets ENOSPC (injected into the safetensors writer: see the tmpfs test for a real one)."""
-    import nanollama4.checkpoint as checkpoint
+    import nanollama4.interop.checkpoint as checkpoint
 
     real, calls = checkpoint.save_file, {"n": 0}
 
@@ -418,7 +418,7 @@ def test_a_save_that_failed_after_its_rename_is_never_adopted_on_resume(run_copy
     """A save that fails between renaming step-N into place and moving `last` (a full disk, a kill) leaves
     step-N behind. The resumed run used to reach step N, find the folder and point `last` at it: its own
     training silently replaced by the old state."""
-    import nanollama4.checkpoint as checkpoint
+    import nanollama4.interop.checkpoint as checkpoint
 
     real_point = checkpoint._point
 
@@ -463,7 +463,7 @@ def test_a_reader_retries_when_the_training_run_prunes_its_checkpoint_meanwhile(
     the run saved a newer step and pruned the folder between our resolving `last` and reading it."""
     import shutil
 
-    import nanollama4.checkpoint as checkpoint
+    import nanollama4.interop.checkpoint as checkpoint
 
     real, calls = checkpoint.load_model, []
 

@@ -417,7 +417,7 @@ SIGNAL_AT_THE_END = """
 import os, signal, sys, time
 from nanollama4 import commands
 from nanollama4.cli import main
-from nanollama4.errors import ConfigError
+from nanollama4.base.errors import ConfigError
 
 def term_here():
     os.kill(os.getpid(), signal.SIGTERM)
@@ -498,9 +498,9 @@ def fuzz_crafted_run_files(run: str, corpus: str, examples: int) -> None:
 
     from hypothesis import HealthCheck, given, settings
 
-    from nanollama4.checkpoint import load_run
     from nanollama4.cli import main
-    from nanollama4.hf import export_hf
+    from nanollama4.interop.checkpoint import load_run
+    from nanollama4.interop.hf import export_hf
 
     source = Path(run)
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from nanollama4.checkpoint import read_model_config
-from nanollama4.compare import compare_runs, differing_settings, read_run
-from nanollama4.config import TrainConfig, preset
-from nanollama4.errors import ConfigError, MissingRunFile, WriteError
-from nanollama4.evaluation import read_full_validation, record_full_validation
-from nanollama4.memory import format_count, param_counts
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.errors import ConfigError, MissingRunFile, WriteError
+from nanollama4.interop.checkpoint import read_model_config
+from nanollama4.model.memory import format_count, param_counts
+from nanollama4.reports.compare import compare_runs, differing_settings, read_run
+from nanollama4.training.evaluation import read_full_validation, record_full_validation
+from nanollama4.training.train import train
 from tests.helpers import assert_one_line, snapshot
 
 N_STEPS, VAL_EVERY = 400, 50

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nanollama4.config import PRESETS, ModelConfig, parse_overrides, preset
+from nanollama4.base.config import PRESETS, ModelConfig, parse_overrides, preset
 
 INVALID = {
     "heads_not_divisible": ("n_heads", dict(n_heads=6, n_kv_heads=4)),
@@ -180,7 +180,7 @@ def test_the_demo_is_a_miniature_of_llama4_attention():
     varies within the context (with Llama 4's floor of 8,192 it was 1.0 at every one of 256 positions)."""
     import torch
 
-    from nanollama4.attention import temperature_scale
+    from nanollama4.model.attention import temperature_scale
 
     cfg = preset("shakespeare-char")
     chunks = [cfg.chunk_size(i) for i in range(cfg.n_layers) if cfg.uses_rope(i)]
@@ -191,8 +191,8 @@ def test_the_demo_is_a_miniature_of_llama4_attention():
 
 
 def test_bf16_takes_true_false_or_auto():
-    from nanollama4.config import TrainConfig
-    from nanollama4.errors import ConfigError
+    from nanollama4.base.config import TrainConfig
+    from nanollama4.base.errors import ConfigError
 
     assert parse_overrides(["bf16=auto", "lr=1e-3"], TrainConfig) == {"bf16": "auto", "lr": 1e-3}
     assert parse_overrides(["bf16=off"], TrainConfig) == {"bf16": False}

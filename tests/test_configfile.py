@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from nanollama4.config import ModelConfig, TrainConfig, preset
-from nanollama4.configfile import defaults_toml, field_help, read_config_file, resolve, tomllib
-from nanollama4.errors import ConfigError
-from nanollama4.fields import plain_fields
-from nanollama4.memory import format_count, param_counts
-from nanollama4.optim import MuonSettings
-from nanollama4.router import SoftmaxSettings
+from nanollama4.base.config import ModelConfig, TrainConfig, preset
+from nanollama4.base.configfile import defaults_toml, field_help, read_config_file, resolve, tomllib
+from nanollama4.base.errors import ConfigError
+from nanollama4.base.fields import plain_fields
+from nanollama4.model.memory import format_count, param_counts
+from nanollama4.model.router import SoftmaxSettings
+from nanollama4.training.optim import MuonSettings
 from tests.helpers import assert_cli_error, assert_one_line, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from nanollama4 import corpus as corpus_module
-from nanollama4 import data
-from nanollama4.checkpoint import load_run
-from nanollama4.corpus import find_corpus_files, read_corpus
-from nanollama4.data import DataError, TokenDataset, default_cache_dir
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.interop.checkpoint import load_run
+from nanollama4.model.tokenizer import CharTokenizer
+from nanollama4.training import corpus as corpus_module
+from nanollama4.training import data
+from nanollama4.training.corpus import find_corpus_files, read_corpus
+from nanollama4.training.data import DataError, TokenDataset, default_cache_dir
 from tests.helpers import assert_cli_error, run_cli, train_cli
 
 TEXT = "".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(40))  # ~2.2 KB
@@ -409,7 +409,7 @@ def test_a_corpus_too_large_for_memory_is_one_line_before_reading_it(tmp_path, c
 def test_a_corpus_of_several_files_has_the_end_of_text_token_after_each(tmp_path):
     """documents: each file tokenized alone and followed by the end-of-text id; one file stays as it is unless
     asked ('files'); a tokenizer without the token (saved before it existed) keeps the files joined."""
-    from nanollama4.runs import ends_documents
+    from nanollama4.training.runs import ends_documents
 
     folder = tmp_path / "docs"
     folder.mkdir()

@@ -13,16 +13,16 @@ from typing import Annotated
 
 import pytest
 
-from nanollama4 import fields
+from nanollama4.base import fields
+from nanollama4.base.config import ModelConfig, TrainConfig, parse_overrides
+from nanollama4.base.configfile import read_config_file, resolve
+from nanollama4.base.errors import ConfigError
+from nanollama4.base.fields import Rule, add_arguments, arguments_of, check, field_help, plain_fields
+from nanollama4.base.parts import OPTIMIZERS, ROUTERS, own_fields
 from nanollama4.cli import build_parser
-from nanollama4.config import ModelConfig, TrainConfig, parse_overrides
-from nanollama4.configfile import read_config_file, resolve
 from nanollama4.engine.sampling import Sampling, SamplingError
-from nanollama4.errors import ConfigError
-from nanollama4.fields import Rule, add_arguments, arguments_of, check, field_help, plain_fields
-from nanollama4.optim import MuonSettings
-from nanollama4.parts import OPTIMIZERS, ROUTERS, own_fields
-from nanollama4.router import SoftmaxSettings
+from nanollama4.model.router import SoftmaxSettings
+from nanollama4.training.optim import MuonSettings
 
 TypicalP = Annotated[float, Rule("a number from 0.1 to 1", lambda v: 0.1 <= v <= 1)]
 
@@ -134,7 +134,7 @@ def test_the_declared_rules_are_the_only_range_checks_left_in_the_configs():
 
 
 def test_seed_limits_are_declared_once():
-    import nanollama4.config as config
+    import nanollama4.base.config as config
     import nanollama4.engine.sampling as sampling
 
     assert fields.SEED_LIMIT == 2**63

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanollama4.config import ModelConfig
+from nanollama4.base.config import ModelConfig
 from nanollama4.engine import Engine, Finished, Request, Sampling, SamplingError, TokenEvent, filter_logits
-from nanollama4.generation import generate_ids, sample
+from nanollama4.engine.generation import generate_ids, sample
 from nanollama4.ops import build_model
 from tests.helpers import assert_cli_error, assert_same_greedy_ids, random_model, run_cli
 
@@ -114,8 +114,8 @@ def test_min_p_reaches_the_python_api_and_the_cli(model, tmp_path, capsys):
     assert generate_ids(model, PROMPTS[:2], 20, temperature=1.0, min_p=1.0, seed=1) == greedy
     assert generate_ids(model, PROMPTS[:2], 20, temperature=1.0, seed=1) != greedy  # it did act
 
-    from nanollama4.config import TrainConfig, preset
-    from nanollama4.train import train
+    from nanollama4.base.config import TrainConfig, preset
+    from nanollama4.training.train import train
     from tests.helpers import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus.txt")
@@ -163,14 +163,14 @@ SPLIT_TEXT = "déjà vu, 東京 ✓ z🙂 naïve"
 
 @pytest.fixture(scope="module")
 def bpe():
-    from nanollama4.tokenizer import BPETokenizer
+    from nanollama4.model.tokenizer import BPETokenizer
 
     return BPETokenizer.train("naïve café — déjà vu, 東京 ✓ 🙂 " * 40, vocab_size=300)
 
 
 def byte_ids(tok, text: str) -> list[int]:
     """`text` as one byte-level token per byte: every character past ASCII split across tokens."""
-    from nanollama4.tokenizer import token_bytes
+    from nanollama4.model.tokenizer import token_bytes
 
     single = {token_bytes(tok, i): i for i in range(tok.vocab_size) if len(token_bytes(tok, i)) == 1}
     return [single[bytes([b])] for b in text.encode("utf-8")]
@@ -182,7 +182,7 @@ def test_characters_split_across_tokens_come_out_whole_in_generate_and_stream(bp
     character used to be shown in part ("z" came out before "🙂" was whole, then the text was cut before it);
     a row that ends mid-character ends as decoding its ids does."""
     from nanollama4.engine import sampling as sampling_module
-    from nanollama4.generation import generate, stream
+    from nanollama4.engine.generation import generate, stream
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(**{**CFG, "vocab_size": bpe.vocab_size})).eval()
@@ -229,7 +229,7 @@ def test_bytes_that_no_character_completes_are_shown_not_held_to_the_end(bpe):
     """A model may write bytes that are not UTF-8 (a run of continuation bytes): once more ids are pending
     than any character has bytes, they are shown (as U+FFFD) rather than held until the row ends."""
     from nanollama4.engine.sampling import MAX_PENDING, TextStream
-    from nanollama4.tokenizer import token_bytes
+    from nanollama4.model.tokenizer import token_bytes
 
     lone = next(i for i in range(bpe.vocab_size) if token_bytes(bpe, i) == b"\x80")
     stream_ = TextStream(bpe, Sampling())

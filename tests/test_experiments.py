@@ -144,8 +144,8 @@ def test_moe_capacity_continues_an_interrupted_experiment_in_the_same_folder(cor
     import torch
 
     from nanollama4.experiments import common, run_experiment
-    from nanollama4.plots import read_metrics
-    from nanollama4.runs import resume_config
+    from nanollama4.reports.plots import read_metrics
+    from nanollama4.training.runs import resume_config
 
     monkeypatch.setenv("NANOLLAMA4_CACHE", str(tmp_path / "cache"))
     torch.set_num_threads(1)
@@ -244,7 +244,7 @@ def test_passkey_probes_read_the_attention_the_model_used():
     from nanollama4.experiments import irope_length as ir
     from nanollama4.experiments import recall
     from nanollama4.explain.tracing import trace
-    from nanollama4.tokenizer import CharTokenizer
+    from nanollama4.model.tokenizer import CharTokenizer
 
     torch.manual_seed(0)
     tok = CharTokenizer.from_text(recall.FILLER + recall.VALUES + "#?")

@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from nanollama4.config import preset
-from nanollama4.errors import ConfigError
-from nanollama4.explain.experts import TOKEN_CLASSES, analyse, experts, token_classes, training_routing, untrained_twin
-from nanollama4.explain.expertsview import report_dict
-from nanollama4.explain.routes import Routes, route_stream
-from nanollama4.explain.specialise import (
+from nanollama4.base.config import preset
+from nanollama4.base.errors import ConfigError
+from nanollama4.engine.observe import observe
+from nanollama4.model.tokenizer import CharTokenizer
+from nanollama4.model.transformer import Transformer
+from nanollama4.reports.experts import TOKEN_CLASSES, analyse, experts, token_classes, training_routing, untrained_twin
+from nanollama4.reports.expertsview import report_dict
+from nanollama4.reports.routes import Routes, route_stream
+from nanollama4.reports.specialise import (
     joint_counts,
     kl_per_row,
     lift,
@@ -26,9 +29,6 @@ from nanollama4.explain.specialise import (
     shuffled,
     specialisation,
 )
-from nanollama4.model import Transformer
-from nanollama4.observe import observe
-from nanollama4.tokenizer import CharTokenizer
 
 from .helpers import assert_cli_error, run_cli
 
@@ -111,7 +111,7 @@ def test_lift_and_mutual_information_by_hand():
     assert (kl_per_row(joint) * joint.sum(1) / joint.sum()).sum() == pytest.approx(h)
     assert kl_per_row(joint)[1] == pytest.approx(math.log2(4))  # P(2|1) = 1 against P(2) = 1/4
     # the sparse count (for large tables) gives the same number
-    from nanollama4.explain import specialise
+    from nanollama4.reports import specialise
 
     old, specialise.DENSE_CELLS = specialise.DENSE_CELLS, 0
     try:
@@ -176,7 +176,7 @@ def test_cli_on_a_run_and_json_round_trips(tiny_run, corpus, tmp_path, capsys):
     data = json.loads(out.read_text(encoding="utf-8"))
     assert data["tokens"] == 500 and data["layers"][0]["tokens"] == 500
     # the same text routed in Python gives exactly what the file holds
-    from nanollama4.hf import load_any
+    from nanollama4.interop.hf import load_any
 
     model, tok = load_any(tiny_run)
     ids = np.array(tok.encode(corpus.read_text()))[:500]
@@ -206,7 +206,7 @@ def test_bad_input_is_one_line(case, tiny_run, corpus, tmp_path, capsys):
     elif case == "no-run-data":
         argv[1] = str(tiny_run / "last")  # a checkpoint folder: no validation text of its own
     elif case == "dense":
-        from nanollama4.hf import export_hf
+        from nanollama4.interop.hf import export_hf
 
         tok = CharTokenizer.from_text(corpus.read_text())
         export_hf(Transformer(preset("tiny", vocab_size=tok.vocab_size, n_experts=0)), tmp_path / "dense",
@@ -246,7 +246,7 @@ def test_the_untrained_null_is_the_same_config_freshly_drawn(crowded):
 
 
 def test_bpe_token_classes():
-    from nanollama4.tokenizer import BPETokenizer
+    from nanollama4.model.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train(TEXT * 4, vocab_size=300)
     names, class_V = token_classes(tok, tok.vocab_size)
@@ -301,7 +301,7 @@ def test_json_refuses_a_pipe_without_opening_it(tiny_run, tmp_path, capsys):
 
 
 def test_the_shared_share_is_the_norm_ratio_documented(crowded):
-    from nanollama4.moe import moe_reference
+    from nanollama4.model.moe import moe_reference
 
     model, tok = crowded
     ids = np.array(tok.encode(TEXT))[:32]  # one window
@@ -325,7 +325,7 @@ def test_compare_adds_each_runs_specialisation_by_layer(tiny_run, tmp_path, caps
     tokens, and the untrained twin's; a run whose checkpoint cannot be read keeps its row with a note."""
     import shutil
 
-    from nanollama4.explain.routes import model_and_text
+    from nanollama4.reports.routes import model_and_text
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_run, broken, symlinks=True)
@@ -376,7 +376,7 @@ def _repeated(corpus, path, size: int):
 def _counting_reads(monkeypatch) -> list[int]:
     """The length of every piece of text read from now on (`corpus.iter_corpus`, which every reader of a text
     file goes through), in a list that grows as they are read."""
-    from nanollama4 import corpus as corpus_module
+    from nanollama4.training import corpus as corpus_module
 
     read: list[int] = []
     iter_corpus = corpus_module.iter_corpus
@@ -394,7 +394,7 @@ def test_data_with_tokens_reads_only_the_prefix_it_routes(tiny_run, corpus, tmp_
     """Issue 69: `experts --data FILE --tokens N` read and encoded all of FILE (1,000 tokens of a 50 MB text
     took 6.44 GB before the allocator gave up). It reads in pieces, as training does, and stops at N tokens:
     of a 48 MiB file, a piece or two (READ_BYTES each) is read."""
-    from nanollama4.corpus import READ_BYTES
+    from nanollama4.training.corpus import READ_BYTES
 
     big = _repeated(corpus, tmp_path / "big.txt", 48 * 2**20)
     read = _counting_reads(monkeypatch)
@@ -412,9 +412,9 @@ def test_text_ids_are_the_whole_texts_first_ids_read_no_further(kind, corpus, tm
     and allocated little more (tracemalloc's peak), and with no N every id."""
     import tracemalloc
 
-    from nanollama4.corpus import READ_BYTES
-    from nanollama4.explain.routes import text_ids
-    from nanollama4.tokenizer import BPETokenizer
+    from nanollama4.model.tokenizer import BPETokenizer
+    from nanollama4.reports.routes import text_ids
+    from nanollama4.training.corpus import READ_BYTES
 
     text = corpus.read_text()
     tok = CharTokenizer.from_text(text) if kind == "char" else BPETokenizer.train(text, 300)
@@ -442,7 +442,7 @@ def test_the_view_leads_with_what_fills_an_expert_not_rare_tokens_at_the_lift_ca
     """Issue 71: an expert that spends 85% of its slots on spaces and takes a few rare letters whole listed
     the rare letters first (they tie at the lift cap). The view leads with what fills it, says what it owns
     with support counts, and breaks ownership ties by count."""
-    from nanollama4.explain.expertsview import fills, owns, show_experts
+    from nanollama4.reports.expertsview import fills, owns, show_experts
 
     tok = CharTokenizer.from_text(" abcLQZ")
     sp, a, b, c, L, Q, Z = (tok.encode(ch)[0] for ch in " abcLQZ")
@@ -466,7 +466,7 @@ def test_the_view_leads_with_what_fills_an_expert_not_rare_tokens_at_the_lift_ca
 def test_a_near_empty_expert_is_not_ranked_the_most_specialised():
     """Issue 71: experts of load ~0 with a handful of peculiar tokens showed the most bits. Ranked by their
     part of I above the shuffle (share of first choices x D), they come last."""
-    from nanollama4.explain.experts import most_specialised
+    from nanollama4.reports.experts import most_specialised
 
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 20, size=20_000)
@@ -504,7 +504,7 @@ def test_the_fresh_router_null_routes_the_models_own_hidden_states_as_a_hand_com
     """Issue 71, the geometry null: each MoE layer's router input (the trained model's hidden states)
     routed by the untrained twin's router of that layer, first choice = its top logit (sigmoid router, no
     bias, no capacity), and by the nearest k-means centroid; I(choice; token) by hand."""
-    from nanollama4.explain.experts import KMEANS_FIT, kmeans, nearest
+    from nanollama4.reports.experts import KMEANS_FIT, kmeans, nearest
 
     torch.manual_seed(0)
     tok = CharTokenizer.from_text(TEXT)
@@ -537,7 +537,7 @@ def test_the_fresh_router_null_routes_the_models_own_hidden_states_as_a_hand_com
 
 
 def test_kmeans_finds_separated_clusters():
-    from nanollama4.explain.experts import kmeans, nearest
+    from nanollama4.reports.experts import kmeans, nearest
 
     g = torch.Generator().manual_seed(0)
     centres = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
@@ -551,8 +551,8 @@ def test_kmeans_finds_separated_clusters():
 def test_the_experiment_draws_each_runs_twin_from_its_own_seed(tiny_run):
     """Issue 71: one untrained twin (seed 0) was subtracted from every seed's run, so the interval left out
     the null's own variation. Each run's twin and geometry null are drawn from the run's seed."""
-    from nanollama4.evaluation import validation_of_run
     from nanollama4.experiments.expert_specialisation import read
+    from nanollama4.training.evaluation import validation_of_run
 
     got = {seed: read(str(tiny_run), 300, seed) for seed in (0, 7)}
     run = validation_of_run(tiny_run, max_tokens=300)

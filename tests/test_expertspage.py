@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from nanollama4.config import preset
+from nanollama4.base.config import preset
 from nanollama4.explain import palette
-from nanollama4.explain.experts import TrainingRouting, experts, most_specialised
-from nanollama4.explain.expertspage import UNDRAWN, experts_html, page_data
-from nanollama4.explain.expertsview import report_dict, training_line
-from nanollama4.model import Transformer
-from nanollama4.moe import ROUTING_STATISTICS
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.model.moe import ROUTING_STATISTICS
+from nanollama4.model.tokenizer import CharTokenizer
+from nanollama4.model.transformer import Transformer
+from nanollama4.reports.experts import TrainingRouting, experts, most_specialised
+from nanollama4.reports.expertspage import UNDRAWN, experts_html, page_data
+from nanollama4.reports.expertsview import report_dict, training_line
 
 from .helpers import assert_cli_error, run_cli
 from .test_explain import CHROMIUM, CHROMIUM_FLAGS

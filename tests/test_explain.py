@@ -18,9 +18,9 @@ from rich.console import Console
 
 import nanollama4
 from nanollama4.explain import html, routing_lines, show, trace
-from nanollama4.moe import MoE
+from nanollama4.model.moe import MoE
+from nanollama4.model.tokenizer import BPETokenizer, CharTokenizer
 from nanollama4.ops.attention import cpu_autocast_attend
-from nanollama4.tokenizer import BPETokenizer, CharTokenizer
 from tests.helpers import randomize_, run_cli, write_corpus
 
 TEXT = "Facebook was founded in 2004 by Mark Zuckerberg and his college roommates."
@@ -98,7 +98,7 @@ def test_an_observed_pass_attends_as_the_unobserved_one_whatever_the_positions(n
     """The model attends chunk by chunk only where it numbers the positions itself from a chunk boundary; the
     recorder does so only where the positions it is handed are such a numbering, so explicit positions (with
     a gap here, where chunk by chunk would be wrong) are observed as they are computed."""
-    from nanollama4.observe import observe
+    from nanollama4.engine.observe import observe
 
     model = _model("sigmoid", 40)
     ids = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -166,7 +166,7 @@ def test_prompts_from_one_token_to_the_whole_context():
     for n in (1, model.cfg.max_seq_len):
         t = trace(model, tok, (TEXT * 2)[:n])
         assert len(t.tokens) == n and all(layer.attention.shape[-1] == n for layer in t.layers)
-    with pytest.raises(nanollama4.errors.GenerationError, match="more than the model's max_seq_len"):
+    with pytest.raises(nanollama4.base.errors.GenerationError, match="more than the model's max_seq_len"):
         trace(model, tok, (TEXT * 2)[: model.cfg.max_seq_len + 1])
 
 
@@ -482,9 +482,9 @@ def test_one_tokens_path_through_each_block_adds_up():
 def test_generation_is_told_pass_by_pass_as_generate_makes_it(tiny_run, capsys):
     """`explain --generate N`: a prefill, then one decode pass per token, the tokens greedy generation
     picks; chunked layers' caches hold at most chunk - 1 positions, the others every position so far."""
-    from nanollama4.checkpoint import load_run
+    from nanollama4.engine.generation import generate
     from nanollama4.explain import trace_generation
-    from nanollama4.generation import generate
+    from nanollama4.interop.checkpoint import load_run
 
     model, tok, _ = load_run(tiny_run)
     steps = trace_generation(model, tok, "the cat", 12)
@@ -602,7 +602,7 @@ def test_plural_counts():
 
 
 def test_norms_print_the_means_the_trace_holds_and_untrained_is_the_fresh_model(tiny_run, capsys):
-    from nanollama4.checkpoint import load_run
+    from nanollama4.interop.checkpoint import load_run
     from nanollama4.ops import build_model
 
     prompt = "the cat sat"

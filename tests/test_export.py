@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanollama4.checkpoint import load_run
-from nanollama4.config import TrainConfig, preset
-from nanollama4.corpus import find_corpus_files, read_corpus
-from nanollama4.errors import CheckpointError
-from nanollama4.hf import export_hf, load_any
-from nanollama4.moe import MoE
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.errors import CheckpointError
+from nanollama4.interop.checkpoint import load_run
+from nanollama4.interop.hf import export_hf, load_any
+from nanollama4.model.moe import MoE
+from nanollama4.model.tokenizer import CharTokenizer
 from nanollama4.ops import build_model
-from nanollama4.tokenizer import CharTokenizer
-from nanollama4.train import train
+from nanollama4.training.corpus import find_corpus_files, read_corpus
+from nanollama4.training.train import train
 from tests.helpers import assert_cli_error, assert_same_greedy_ids, run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ def test_bias_balancing_exports_with_drop_bias_and_says_what_it_costs(runs, tmp_
     validations reporting its progress, token by token, to the bar a terminal shows: issue 72 measured
     over 5 minutes of a 494M-parameter model's with nothing shown), and transformers computes the model
     without the biases."""
-    from nanollama4 import commands
+    from nanollama4.commands import export as commands
 
     reported: dict[str, list[tuple[int, int]]] = {}
 
@@ -147,7 +147,7 @@ def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkey
     """--dtype q8_0: generate decodes through the C++ step's 8-bit codes and answers as the rounded float32
     model does (greedy: the same tokens up to a near tie, the step rounding its inputs too); a model whose
     inputs do not cut into blocks of 32 is one line and exit 2."""
-    from nanollama4.generation import generate
+    from nanollama4.engine.generation import generate
     from nanollama4.ops import fastdecode
 
     steps = []
@@ -178,7 +178,7 @@ def test_generate_takes_a_model_rounded_to_8_bits(runs, corpus, tmp_path, monkey
 def test_a_run_trained_before_the_end_of_text_token_loads_trains_on_and_exports_as_before(corpus, tmp_path,
                                                                                           monkeypatch, capsys):
     """A tokenizer.json without "end_of_text" (as every run before Interop III saved): no EOS anywhere."""
-    import nanollama4.runsetup as runsetup
+    import nanollama4.training.runsetup as runsetup
 
     real = CharTokenizer.from_text
     monkeypatch.setattr(runsetup.CharTokenizer, "from_text",
@@ -262,7 +262,7 @@ def test_params_says_before_training_what_an_export_pads_and_by_how_much(fields,
 
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         held = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    from nanollama4.memory import format_count
+    from nanollama4.model.memory import format_count
 
     assert found[1] == format_count(held) and found[2] == format_count(sum(p.numel() for p in model.parameters()))
     rc, printed, _ = run_cli(["params", "--preset", "tiny"], capsys)

@@ -1,4 +1,4 @@
-"""The C++ decode step (ops/fastdecode.py, csrc/decode.cpp) against the plain engine path, which is the
+"""The C++ decode step (ops/fastdecode.py, ops/csrc/decode.cpp) against the plain engine path, which is the
 reference: logits to 1e-5 in float32 step by step, and the same tokens through the engine (greedy, seeded
 sampling, stop strings) with chunks, rings, the NoPE temperature, QK-norm, every built-in router, a
 shared expert, dense layers and capacity at inference; what it refuses names why, and the runner keeps
@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanollama4.config import ModelConfig
+from nanollama4.base.config import ModelConfig
 from nanollama4.engine import Engine, Request, Sampling, TokenEvent
 from nanollama4.engine.cache import SlotCache
+from nanollama4.engine.generation import generate_ids
+from nanollama4.engine.observe import observe
 from nanollama4.engine.runner import Runner
-from nanollama4.generation import generate_ids
-from nanollama4.lora import attach
-from nanollama4.moe import Experts
-from nanollama4.observe import observe
+from nanollama4.model.lora import attach
+from nanollama4.model.moe import Experts
+from nanollama4.model.tokenizer import CharTokenizer
 from nanollama4.ops import build_model, fastdecode
-from nanollama4.tokenizer import CharTokenizer
 from tests.helpers import LOGPROB_TOLERANCE, assert_same_greedy, host_reads, randomize_
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -167,7 +167,7 @@ def test_stop_strings_end_the_same_tokens():
 def test_greedy_generate_matches_the_plain_path_on_the_demo_shape():
     """The demo preset (chunks of 64, temperature floor 64) over 150 tokens, past two chunks, on two threads
     (its products are big enough to be split between them)."""
-    from nanollama4.config import preset
+    from nanollama4.base.config import preset
 
     torch.set_num_threads(2)
     try:
@@ -189,7 +189,7 @@ def test_every_tile_of_rows_equals_the_plain_step_at_the_demo_shape(routing):
     """The demo's sizes (width 256, experts of 384: whole 64-column blocks and 16-column groups) at 1 to 16 rows
     decoding together and a 31-token prompt in one call, so that every tile of the products runs: 1, 2 and 4
     rows of the linear ones, 1 to 6 rows of an expert's (16 rows in one expert take three). Logits to 1e-5."""
-    from nanollama4.config import preset
+    from nanollama4.base.config import preset
 
     torch.manual_seed(0)
     model = build_model(preset("shakespeare-char", vocab_size=96, max_seq_len=64)).eval()
@@ -488,7 +488,7 @@ def test_a_decode_step_reads_no_tensor_back():
     """Steady-state decode steps of four rows (`helpers.host_reads`): the C++ step reads nothing back; the plain
     step only the chosen experts' ids in `ops.decode.few_rows`' CPU branch (eager on the CPU, where reading
     them costs nothing; elsewhere it gathers the experts' weights on the device instead)."""
-    from nanollama4.config import preset
+    from nanollama4.base.config import preset
 
     torch.manual_seed(0)
     model = build_model(preset("shakespeare-char", vocab_size=96)).eval()

@@ -1,4 +1,4 @@
-"""File helpers (nanollama4.files): atomic writes that never follow a planted link and fail as one line, and
+"""File helpers (nanollama4.base.files): atomic writes that never follow a planted link and fail as one line, and
 the readers of files we did not make (bounded JSON, regular files inside their folder, safetensors headers)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nanollama4.errors import CheckpointError, WriteError
-from nanollama4.files import (
+from nanollama4.base.errors import CheckpointError, WriteError
+from nanollama4.base.files import (
     atomic_write,
     json_lines,
     open_owned,
@@ -24,7 +24,7 @@ from tests.helpers import assert_one_line
 
 def test_atomic_writes_keep_the_file_mode(tmp_path):
     """mkstemp makes private files: a resumed run's metrics.jsonl used to become 0600."""
-    from nanollama4.files import atomic_write
+    from nanollama4.base.files import atomic_write
 
     fresh, kept = tmp_path / "fresh.txt", tmp_path / "kept.txt"
     kept.write_text("old")

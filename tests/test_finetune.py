@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanollama4.checkpoint import load_run
-from nanollama4.corpus import find_corpus_files
-from nanollama4.data import TokenDataset
-from nanollama4.hf import load_any
+from nanollama4.interop.checkpoint import load_run
+from nanollama4.interop.hf import load_any
+from nanollama4.training.corpus import find_corpus_files
+from nanollama4.training.data import TokenDataset
 from tests.helpers import TINY, assert_cli_error, run_cli, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

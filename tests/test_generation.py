@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import nanollama4
-from nanollama4.attention import KVCache
+from nanollama4.base.config import ModelConfig, TrainConfig, preset
 from nanollama4.cli import main
-from nanollama4.config import ModelConfig, TrainConfig, preset
-from nanollama4.generation import Sampling, filter_logits, generate, generate_ids, next_token, sample, stream
-from nanollama4.memory import kv_cache
-from nanollama4.model import Transformer
+from nanollama4.engine.generation import Sampling, filter_logits, generate, generate_ids, next_token, sample, stream
+from nanollama4.model.attention import KVCache
+from nanollama4.model.memory import kv_cache
+from nanollama4.model.tokenizer import BPETokenizer, CharTokenizer
+from nanollama4.model.transformer import Transformer
 from nanollama4.ops import build_model
-from nanollama4.tokenizer import BPETokenizer, CharTokenizer
 from tests.helpers import assert_same_greedy_ids, randomize_
 
 # Chunked RoPE layers (chunk 4), NoPE every 2nd layer with temperature tuning at a small floor, MoE top-2 of 4.
@@ -390,7 +390,7 @@ def test_cacheless_sample_equals_cached_greedy(chunked_model):
 # ---------------------------------------------------------------------------------------------- 10. CLI
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    from nanollama4.train import train
+    from nanollama4.training.train import train
 
     root = tmp_path_factory.mktemp("gen")
     corpus = root / "corpus.txt"
@@ -412,7 +412,7 @@ def test_cli_generate_from_a_run(run_dir, capsys):
     streamed, err = capsys.readouterr()
     assert err == ""
     assert streamed == plain
-    from nanollama4.hf import load_any
+    from nanollama4.interop.hf import load_any
 
     model, tok = load_any(run_dir)
     assert plain == "the cat" + generate(model, tok, "the cat", max_new_tokens=20, temperature=0) + "\n"
@@ -458,8 +458,8 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
     """With slide=True a full context keeps its last max_seq_len // 2 tokens, re-prefilled from position 0:
     the cached generation equals the same procedure done by hand without a cache, over several slides, and
     keeping 6 or 12 tokens instead of 8 would have given other tokens (so the test sees the window size)."""
-    from nanollama4.config import preset as _preset
-    from nanollama4.generation import generate_ids as _generate_ids
+    from nanollama4.base.config import preset as _preset
+    from nanollama4.engine.generation import generate_ids as _generate_ids
 
     torch.manual_seed(0)
     model = nanollama4.build_model(_preset("tiny", max_seq_len=16)).eval()
@@ -486,7 +486,7 @@ def test_compiled_decode_equals_eager(chunked_model):
     """
     import torch._dynamo
 
-    from nanollama4.generation import compiled_decoder
+    from nanollama4.engine.generation import compiled_decoder
 
     cfg = chunked_model.cfg
     decode = compiled_decoder(chunked_model)
@@ -520,7 +520,7 @@ def test_compiled_decoder_keeps_no_model_alive():
     import gc
     import weakref
 
-    from nanollama4.generation import compiled_decoder
+    from nanollama4.engine.generation import compiled_decoder
 
     model = random_model(seed=5)
     compiled_decoder(model)
@@ -531,7 +531,7 @@ def test_compiled_decoder_keeps_no_model_alive():
 
 
 def test_sampling_settings_are_one_object_checked_once(char_setup):
-    from nanollama4.errors import GenerationError
+    from nanollama4.base.errors import GenerationError
 
     model, tok = char_setup[:2]
     with pytest.raises(GenerationError, match="sampling must be a Sampling"):

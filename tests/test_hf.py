@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import nanollama4
-from nanollama4.hf import CheckpointError
+from nanollama4.interop.hf import CheckpointError
 from tests.helpers import randomize_
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -70,7 +70,7 @@ def test_transformers_to_ours(case, tmp_path):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ours_to_transformers(case, tmp_path):
-    cfg = nanollama4.hf.config_from_hf({**TINY, **CASES[case]})
+    cfg = nanollama4.interop.hf.config_from_hf({**TINY, **CASES[case]})
     ours = nanollama4.build_model(cfg).eval()
     randomize_(ours, seed=99)
     nanollama4.export_hf(ours, tmp_path)
@@ -90,16 +90,16 @@ def test_a_shared_expert_of_another_width_or_none_exports_exactly(shared, tmp_pa
     shared expert; export used to refuse shared_expert=false. The narrower is padded with zeros (gate and up
     rows, down columns: the same SwiGLU) and a missing shared expert is written as zeros: transformers
     gives our logits, and loaded back the model gives them too."""
-    cfg = nanollama4.hf.config_from_hf({**TINY, "interleave_moe_layer_step": 2}).replace(**shared)
+    cfg = nanollama4.interop.hf.config_from_hf({**TINY, "interleave_moe_layer_step": 2}).replace(**shared)
     ours = nanollama4.build_model(cfg).eval()
     randomize_(ours, seed=98)
     nanollama4.export_hf(ours, tmp_path)
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert ref.config.intermediate_size == max(48, shared.get("shared_expert_dim", 0))
-    note = nanollama4.hf.padding_note(cfg)  # what `nanollama4 export` prints after writing
+    note = nanollama4.interop.hf.padding_note(cfg)  # what `nanollama4 export` prints after writing
     assert note is not None and "zero" in note and f"({ref.config.intermediate_size})" in note
-    assert nanollama4.hf.padding_note(cfg.replace(shared_expert=True, shared_expert_dim=0)) is None
+    assert nanollama4.interop.hf.padding_note(cfg.replace(shared_expert=True, shared_expert_dim=0)) is None
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         got = ours(ids)
@@ -220,8 +220,8 @@ def test_malformed_reference_json_is_one_error(edit, message, sharded):
 
 def test_export_command_writes_a_checkpoint_transformers_loads_and_our_commands_take(tiny_run, tmp_path, capsys):
     """`nanollama4 export RUN DIR`: the run's best checkpoint as a reference directory with its tokenizer."""
-    from nanollama4.checkpoint import load_run
-    from nanollama4.hf import load_any
+    from nanollama4.interop.checkpoint import load_run
+    from nanollama4.interop.hf import load_any
     from tests.helpers import run_cli
 
     out = tmp_path / "exported"
@@ -250,7 +250,7 @@ def test_a_failed_export_leaves_nothing_that_a_retry_refuses(tiny_run, tmp_path,
     import errno
     import os
 
-    import nanollama4.hf as hf
+    import nanollama4.interop.hf as hf
     from tests.helpers import assert_cli_error, run_cli
 
     real = hf.save_file

@@ -21,8 +21,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils import cpp_extension
 
 from nanollama4 import ops
-from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE, SwiGLU
+from nanollama4.base.config import ModelConfig
+from nanollama4.model.moe import MoE, SwiGLU
 from nanollama4.ops import kernels
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=60)

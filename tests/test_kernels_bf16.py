@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanollama4 import ops
-from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE
+from nanollama4.base.config import ModelConfig
+from nanollama4.model.moe import MoE
 from nanollama4.ops import experts as products
 from nanollama4.ops import kernels
 

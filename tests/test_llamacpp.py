@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanollama4.checkpoint import load_run
-from nanollama4.config import TrainConfig, preset
-from nanollama4.errors import CheckpointError, ConfigError
-from nanollama4.llamacpp import GGUF_TYPES, check_llamacpp, export_gguf, gguf_tensors, llamacpp_differences
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.base.errors import CheckpointError, ConfigError
+from nanollama4.interop.checkpoint import load_run
+from nanollama4.interop.llamacpp import GGUF_TYPES, check_llamacpp, export_gguf, gguf_tensors, llamacpp_differences
+from nanollama4.model.tokenizer import BPETokenizer, CharTokenizer
 from nanollama4.ops import build_model
-from nanollama4.tokenizer import BPETokenizer, CharTokenizer
-from nanollama4.train import train
+from nanollama4.training.train import train
 from tests.helpers import assert_cli_error, run_cli
 
 gguf = pytest.importorskip("gguf")
@@ -97,7 +97,7 @@ def test_the_gguf_holds_the_model_and_its_tokenizer(kind, runs, tmp_path, capsys
 
 
 def test_a_character_of_several_bytes_is_rebuilt_by_its_own_merges():
-    from nanollama4.llamacpp import char_vocabulary
+    from nanollama4.interop.llamacpp import char_vocabulary
 
     tokens, merges = char_vocabulary(CharTokenizer(["a", "é", "€", " "]))
     assert tokens == ["a", "Ã©", "âĤ¬", "Ġ"]
@@ -157,8 +157,8 @@ def test_the_cli_refuses_in_one_line_and_never_replaces_a_file(runs, tiny_run, t
 KILLED_EXPORT = """
 import os, signal, sys
 import gguf
-from nanollama4.checkpoint import load_run
-from nanollama4.llamacpp import export_gguf
+from nanollama4.interop.checkpoint import load_run
+from nanollama4.interop.llamacpp import export_gguf
 
 def killed(self, *args, **kwargs):
     written(self, *args, **kwargs)
@@ -343,9 +343,9 @@ def test_approximate_exports_what_llama_cpp_computes_and_says_what_it_costs(corp
     `--approximate` writes the model llama.cpp computes from the same weights (full attention within the
     context, its temperature, no bias), after printing each change and the validation loss before and after;
     the printed "after" is that model's loss, computed here on its own; the GGUF holds the weights as they are."""
-    from nanollama4.commands import DROP_BIAS_TOKENS
-    from nanollama4.evaluation import full_validation_loss, validation_of_run
-    from nanollama4.llamacpp import nearest_llamacpp
+    from nanollama4.commands.export import DROP_BIAS_TOKENS
+    from nanollama4.interop.llamacpp import nearest_llamacpp
+    from nanollama4.training.evaluation import full_validation_loss, validation_of_run
 
     run = tmp_path / "chunked"
     tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2, max_steps=6, lr=3e-3,

@@ -14,12 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanollama4 import lora
-from nanollama4.checkpoint import load_model, load_run, resolve_checkpoint
-from nanollama4.config import preset
-from nanollama4.errors import CheckpointError, ConfigError
-from nanollama4.evaluation import autocast
+from nanollama4.base.config import preset
+from nanollama4.base.errors import CheckpointError, ConfigError
+from nanollama4.interop.checkpoint import load_model, load_run, resolve_checkpoint
+from nanollama4.model import lora
 from nanollama4.ops import build_model
+from nanollama4.training.evaluation import autocast
 from tests.helpers import TINY, assert_cli_error, run_cli, write_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -2,8 +2,8 @@
 
 import pytest
 
-from nanollama4.config import ModelConfig, preset
-from nanollama4.memory import format_bytes, format_kv_table, format_params_table, kv_cache, param_counts
+from nanollama4.base.config import ModelConfig, preset
+from nanollama4.model.memory import format_bytes, format_kv_table, format_params_table, kv_cache, param_counts
 
 
 def test_seed_example_kv_cache_numbers():
@@ -99,8 +99,8 @@ def test_format_bytes():
 
 
 def test_matches_model_parameter_count():
-    # Depends on nanollama4.model (class Transformer(cfg)).
-    from nanollama4.model import Transformer
+    # Depends on nanollama4.model.transformer (class Transformer(cfg)).
+    from nanollama4.model.transformer import Transformer
 
     cfg = preset("tiny")
     assert param_counts(cfg).total == sum(p.numel() for p in Transformer(cfg).parameters())
@@ -130,7 +130,7 @@ def test_the_check_yourself_commands_print_the_numbers(capsys):
 def test_training_memory_adds_up_and_its_largest_batch_fits():
     """The step check's arithmetic (`train.check_step_fits`): the state counts weights, gradients and the
     optimizer's moments; the largest batch it names fits and one more does not."""
-    from nanollama4.memory import training_memory
+    from nanollama4.model.memory import training_memory
 
     cfg = preset("shakespeare-char")
     total = param_counts(cfg).total
@@ -152,8 +152,8 @@ def test_a_shared_expert_of_its_own_width_keeps_top2_at_half_width_equal_in_acti
     counts match the built model, `params --compare`'s dense twin has the FFN of that active width, and
     `active_size_note` names the arms whose active sizes differ."""
     from nanollama4.cli import main
-    from nanollama4.memory import active_size_note, format_layout, format_params_compare
-    from nanollama4.model import Transformer
+    from nanollama4.model.memory import active_size_note, format_layout, format_params_compare
+    from nanollama4.model.transformer import Transformer
 
     top1 = preset("tiny", experts_per_token=1, expert_dim=64)
     half = preset("tiny", experts_per_token=2, expert_dim=32)
@@ -178,9 +178,9 @@ def test_a_router_kind_with_weights_of_its_own_is_counted_without_building_the_m
     import torch
     from torch import nn
 
-    from nanollama4.model import Transformer
-    from nanollama4.parts import ROUTERS
-    from nanollama4.router import SigmoidRouter
+    from nanollama4.base.parts import ROUTERS
+    from nanollama4.model.router import SigmoidRouter
+    from nanollama4.model.transformer import Transformer
 
     class Gated(SigmoidRouter, name="gated-test", about="a test's: a sigmoid router with a gain per expert"):
         def __init__(self, cfg):
@@ -208,8 +208,8 @@ def test_every_cache_keeps_the_slots_the_config_states(chunk, first_layer):
     engine's slot cache and the memory arithmetic all keep that many."""
     import torch
 
-    from nanollama4.attention import KVCache
     from nanollama4.engine.cache import SlotCache
+    from nanollama4.model.attention import KVCache
 
     cfg = ModelConfig(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=40,
                       attention_chunk_size=chunk, nope_interval=2, n_experts=0, ffn_dim=32)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanollama4.config import preset
+from nanollama4.base.config import preset
 from nanollama4.ops import build_model
 from tests.helpers import randomize_
 
@@ -102,7 +102,7 @@ def test_bf16_logits_close_to_float32(randomized):
 def test_rmsnorm_under_autocast_hands_out_the_autocast_dtype():
     """Under CPU bf16 autocast the norm's output is already bf16 (one cast for all its readers): the float32
     result rounded once, with the gain's gradient still in float32."""
-    from nanollama4.model import RMSNorm
+    from nanollama4.model.transformer import RMSNorm
     norm = RMSNorm(16, 1e-5)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)

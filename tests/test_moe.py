@@ -18,14 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanollama4 import ops
-from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE, moe_reference
+from nanollama4.base.config import ModelConfig
+from nanollama4.model.moe import MoE, moe_reference
+from nanollama4.model.router import assign_with_capacity
 from nanollama4.ops import build_model, install, kernels
 from nanollama4.ops import experts as experts_ops
 from nanollama4.ops import experts as products
 from nanollama4.ops.experts import PRODUCTS
 from nanollama4.ops.experts import grouped_mm_ok as _grouped_mm_ok
-from nanollama4.router import assign_with_capacity
 from tests.helpers import randomize_
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -647,7 +647,7 @@ def test_cpu_decode_path_matches_reference_and_the_sorted_dispatch(router, share
 def test_row_matmul_split_in_halves_equals_the_plain_product():
     """Decoding splits one-row products with big weights into two halves (one bmm, both threads): the same
     numbers as the plain product, for the experts' (in, out) and nn.Linear's (out, in) layouts and SwiGLU."""
-    from nanollama4.moe import SwiGLU
+    from nanollama4.model.moe import SwiGLU
     from nanollama4.ops.linear import SPLIT_BYTES, row_matmul
     from nanollama4.ops.linear import split_pays as _split_pays
 

@@ -13,17 +13,17 @@ from torch import nn
 
 import nanollama4.ops.experts as experts_mod
 from nanollama4 import ops
-from nanollama4.attention import Attention, attention_mask
-from nanollama4.config import preset
-from nanollama4.errors import ConfigError
-from nanollama4.generation import iter_tokens
-from nanollama4.model import Transformer
-from nanollama4.moe import MoE
+from nanollama4.base.config import preset
+from nanollama4.base.errors import ConfigError
+from nanollama4.engine.generation import iter_tokens
+from nanollama4.model.attention import Attention, attention_mask
+from nanollama4.model.moe import MoE
+from nanollama4.model.rope import rope_angles, rope_frequencies
+from nanollama4.model.transformer import Transformer
 from nanollama4.ops import build_model, install, kernels
 from nanollama4.ops.attention import scores_attention
 from nanollama4.ops.experts import PRODUCTS, chosen_product
 from nanollama4.ops.linear import FastLinear
-from nanollama4.rope import rope_angles, rope_frequencies
 
 
 @pytest.fixture
@@ -165,14 +165,14 @@ def test_bucketed_product_gradients_in_float64(contiguous):
 
 
 def test_a_plain_transformer_holds_only_the_papers_modules_and_the_installed_one_computes_the_same():
-    """`Transformer(cfg)` is plain (what print(model) shows is the math of model.py, attention.py and
+    """`Transformer(cfg)` is plain (what print(model) shows is the math of model/transformer.py, attention.py and
     moe.py); `build_model` / `ops.install` swap in the fast modules, on the same parameters, with the same
     logits and gradients (fp32: our kernel and FastLinear sum in another order, hence the tolerance)."""
-    from nanollama4.attention import Attention, sdpa_attend
-    from nanollama4.model import Block, RMSNorm
-    from nanollama4.moe import Experts, SwiGLU
+    from nanollama4.model.attention import Attention, sdpa_attend
+    from nanollama4.model.moe import Experts, SwiGLU
+    from nanollama4.model.router import Float32Linear, SigmoidRouter
+    from nanollama4.model.transformer import Block, RMSNorm
     from nanollama4.ops.experts import FastExperts
-    from nanollama4.router import Float32Linear, SigmoidRouter
 
     cfg = preset("tiny", moe_every=2)
     torch.manual_seed(0)
@@ -277,7 +277,7 @@ def test_scores_attention_matches_sdpa(heads, kv_heads, chunk):
 def test_every_expert_on_every_row_equals_the_sorted_experts(scale_input):
     """The compiled decode step's path for batches with more assignments than experts: weight 0 for the
     experts a row did not choose gives the sum over its chosen experts only."""
-    from nanollama4.moe import Experts
+    from nanollama4.model.moe import Experts
 
     g = torch.Generator().manual_seed(4)
     experts = Experts(4, 32, 24)

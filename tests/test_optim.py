@@ -17,13 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanollama4.config import Decay, TrainConfig, preset
-from nanollama4.distributed import World, check
-from nanollama4.errors import ConfigError
-from nanollama4.memory import param_counts, training_memory
-from nanollama4.moe import Experts
+from nanollama4.base.config import Decay, TrainConfig, preset
+from nanollama4.base.errors import ConfigError
+from nanollama4.base.parts import OPTIMIZERS, own_fields
+from nanollama4.model.memory import param_counts, training_memory
+from nanollama4.model.moe import Experts
 from nanollama4.ops import build_model
-from nanollama4.optim import (
+from nanollama4.training.distributed import World, check
+from nanollama4.training.optim import (
     MuonAdamW,
     OptimizerKind,
     make_optimizer,
@@ -31,10 +32,9 @@ from nanollama4.optim import (
     orthogonalize,
     trainable_parameters,
 )
-from nanollama4.parts import OPTIMIZERS, own_fields
-from nanollama4.runs import resume_config
-from nanollama4.schedule import logged_lr, lr_scale, peak_lrs, set_lr
-from nanollama4.train import train
+from nanollama4.training.runs import resume_config
+from nanollama4.training.schedule import logged_lr, lr_scale, peak_lrs, set_lr
+from nanollama4.training.train import train
 
 STEPS = 4
 
@@ -183,7 +183,7 @@ def test_one_newton_schulz_loop_per_shape_steps_as_one_per_parameter(monkeypatch
     """The step stacks the matrices of one shape across parameters (every layer's query projections, every
     layer's experts whose turn it is) into one orthogonalisation: the weights it gives equal those of one
     orthogonalisation per parameter (the step before it), experts in turn included, over a few steps."""
-    import nanollama4.optim as optim
+    import nanollama4.training.optim as optim
 
     cfg = preset("tiny")
     tc = TrainConfig(optimizer="muon", settings={"muon": {"experts_per_step": 1}})
@@ -352,8 +352,8 @@ def test_a_registered_optimizer_trains_and_resumes_through_train(sgd, corpus, tm
 def test_newton_schulz_iterates_in_float32_where_the_cpu_emulates_bf16(monkeypatch):
     """On an AVX2-only CPU torch emulates bf16 products (24x float32's time on a Zen 3: the GPU check's dry run
     took over 15 minutes in Muon's step); with AMX or AVX512_BF16, and on a GPU, bf16 as torch's Muon."""
-    import nanollama4.optim as optim
-    from nanollama4.runtime import cpu_flags
+    import nanollama4.training.optim as optim
+    from nanollama4.base.runtime import cpu_flags
 
     for flags, want in (("fpu avx2 fma", torch.float32), ("avx2 avx512f avx512_bf16", torch.bfloat16),
                         ("avx2 amx_bf16", torch.bfloat16)):

@@ -78,8 +78,8 @@ def test_val_data_is_the_validation_text_and_all_of_data_trains(corpus, tmp_path
 BOUND_SCRIPT = """
 import resource, sys
 import torch
-from nanollama4.config import TrainConfig, preset
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.training.train import train
 torch.set_num_threads(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 train(preset("tiny"), TrainConfig(seq_len=32, batch_size=4, eval_batches=1, eval_interval=2, max_steps=2,
@@ -125,8 +125,8 @@ def test_the_corpus_encodes_in_pieces_to_the_ids_of_the_whole_text(kind, monkeyp
     (which a byte-level pre-tokenizer splits differently at the end of a text) never end a piece."""
     import random
 
-    from nanollama4 import corpus
-    from nanollama4.tokenizer import BPETokenizer, CharTokenizer
+    from nanollama4.model.tokenizer import BPETokenizer, CharTokenizer
+    from nanollama4.training import corpus
 
     rng = random.Random(5)
     endings = ["\n", "\n\n", "\n\n\n", " \n", "\t\n", ".\n", "\n \n"]

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 import nanollama4
-from nanollama4 import errors
+from nanollama4.base import errors
 from nanollama4.cli import main
 
 
 def test_every_module_is_a_module_by_its_dotted_name():
     """`from .generate import generate` used to make `nanollama4.generate` the function, hiding the module."""
     names = [m.name for m in pkgutil.walk_packages(nanollama4.__path__, "nanollama4.")]
-    assert {"nanollama4.generation", "nanollama4.moe", "nanollama4.errors"} <= set(names)
+    assert {"nanollama4.engine.generation", "nanollama4.model.moe", "nanollama4.base.errors"} <= set(names)
     for name in names:
         module = importlib.import_module(name)
         assert isinstance(module, types.ModuleType), name
@@ -32,10 +32,10 @@ def test_every_error_for_people_derives_from_one_base():
     kinds = [errors.ConfigError, errors.DataError, errors.TokenizerError, errors.CheckpointError,
              errors.GenerationError, errors.TrainingError, errors.MissingRunFile]
     assert all(issubclass(k, errors.Nanollama4Error) for k in kinds)
-    from nanollama4.checkpoint import CheckpointError
-    from nanollama4.data import DataError
-    from nanollama4.tokenizer import TokenizerError
-    from nanollama4.train import TrainingError
+    from nanollama4.interop.checkpoint import CheckpointError
+    from nanollama4.model.tokenizer import TokenizerError
+    from nanollama4.training.data import DataError
+    from nanollama4.training.train import TrainingError
 
     assert (CheckpointError, DataError, TokenizerError, TrainingError) == (
         errors.CheckpointError, errors.DataError, errors.TokenizerError, errors.TrainingError)
@@ -49,17 +49,18 @@ def test_the_cli_lets_a_bug_keep_its_traceback(monkeypatch):
     def broken(cfg):
         raise ValueError("a bug, not a message")
 
-    monkeypatch.setattr("nanollama4.commands.format_params_table", broken)
+    monkeypatch.setattr("nanollama4.commands.arithmetic.format_params_table", broken)
     with pytest.raises(ValueError, match="a bug"):
         main(["params", "--preset", "tiny"])
 
 
 ROOT = Path(nanollama4.__file__).parent
 PACKAGE = "nanollama4"
-MODEL_FILES = ("model", "attention", "router", "moe", "rope", "config")
+MODEL_FILES = ("model.transformer", "model.attention", "model.router", "model.moe", "model.rope", "base.config")
 # what the model files may reach, directly or through each other: the model itself, its config, errors, the
 # plain-Python field declarations the config is written in, and the registries the config asks for kinds
-MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "errors", "fields", "parts")}
+# (and the two folders' faces, which hand these names on)
+MODEL_WORLD = {f"{PACKAGE}.{m}" for m in (*MODEL_FILES, "base.errors", "base.fields", "base.parts", "base", "model")}
 
 
 def module_names() -> dict[str, Path]:
@@ -109,9 +110,9 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_the_graph_is_read_from_every_module():
     graph = import_graph()
-    assert f"{PACKAGE}.moe" in graph and f"{PACKAGE}.ops.experts" in graph and f"{PACKAGE}.distributed.experts" in graph
-    assert f"{PACKAGE}.moe" in graph[f"{PACKAGE}.ops.experts"]  # an import the test must see
-    assert f"{PACKAGE}.hf" in graph[f"{PACKAGE}.commands"]  # a lazy one, inside a function
+    assert {f"{PACKAGE}.model.moe", f"{PACKAGE}.ops.experts", f"{PACKAGE}.training.distributed.experts"} <= set(graph)
+    assert f"{PACKAGE}.model.moe" in graph[f"{PACKAGE}.ops.experts"]  # an import the test must see
+    assert f"{PACKAGE}.interop.hf" in graph[f"{PACKAGE}.commands.export"]  # a lazy one, inside a function
 
 
 def test_no_module_imports_itself_in_a_circle():
@@ -153,10 +154,11 @@ def test_the_config_sits_below_the_parts_it_names():
     config.py asks the registries (parts.py, torch-free: the plain field declarations and errors only) and
     imports neither of them, nor torch."""
     graph = import_graph()
-    assert graph[f"{PACKAGE}.config"] <= {f"{PACKAGE}.{m}" for m in ("errors", "fields", "parts")}
-    assert f"{PACKAGE}.config" in graph[f"{PACKAGE}.router"] and f"{PACKAGE}.config" in graph[f"{PACKAGE}.optim"]
-    assert graph[f"{PACKAGE}.parts"] == {f"{PACKAGE}.errors", f"{PACKAGE}.fields"}
-    source = (ROOT / "config.py").read_text() + (ROOT / "parts.py").read_text()
+    config, parts = f"{PACKAGE}.base.config", f"{PACKAGE}.base.parts"
+    assert graph[config] <= {f"{PACKAGE}.base.{m}" for m in ("errors", "fields", "parts")}
+    assert config in graph[f"{PACKAGE}.model.router"] and config in graph[f"{PACKAGE}.training.optim"]
+    assert graph[parts] == {f"{PACKAGE}.base.errors", f"{PACKAGE}.base.fields"}
+    source = (ROOT / "base" / "config.py").read_text() + (ROOT / "base" / "parts.py").read_text()
     assert "import torch" not in source
     marks = [p.name for p in ROOT.rglob("*.py") if "__nanollama4_import__" in p.read_text()]
     assert marks == ["parts.py"] and source.count("__nanollama4_import__") == 1  # one import marker
@@ -184,3 +186,42 @@ def test_no_import_runs_back_up_between_rooms():
                 todo.extend(rooms.get(r, ()))
     assert not [r for r in rooms if r in reach[r]], [r for r in rooms if r in reach[r]]
     assert {name for name, targets in graph.items() if f"{PACKAGE}.cli" in targets} == {f"{PACKAGE}.__main__"}
+
+
+FACE = {"__init__.py", "__main__.py", "cli.py"}  # the package's face: all that stands beside the folders
+
+
+def test_every_module_lives_in_a_folder_that_says_what_it_holds():
+    """The folders show the design (model, training, engine, ...): no module stands beside them but the face,
+    and each folder's __init__ names every module in it, so a reader opening a folder meets its map first."""
+    assert {p.name for p in ROOT.glob("*.py")} == FACE
+    folders = [p for p in ROOT.rglob("*") if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))]
+    assert len(folders) >= 10
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        assert len(doc.splitlines()) >= 3, f"{folder.name}/__init__.py says nothing of what lives there"
+        if folder.name == "experiments":  # named by their sweep files, listed by `nanollama4 experiment --help`
+            continue
+        unnamed = [p.stem for p in folder.glob("*.py") if p.name != "__init__.py" and p.stem not in doc]
+        assert not unnamed, f"{folder.name}/__init__.py does not name {unnamed}"
+
+
+def test_the_flat_layouts_names_still_import_with_a_word_that_they_moved():
+    """A user's --import module written against the flat layout (`nanollama4.router`, `nanollama4.optim`)
+    gets the very module at its new place, so a router it registers is the one the config finds."""
+    from nanollama4.base.moved import MOVED, new_name
+
+    for old, new in MOVED.items():  # each old name stands for a module that exists, and no longer for a file
+        assert new_name(f"{PACKAGE}.{old}") == f"{PACKAGE}.{new}"
+        assert importlib.util.find_spec(f"{PACKAGE}.{new}") is not None, new
+        assert not (ROOT / f"{old.replace('.', '/')}.py").exists(), old
+    assert new_name("nanollama4.distributed.group") == "nanollama4.training.distributed.group"
+    assert new_name("nanollama4.ops.experts") is None
+    with pytest.warns(DeprecationWarning, match=r"nanollama4\.router moved to nanollama4\.model\.router"):
+        old = importlib.import_module("nanollama4.router")
+    from nanollama4.model import router
+
+    assert old is router and router.__spec__.name == "nanollama4.model.router"
+    with pytest.warns(DeprecationWarning, match="moved to nanollama4.model.transformer.Transformer"):
+        from nanollama4.model import Transformer
+    assert Transformer is nanollama4.Transformer

@@ -12,7 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from nanollama4.plots import parse_metrics, plot_run, read_metrics, routing_of
+from nanollama4.reports.plots import parse_metrics, plot_run, read_metrics, routing_of
 
 
 def _write_run(run_dir: Path, n_steps: int = 300, moe: bool = True, val_every: int = 50,

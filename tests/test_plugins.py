@@ -17,11 +17,11 @@ import textwrap
 import pytest
 import torch
 
+from nanollama4.base.config import preset
+from nanollama4.base.parts import ROUTERS
 from nanollama4.cli import main
-from nanollama4.config import preset
-from nanollama4.moe import MoE
+from nanollama4.model.moe import MoE
 from nanollama4.ops import build_model
-from nanollama4.parts import ROUTERS
 from tests.helpers import TINY, assert_cli_error, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -31,7 +31,7 @@ USER_CODE = textwrap.dedent(f'''
     """An engineer's own router: Llama 4's sigmoid weights, halved."""
     import torch
 
-    from nanollama4.router import Router, chosen_scores
+    from nanollama4.model.router import Router, chosen_scores
 
 
     class Halved(Router, name="{KIND}", scales_input=True, about="a user's"):

@@ -17,10 +17,11 @@ from unittest import mock
 import pytest
 import torch
 
-from nanollama4 import ops, plugins
-from nanollama4.config import ModelConfig
-from nanollama4.errors import ConfigError
-from nanollama4.moe import MoE
+from nanollama4 import ops
+from nanollama4.base import plugins
+from nanollama4.base.config import ModelConfig
+from nanollama4.base.errors import ConfigError
+from nanollama4.model.moe import MoE
 from nanollama4.ops import experts
 from nanollama4.ops.products import (
     CASTS_WEIGHTS,
@@ -38,7 +39,7 @@ USER_CODE = textwrap.dedent(f'''
     """An engineer's own routed-expert product: one matmul pair per expert, float32 rows only."""
     import torch
 
-    from nanollama4.moe import per_expert_products
+    from nanollama4.model.moe import per_expert_products
     from nanollama4.ops.products import register_product
 
 

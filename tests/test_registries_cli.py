@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from nanollama4.configfile import tomllib
+from nanollama4.base.configfile import tomllib
+from nanollama4.base.parts import OPTIMIZERS
 from nanollama4.ops.products import REGISTRY
-from nanollama4.parts import OPTIMIZERS
 from tests.helpers import TINY, run_cli
 
 MY_SGD = textwrap.dedent('''
@@ -26,8 +26,8 @@ MY_SGD = textwrap.dedent('''
 
     import torch
 
-    from nanollama4.config import Decay
-    from nanollama4.optim import OptimizerKind, trainable_parameters
+    from nanollama4.base.config import Decay
+    from nanollama4.training.optim import OptimizerKind, trainable_parameters
 
 
     @dataclass
@@ -54,7 +54,7 @@ MY_SGD = textwrap.dedent('''
 MY_PRODUCT = textwrap.dedent('''
     from pathlib import Path
 
-    from nanollama4.moe import per_expert_products
+    from nanollama4.model.moe import per_expert_products
     from nanollama4.ops.products import REGISTRY, register_product
 
     CALLS = Path(__file__).with_suffix(".calls")

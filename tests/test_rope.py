@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from nanollama4.config import ModelConfig, preset
+from nanollama4.base.config import ModelConfig, preset
+from nanollama4.model.rope import apply_rope, rope_angles, rope_frequencies
 from nanollama4.ops import build_model
-from nanollama4.rope import apply_rope, rope_angles, rope_frequencies
 
 # ---------------------------------------------------------------------------------------------------- RoPE
 

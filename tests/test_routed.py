@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nanollama4 import ops
-from nanollama4.config import ModelConfig
-from nanollama4.moe import MoE, moe_reference
+from nanollama4.base.config import ModelConfig
+from nanollama4.model.moe import MoE, moe_reference
 from nanollama4.ops import experts as products
 from nanollama4.ops import kernels, routed
 from tests.helpers import randomize_

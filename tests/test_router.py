@@ -7,13 +7,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import nanollama4
-from nanollama4.checkpoint import load_model
-from nanollama4.config import TrainConfig
-from nanollama4.errors import ConfigError
-from nanollama4.moe import moe_reference
-from nanollama4.parts import ROUTERS
-from nanollama4.router import Router, SigmoidRouter, chosen_scores
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig
+from nanollama4.base.errors import ConfigError
+from nanollama4.base.parts import ROUTERS
+from nanollama4.interop.checkpoint import load_model
+from nanollama4.model.moe import moe_reference
+from nanollama4.model.router import Router, SigmoidRouter, chosen_scores
+from nanollama4.training.train import train
 
 
 class NormalisedSigmoid(Router, name="sigmoid-normalised", scales_input=True, about="a test's"):

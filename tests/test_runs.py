@@ -1,4 +1,4 @@
-"""Run directories (nanollama4.runs): one owner at a time, what --out may be, and what --resume may change
+"""Run directories (nanollama4.training.runs): one owner at a time, what --out may be, and what --resume may change
 and where it finds its data again. Each test checks the exact one-line message, the exit status, and that
 nothing else in the folder changed."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from nanollama4.checkpoint import load_run, load_train_state, resolve_checkpoint
-from nanollama4.config import preset
+from nanollama4.base.config import preset
+from nanollama4.interop.checkpoint import load_run, load_train_state, resolve_checkpoint
 from tests.helpers import TINY, assert_cli_error, assert_refused, run_cli, snapshot, start_training, train_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py, as are corpus, tiny_run and run_copy
@@ -251,9 +251,9 @@ def _race_owning(base: str, rounds: int, barrier, results) -> None:
     release; the winner checks that its folder stays whole while it holds it."""
     from pathlib import Path
 
-    from nanollama4.distributed import World
-    from nanollama4.errors import Nanollama4Error
-    from nanollama4.runs import owning
+    from nanollama4.base.errors import Nanollama4Error
+    from nanollama4.training.distributed import World
+    from nanollama4.training.runs import owning
 
     outcomes = []
     for i in range(rounds):
@@ -293,7 +293,7 @@ def test_two_trainings_racing_for_fresh_folders_never_remove_the_winners(tmp_pat
             if o.startswith("refused"):
                 assert "is in use by another training" in o or "was removed by another training" in o, o
     assert wins >= rounds  # every round someone trained
-    from nanollama4.runs import holds_run
+    from nanollama4.training.runs import holds_run
 
     # a folder is removed only by the process that created it and holds its lock; one whose creator lost the
     # race stays, empty of checkpoints: a new run may take it as its --out
@@ -338,7 +338,7 @@ def test_code_a_run_folder_names_for_its_optimizer_is_shown_escaped_and_said_to_
 def test_a_resume_cuts_metrics_lines_it_cannot_read_instead_of_failing(tmp_path):
     """Issue 55: a 5,000-digit step in metrics.jsonl made `train --resume` of a downloaded run a ValueError
     traceback; such a line, like a line cut short, is not a step's record and goes."""
-    from nanollama4.runs import truncate_metrics
+    from nanollama4.training.runs import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": ' + "9" * 5000 + '}\n{"step": 2, "val_loss": 2.9}\n'
@@ -363,8 +363,8 @@ def test_a_corpus_path_a_run_folder_names_is_shown_with_control_characters_visib
 
 def test_a_run_trained_on_a_glob_reads_its_text_back(corpus, tmp_path):
     """A recorded corpus that is a glob exists while it matches files (eval, experts and resume read it)."""
-    from nanollama4.errors import DataError
-    from nanollama4.runs import corpus_of
+    from nanollama4.base.errors import DataError
+    from nanollama4.training.runs import corpus_of
 
     pattern = str(corpus.parent / "*.txt")
     assert corpus_of(tmp_path, {"data": pattern}, None) == pattern

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-import nanollama4.runtime as runtime
-from nanollama4.runtime import Bf16Choice, bf16_speedup, cpu_flags, native_bf16
+import nanollama4.base.runtime as runtime
+from nanollama4.base.runtime import Bf16Choice, bf16_speedup, cpu_flags, native_bf16
 
 ZEN5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nanollama4.engine import Engine, Request, Sampling, TokenEvent
+from nanollama4.engine.generation import generate_ids, sample
 from nanollama4.engine.sampling import MIN_PENALTY, SamplingError, choose, distribution
-from nanollama4.generation import generate_ids, sample
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.model.tokenizer import CharTokenizer
 from tests.helpers import assert_same_greedy_ids, random_model, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")

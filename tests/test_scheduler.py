@@ -13,7 +13,7 @@ from nanollama4.engine.request import Request, TokenEvent
 from nanollama4.engine.sampling import Sampling
 from nanollama4.engine.scheduler import QueueFull, Scheduler
 from nanollama4.engine.trace import StepTrace
-from nanollama4.tokenizer import CharTokenizer
+from nanollama4.model.tokenizer import CharTokenizer
 from tests.helpers import randomize_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,8 +114,8 @@ def test_a_prompt_goes_in_a_chunk_per_step_unless_traced_or_scored():
 def test_every_caller_queues_through_engine_add(monkeypatch):
     """generate, explain --generate and the server all enqueue through `Engine.add` (which checks, then
     hands the scheduler the requests): none appends to the queue itself."""
+    from nanollama4.engine.generation import generate
     from nanollama4.explain import trace_generation
-    from nanollama4.generation import generate
     from nanollama4.serve.engine import BackgroundEngine
 
     model, tok = _model()
@@ -131,7 +131,7 @@ def test_every_caller_queues_through_engine_add(monkeypatch):
 def test_a_refused_request_queues_none_of_those_added_with_it():
     model, tok = _model()
     engine = Engine(model, tok, max_batch=2)
-    with pytest.raises(nanollama4.errors.GenerationError):
+    with pytest.raises(nanollama4.base.errors.GenerationError):
         engine.add(Request(tok.encode("But"), 3, GREEDY, lambda e: None), Request([], 3, GREEDY, lambda e: None))
     assert not engine.scheduler.waiting and not engine.has_work
 

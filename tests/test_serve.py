@@ -25,13 +25,13 @@ import pytest
 import torch
 
 import nanollama4
-from nanollama4.generation import generate
+from nanollama4.engine.generation import generate
+from nanollama4.model.tokenizer import CharTokenizer
 from nanollama4.serve.api import create_app
 from nanollama4.serve.chat import END_OF_TURN
 from nanollama4.serve.engine import BackgroundEngine, Finished, QueueFull, Request, TokenEvent
 from nanollama4.serve.schema import chat_prompt
 from nanollama4.serve.server import bind
-from nanollama4.tokenizer import CharTokenizer
 from tests.helpers import randomize_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -742,7 +742,7 @@ def test_a_repeated_host_origin_or_content_type_is_refused():
 
 def _refuses_to_serve(**options) -> str:
     """The one-line ConfigError `serve(**options)` raises before it listens."""
-    from nanollama4.errors import ConfigError
+    from nanollama4.base.errors import ConfigError
     from nanollama4.serve.server import serve
 
     def listening(line: str) -> None:
@@ -780,7 +780,7 @@ def test_a_max_context_above_the_models_is_refused_in_one_line():
 def test_a_cache_that_cannot_fit_is_one_line_and_max_context_bounds_it(tmp_path, capsys):
     """A run whose max_seq_len is 2^27 (within the config's bounds) allocated every KV slot up front: a
     256 GiB allocation traceback."""
-    from nanollama4.errors import ConfigError
+    from nanollama4.base.errors import ConfigError
 
     tok = CharTokenizer.from_text(TEXT)
     torch.manual_seed(0)
@@ -813,7 +813,7 @@ def test_a_padded_vocabulary_is_served_and_generated_without_its_padding():
     model.lm_head.register_forward_hook(lambda m, i, out: torch.cat([out[..., :V], out[..., V:] + 100.0], -1))
     text = generate(model, tok, "But soft", max_new_tokens=12, temperature=0)
     assert len(text) == 12
-    assert "".join(nanollama4.generation.stream(model, tok, "But soft", max_new_tokens=12, temperature=0.9,
+    assert "".join(nanollama4.engine.generation.stream(model, tok, "But soft", max_new_tokens=12, temperature=0.9,
                                                 seed=1))
     engine = BackgroundEngine(model, tok, max_batch=8, max_queue=8).start()
     with running(engine) as url:
@@ -859,7 +859,7 @@ def test_a_padded_vocabulary_is_served_and_generated_without_its_padding():
 def test_byte_level_tokens_carry_their_own_bytes_and_alternatives_do_not_collide():
     """Every byte token of a byte-level BPE reported token "\ufffd" with the same bytes, and the completions'
     top_logprobs keys collided, so fewer alternatives came back than asked."""
-    from nanollama4.tokenizer import BPETokenizer
+    from nanollama4.model.tokenizer import BPETokenizer
 
     tok = BPETokenizer.train("naïve café — déjà vu, 東京 ✓ " * 40, vocab_size=300)
     torch.manual_seed(0)

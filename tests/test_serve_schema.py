@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from nanollama4.engine.sampling import Sampling, SamplingError
+from nanollama4.model.tokenizer import CharTokenizer
 from nanollama4.serve.chat import PlayFormat
 from nanollama4.serve.schema import BODIES, ApiError, json_type, parse_request, request_bodies
-from nanollama4.tokenizer import CharTokenizer
 
 NAME = "tiny-test"
 ENGINE = SimpleNamespace(tokenizer=CharTokenizer.from_text("But soft, what light USER ASSISTANT.\n"), context=64,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from nanollama4.errors import ConfigError
+from nanollama4.base.errors import ConfigError
 from nanollama4.experiments import EXPERIMENTS, common, sweep_file
 from nanollama4.experiments.arms import run_folder
 from nanollama4.experiments.sweep import TINY_SCORE_TOKENS, read_sweep
-from nanollama4.memory import format_count
+from nanollama4.model.memory import format_count
 from tests.helpers import assert_cli_error, run_cli, snapshot, stop_the_third_training
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -202,7 +202,7 @@ def test_tiny_takes_the_files_path_and_the_command_line_wins_over_the_file(sweep
     """--tiny on a file without seq_len goes through the same resolution as the full sweep (it passed once
     where the full sweep crashed); --data and --set replace the file's, as for `train --config`; each arm's
     sampled score is kept in its evaluation.json, and compare shows it as a sample."""
-    from nanollama4.compare import markdown_table, read_run
+    from nanollama4.reports.compare import markdown_table, read_run
 
     text = SWEEP.replace("seq_len = 32\n", "").replace('data = "corpus.txt"', 'data = "moved.txt"')
     (sweep_dir / "noseq.toml").write_text(text)
@@ -266,8 +266,8 @@ def test_a_time_budget_that_gave_arms_unequal_tokens_says_so(tmp_path, monkeypat
 def test_the_plots_name_the_loss_unit_of_their_runs(tiny_run, corpus, tmp_path):
     """Issue 72: sweep.png labelled a BPE sweep's axis "nats/char". The unit is read from the arms' runs:
     nats/char where every run tokenizes by character, nats/token where one does not (or cannot be read)."""
-    from nanollama4.config import TrainConfig, preset
-    from nanollama4.train import train
+    from nanollama4.base.config import TrainConfig, preset
+    from nanollama4.training.train import train
 
     bpe_run = tmp_path / "bpe"
     tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=100, warmup_steps=2, max_steps=2,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanollama4.config import TrainConfig, preset
-from nanollama4.moe import MoE
-from nanollama4.runs import resume_config
-from nanollama4.train import train
+from nanollama4.base.config import TrainConfig, preset
+from nanollama4.model.moe import MoE
+from nanollama4.training.runs import resume_config
+from nanollama4.training.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -135,9 +135,9 @@ def test_a_statistic_declared_once_reaches_the_log_tensorboard_the_plots_compare
     step) is in every validation line's routing block, among TensorBoard's scalars, in `plot`'s and
     `compare`'s panels, read back for the plots, and in the `experts` view of the run (terminal and JSON); a
     statistic read at validation ("now") too."""
-    from nanollama4.metrics import board_scalars
-    from nanollama4.moe import ROUTING_STATISTICS, RoutingStatistic, routing_statistic
-    from nanollama4.plots import plot_routing, routing_of, routing_panels
+    from nanollama4.model.moe import ROUTING_STATISTICS, RoutingStatistic, routing_statistic
+    from nanollama4.reports.plots import plot_routing, routing_of, routing_panels
+    from nanollama4.training.metrics import board_scalars
     from tests.helpers import run_cli
 
     declared = list(ROUTING_STATISTICS)

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-import nanollama4.threads as threads_module
-from nanollama4.threads import FIRST_PROBE, PROBE_EVERY, Machine, ThreadWatch, ladder
+import nanollama4.base.threads as threads_module
+from nanollama4.base.threads import FIRST_PROBE, PROBE_EVERY, Machine, ThreadWatch, ladder
 
 
 class Held:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanollama4.tokenizer import (
+from nanollama4.model.tokenizer import (
     BPETokenizer,
     CharTokenizer,
     Markup,
@@ -233,7 +233,7 @@ def test_a_special_tokens_spelling_in_text_is_text_in_both_kinds(tmp_path):
 def test_a_token_cache_made_under_the_old_rule_is_not_reused(tmp_path):
     """A BPE corpus holding the spelling: its cache had end-of-text ids inside the files; the encoding rule is
     in the fingerprint, so the cache is rebuilt, and the only end-of-text ids are the documents' ends."""
-    from nanollama4.data import TokenDataset
+    from nanollama4.training.data import TokenDataset
 
     files = [tmp_path / "a.txt", tmp_path / "b.txt"]
     files[0].write_text(bpe_text() + "x<|end_of_text|>y\n")

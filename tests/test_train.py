@@ -21,16 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import nanollama4.train as train_mod
-from nanollama4.checkpoint import CheckpointError, load_run, load_train_state, resolve_checkpoint
+import nanollama4.training.train as train_mod
+from nanollama4.base.config import TrainConfig, preset
 from nanollama4.cli import EXIT_INTERRUPTED, main
-from nanollama4.config import TrainConfig, preset
-from nanollama4.evaluation import full_validation_loss
-from nanollama4.model import Loss, Transformer
+from nanollama4.interop.checkpoint import CheckpointError, load_run, load_train_state, resolve_checkpoint
+from nanollama4.model.transformer import Loss, Transformer
 from nanollama4.ops import build_model
-from nanollama4.runs import resume_config
-from nanollama4.schedule import logged_lr, lr_scale
-from nanollama4.train import TrainingError, train
+from nanollama4.training.evaluation import full_validation_loss
+from nanollama4.training.runs import resume_config
+from nanollama4.training.schedule import logged_lr, lr_scale
+from nanollama4.training.train import TrainingError, train
 from tests.helpers import (
     assert_cli_error,
     assert_one_line,
@@ -569,8 +569,8 @@ def test_a_nan_gradient_with_a_finite_loss_is_not_saved_and_the_run_resumes(corp
     """A NaN in one parameter's gradient (the loss stays finite) at step 4: the run stops as soon as the step's
     numbers are read (the step itself reads nothing back), before a checkpoint holds it, and the advised resume
     continues with the same losses as a run that never failed."""
-    from nanollama4.runs import resume_config
-    from nanollama4.train import TrainingError, train
+    from nanollama4.training.runs import resume_config
+    from nanollama4.training.train import TrainingError, train
 
     tc = TrainConfig(seq_len=32, batch_size=4, eval_batches=2, eval_interval=2, warmup_steps=2, max_steps=6,
                      threads=1)
@@ -635,8 +635,8 @@ def test_a_signal_before_the_first_checkpoint_says_nothing_was_saved(corpus, tmp
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux), which fails every write")
 def test_a_metrics_write_that_fails_is_one_write_error(tmp_path):
     """/dev/full answers every write with ENOSPC, as a full disk does."""
-    from nanollama4.errors import WriteError
-    from nanollama4.metrics import MetricsFile
+    from nanollama4.base.errors import WriteError
+    from nanollama4.training.metrics import MetricsFile
 
     with pytest.raises(WriteError) as info, MetricsFile(Path("/dev/full"), tmp_path) as metrics:
         metrics.write("{}\n")
@@ -651,7 +651,7 @@ def test_bf16_auto_is_decided_by_the_measured_speedup_and_saved(speedup, chosen,
                                                                 capsys):
     """bf16=auto turns into what the timing says (bf16 only where its products are BF16_PAYS times faster),
     says so in one line, and the run saves the decision, so a resumed run keeps its precision."""
-    from nanollama4.runtime import Bf16Choice
+    from nanollama4.base.runtime import Bf16Choice
 
     asked = []
 
@@ -673,7 +673,7 @@ def test_bf16_auto_is_decided_by_the_measured_speedup_and_saved(speedup, chosen,
 
 
 def test_bf16_speedup_is_measured_on_this_cpu():
-    from nanollama4.runtime import MIN_PAIRS, bf16_speedup
+    from nanollama4.base.runtime import MIN_PAIRS, bf16_speedup
 
     choice = bf16_speedup(torch.device("cpu"), 256, 64, 128)
     assert choice.emulated or (math.isfinite(choice.speedup) and choice.speedup > 0 and choice.pairs >= MIN_PAIRS)
@@ -737,8 +737,8 @@ def test_the_summary_names_the_router_and_the_tokenizer_the_weights_came_with():
     kind out, and a shared expert of its own width looked like the routed experts' one."""
     from types import SimpleNamespace
 
-    from nanollama4.distributed import World
-    from nanollama4.tokenizer import BPETokenizer
+    from nanollama4.model.tokenizer import BPETokenizer
+    from nanollama4.training.distributed import World
 
     tok = BPETokenizer.train("naïve café, déjà vu " * 50, vocab_size=260)
     cfg = preset("tiny", vocab_size=tok.vocab_size, router="softmax", **{"softmax.noise": "learned"})
@@ -757,7 +757,7 @@ def test_the_suggested_prompt_is_the_start_of_a_line_of_the_runs_own_text():
     another corpus gives the start of the first whole line of its validation text (cut at a space), or none."""
     from types import SimpleNamespace
 
-    from nanollama4.tokenizer import CharTokenizer
+    from nanollama4.model.tokenizer import CharTokenizer
 
     def prompt_of(val_text: str, data: str | None = "/corpus.txt") -> str | None:
         tok = CharTokenizer.from_text(val_text + "x")
@@ -779,8 +779,8 @@ def test_a_training_step_reads_no_tensor_back(optimizer, corpus, tmp_path):
     sampler's window starts (drawn on the CPU by design, from the generator a resume restores), and reads
     inside two of torch's own CPU kernels, which their CUDA kernels do on the device: fused AdamW's step
     counters and grouped_mm's offsets. `read_step`, outside the step, then reads the step's numbers once."""
-    from nanollama4.runsetup import start_run
-    from nanollama4.train import read_step, train_step
+    from nanollama4.training.runsetup import start_run
+    from nanollama4.training.train import read_step, train_step
 
     tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer=optimizer, lr=2e-3, min_lr=2e-4, threads=1,
                      settings={"muon": {"experts_per_step": 2}})
@@ -792,8 +792,8 @@ def test_a_training_step_reads_no_tensor_back(optimizer, corpus, tmp_path):
     reads = host_reads(lambda: [train_step(run, 1.0) for _ in range(2)])
     inside_torch = tuple(f"aten::{op} in aten::{kernel}" for op in ("item", "_local_scalar_dense")
                          for kernel in ("_fused_adamw_", "_grouped_mm"))
-    assert [r for r in reads if not r.startswith(("Tensor.tolist at data.py", *inside_torch))] == []
-    assert any(r.startswith("Tensor.tolist at data.py") for r in reads)  # the spy sees reads where they are
+    assert [r for r in reads if not r.startswith(("Tensor.tolist at training/data.py", *inside_torch))] == []
+    assert any(r.startswith("Tensor.tolist at training/data.py") for r in reads)  # the spy sees reads where they are
     result = read_step(run, train_step(run, 1.0))
     assert math.isfinite(result.lm) and result.grad_norm > 0 and result.counts.shape == (4, 8)
 
@@ -803,8 +803,8 @@ def test_the_cpu_products_read_only_their_group_sizes(corpus, tmp_path):
     CPU-only product: one torch.mm per expert needs each group's size on the host); the compiled kernel reads
     its counts in C++, which is not a tensor read (no device to wait for); and where auto picks torch's
     grouped_mm (an AVX2-only CPU, without the bf16 kernel), torch's own CPU kernel reads its offsets."""
-    from nanollama4.runsetup import start_run
-    from nanollama4.train import read_step, train_step
+    from nanollama4.training.runsetup import start_run
+    from nanollama4.training.train import read_step, train_step
 
     tc = TrainConfig(bf16=True, seq_len=64, batch_size=4, optimizer="muon", lr=2e-3, threads=1)
     run = start_run(preset("shakespeare-char"), tc, tmp_path / "run", str(corpus), None)
@@ -813,5 +813,5 @@ def test_the_cpu_products_read_only_their_group_sizes(corpus, tmp_path):
     reads = host_reads(lambda: train_step(run, 1.0))
     inside_torch = tuple(f"aten::{op} in aten::{kernel}" for op in ("item", "_local_scalar_dense")
                          for kernel in ("_fused_adamw_", "_grouped_mm"))
-    allowed = ("Tensor.tolist at data.py", "Tensor.tolist at ops/experts.py", *inside_torch)
+    allowed = ("Tensor.tolist at training/data.py", "Tensor.tolist at ops/experts.py", *inside_torch)
     assert [r for r in reads if not r.startswith(allowed)] == []

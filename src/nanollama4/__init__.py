@@ -1,6 +1,6 @@
 """nanollama4: a readable, fast, from-scratch Llama 4-style mixture-of-experts language model.
 
-`Transformer(cfg)` is the plain model, as model.py, attention.py and moe.py state it; `build_model(cfg)`
+`Transformer(cfg)` is the plain model, as model/ states it; `build_model(cfg)`
 is the same model with the fast modules installed (`ops.install`), as training, the loaders and the CLI
 build it.
 
@@ -14,16 +14,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .base import moved
+
 _EXPORTS = {
-    "ModelConfig": "config", "TrainConfig": "config", "PRESETS": "config", "preset": "config",
-    "Transformer": "model", "Loss": "model", "build_model": "ops", "KVCache": "attention",
-    "load_hf": "hf", "export_hf": "hf", "load_any": "hf", "param_counts": "memory", "kv_cache": "memory",
-    "generate": "generation", "stream": "generation", "Sampling": "generation", "Nanollama4Error": "errors",
-    "CharTokenizer": "tokenizer", "BPETokenizer": "tokenizer", "load_tokenizer": "tokenizer",
-    "compare_runs": "compare", "read_sweep": "experiments.sweep", "run_sweep": "experiments.sweep",
+    "ModelConfig": "base.config", "TrainConfig": "base.config", "PRESETS": "base.config", "preset": "base.config",
+    "Transformer": "model.transformer", "Loss": "model.transformer", "build_model": "ops",
+    "KVCache": "model.attention", "load_hf": "interop.hf", "export_hf": "interop.hf", "load_any": "interop.hf",
+    "param_counts": "model.memory", "kv_cache": "model.memory", "generate": "engine.generation",
+    "stream": "engine.generation", "Sampling": "engine.generation", "Nanollama4Error": "base.errors",
+    "CharTokenizer": "model.tokenizer", "BPETokenizer": "model.tokenizer", "load_tokenizer": "model.tokenizer",
+    "compare_runs": "reports.compare", "read_sweep": "experiments.sweep", "run_sweep": "experiments.sweep",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+moved.install()  # the flat layout's module names (nanollama4.router, ...) still import, with a warning
 
 
 def __getattr__(name: str) -> Any:

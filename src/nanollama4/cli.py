@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from . import commands
-from .commands import DEFAULT_PRESET, EXIT_CTRL_C, EXIT_INTERRUPTED
-from .config import PRESETS, TrainConfig, parse_duration
+from .base.config import PRESETS, TrainConfig, parse_duration
+from .base.errors import ConfigError, Nanollama4Error
+from .base.fields import Seed, add_arguments, flag_type, hints, problem
+from .commands.common import DEFAULT_PRESET, EXIT_CTRL_C, EXIT_INTERRUPTED
 from .engine.sampling import Sampling
-from .errors import ConfigError, Nanollama4Error
-from .fields import Seed, add_arguments, flag_type, hints, problem
 
 __all__ = ["main", "build_parser", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_CTRL_C"]
 EXIT_ERROR = 2  # an error meant for people, printed as one line
@@ -383,11 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.unraisablehook = stopping.unraisable
             signal.signal(signal.SIGTERM, stopping.handler)
         if args.command in ("train", "generate", "eval", "serve"):
-            from .runtime import tune_allocator
+            from .base.runtime import tune_allocator
 
             tune_allocator()
         if args.imports:
-            from .plugins import load
+            from .base.plugins import load
 
             for spec in args.imports:
                 load(spec)

@@ -5,8 +5,11 @@
   engine.core       Engine: one `step()` (prefill, decode, choose, retire) over the scheduler's rows
   engine.cache      SlotCache: the KV cache of the engine's rows (ring slots for chunked layers)
   engine.runner     Runner: the prefill and the batched decode pass (compiled where it pays)
+  engine.graphs     the decode step captured once per batch size and replayed (CUDA graphs)
   engine.sampling   Sampling (the one contract for sampling values), next_token (the one choice), TextStream
   engine.trace      StepTrace, StepObserver: a traced step, built only when a request asks for it
+  engine.observe    observers attached from outside a model: what each layer attended with and routed to
+  engine.generation generate, stream: "add the prompts, step until done"; `sample`, the plain reference loop
 
 Offline generation is "add the prompts, step until done" (`generation.generate`); the server runs the
 same engine on a thread of its own (`serve.engine`). See docs/reference.md for the picture of a step.

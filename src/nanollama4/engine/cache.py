@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import KVCache, LayerCache, MaskMemo
-from ..config import ModelConfig
-from ..errors import ConfigError
-from ..runtime import available_memory
+from ..base.config import ModelConfig
+from ..base.errors import ConfigError
+from ..base.runtime import available_memory
+from ..model.attention import KVCache, LayerCache, MaskMemo
 
 
 class SlotLayer(LayerCache):

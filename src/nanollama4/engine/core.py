@@ -28,12 +28,12 @@ from contextlib import nullcontext
 
 import torch
 
-from ..attention import KVCache
-from ..errors import GenerationError
-from ..model import Transformer
-from ..observe import observe
-from ..tokenizer import Tokenizer, token_bytes, token_label
+from ..base.errors import GenerationError
+from ..model.attention import KVCache
+from ..model.tokenizer import Tokenizer, token_bytes, token_label
+from ..model.transformer import Transformer
 from .cache import SlotCache, check_cache_fits, held
+from .observe import observe
 from .request import Event, Finished, Request, TokenEvent
 from .runner import FAST_PREFILL_TOKENS, FastPrefill, Runner
 from .sampling import Sampling, TextStream, choose

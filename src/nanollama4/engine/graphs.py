@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from ..model import Transformer
+from ..model.transformer import Transformer
 from ..ops.decode import EVERY_EXPERT_ROWS, static_shapes
 from .cache import SlotCache
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ..attention import KVCache
+    from ..model.attention import KVCache
     from .runner import FastPrefill
     from .sampling import Sampling, TextStream
     from .trace import StepTrace

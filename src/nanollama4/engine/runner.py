@@ -30,8 +30,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..attention import KVCache
-from ..model import Transformer
+from ..model.attention import KVCache
+from ..model.transformer import Transformer
 from ..ops import fastdecode
 from ..ops.decode import EVERY_EXPERT_ROWS, few_assignments
 from .cache import SlotCache

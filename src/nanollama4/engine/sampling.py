@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
-from ..errors import GenerationError
-from ..fields import Rule, Seed, check, integer
+from ..base.errors import GenerationError
+from ..base.fields import Rule, Seed, check, integer
 
 if TYPE_CHECKING:
     import torch

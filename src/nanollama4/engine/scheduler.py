@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from ..errors import Nanollama4Error
+from ..base.errors import Nanollama4Error
 from .request import Request
 
 PREFILL_CHUNK = 64  # prompt tokens a step prefills per request (longer prompts take several steps)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import Transformer
-from ..observe import describe_slots
+from ..model.transformer import Transformer
+from .observe import describe_slots
 from .sampling import Sampling, distribution
 
 TOP_ODDS = 8  # next tokens a traced step lists

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 
 if TYPE_CHECKING:
     from .common import Setting

@@ -28,11 +28,11 @@ import unicodedata
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..checkpoint import read_model_config, resolve_checkpoint
-from ..config import ModelConfig, TrainConfig
-from ..errors import ConfigError, TrainingError
-from ..files import own_folder, read_json
-from ..runs import is_run_dir
+from ..base.config import ModelConfig, TrainConfig
+from ..base.errors import ConfigError, TrainingError
+from ..base.files import own_folder, read_json
+from ..interop.checkpoint import read_model_config, resolve_checkpoint
+from ..training.runs import is_run_dir
 
 MAX_FOLDER_BYTES = 255  # the longest file name of the common filesystems (ext4, APFS, NTFS), in bytes
 UNSHOWABLE = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}  # Unicode categories that print as nothing, or lie

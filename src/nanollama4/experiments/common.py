@@ -21,16 +21,16 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from ..checkpoint import load_train_state, read_model_config, resolve_checkpoint
-from ..config import ModelConfig, TrainConfig
-from ..errors import CheckpointError
-from ..evaluation import full_validation_loss_of_run, read_full_validation, record_full_validation
-from ..files import atomic_write, read_json
-from ..memory import ParamCounts, param_counts
-from ..plots import read_metrics, save_png
-from ..runs import fit_seq_len, is_run_dir, resume_config
-from ..tokenizer import CHAR_KIND
-from ..train import train
+from ..base.config import ModelConfig, TrainConfig
+from ..base.errors import CheckpointError
+from ..base.files import atomic_write, read_json
+from ..interop.checkpoint import load_train_state, read_model_config, resolve_checkpoint
+from ..model.memory import ParamCounts, param_counts
+from ..model.tokenizer import CHAR_KIND
+from ..reports.plots import read_metrics, save_png
+from ..training.evaluation import full_validation_loss_of_run, read_full_validation, record_full_validation
+from ..training.runs import fit_seq_len, is_run_dir, resume_config
+from ..training.train import train
 from .arms import arm_run_dir
 
 

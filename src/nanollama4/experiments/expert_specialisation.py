@@ -6,7 +6,7 @@ The demo's model and recipe on three seeds: with its shared expert (top-1 + shar
 active size by top-2 of the same experts, and without one at top-1 with experts twice as wide, so that the
 shared expert (k = 1 both) and k (no shared expert both) are each changed alone. Then, at the first seed, the
 first arm again with a BPE tokenizer, on Shakespeare and on Python source (this Python's standard library).
-Every run routes the first TOKENS of its validation text (`explain.experts`, as `nanollama4 experts` does)
+Every run routes the first TOKENS of its validation text (`reports.experts`, as `nanollama4 experts` does)
 and is read by layer: I(first expert; token) and I(first expert; token class) above the shuffle null, and
 against two nulls that need another model: the untrained twin drawn from the run's own seed (the same config
 with fresh weights: what routing sorts with no training), and the geometry null (the run's own hidden states
@@ -22,9 +22,9 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from ..evaluation import validation_of_run
-from ..explain.experts import KMEANS_FIT, MIN_SUPPORT, ExpertStat, experts, most_specialised
-from ..explain.specialise import Specialisation
+from ..reports.experts import KMEANS_FIT, MIN_SUPPORT, ExpertStat, experts, most_specialised
+from ..reports.specialise import Specialisation
+from ..training.evaluation import validation_of_run
 from . import common
 from .sweep import Sweep, setting_of
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..attention import KVCache
-from ..checkpoint import load_run
-from ..generation import generate_ids
-from ..memory import kv_cache
-from ..model import Transformer
+from ..engine.generation import generate_ids
+from ..interop.checkpoint import load_run
+from ..model.attention import KVCache
+from ..model.memory import kv_cache
+from ..model.transformer import Transformer
 from . import common
 from .sweep import Sweep, setting_of
 

@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..attention import attention_mask
-from ..checkpoint import load_run
-from ..corpus import find_corpus_files
-from ..data import TokenDataset, default_cache_dir
-from ..errors import DataError
-from ..model import Transformer
+from ..base.errors import DataError
+from ..interop.checkpoint import load_run
+from ..model.attention import attention_mask
+from ..model.tokenizer import CharTokenizer
+from ..model.transformer import Transformer
 from ..ops import build_model
-from ..tokenizer import CharTokenizer
+from ..training.corpus import find_corpus_files
+from ..training.data import TokenDataset, default_cache_dir
 from . import common, recall
 from .sweep import TINY_STEPS, Sweep, setting_of
 

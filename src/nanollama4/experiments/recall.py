@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..model import Transformer
-from ..tokenizer import CharTokenizer
+from ..model.tokenizer import CharTokenizer
+from ..model.transformer import Transformer
 
 VALUES = "0123456789"
 FILLER = "abcdefghijklmnopqrstuvwxyz"

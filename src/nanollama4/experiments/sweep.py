@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig, TrainConfig, config_of, parse_duration, preset, split_overrides
-from ..configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, flat_table, read_config_file
-from ..errors import ConfigError, Nanollama4Error, TrainingError
-from ..files import atomic_write, read_json
-from ..parts import declared_hint
-from ..runs import fit_seq_len
+from ..base.config import ModelConfig, TrainConfig, config_of, parse_duration, preset, split_overrides
+from ..base.configfile import TABLES, VOCAB_NOTE, ConfigFile, _toml_value, check_value, flat_table, read_config_file
+from ..base.errors import ConfigError, Nanollama4Error, TrainingError
+from ..base.files import atomic_write, read_json
+from ..base.parts import declared_hint
+from ..training.runs import fit_seq_len
 from . import arms as folders
 from . import common
 from .common import TINY_SCORE_TOKENS
@@ -378,8 +378,8 @@ def time_arms(sweep: Sweep, out: Path, tiny: bool = False, progress: bool = True
     import tempfile
     import time as clock
 
-    from ..runsetup import start_run
-    from ..train import read_step, train_step
+    from ..training.runsetup import start_run
+    from ..training.train import read_step, train_step
 
     runs = {}
     with tempfile.TemporaryDirectory(dir=out) as scratch:

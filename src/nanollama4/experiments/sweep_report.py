@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..memory import active_size_note, format_count
+from ..model.memory import active_size_note, format_count
 from . import common
 
 TOKENS_APART = 0.10  # a pair whose arms' training tokens differ by more on a seed says so in its verdict line
@@ -135,7 +135,7 @@ def read_pairs(out: Path, pairs: list[str]) -> list[str]:
     """More pairs of a finished sweep (`nanollama4 sweep OUT --pairs A,B`), read from OUT/results.json alone,
     nothing trained: each "ARM,AGAINST" as the report's line. One ConfigError line for a name the sweep has
     not, listing its arms."""
-    from ..errors import ConfigError
+    from ..base.errors import ConfigError
 
     if not (out / "results.json").is_file():
         raise ConfigError(f"{out} holds no results.json: --pairs reads a finished sweep's folder (train it with "

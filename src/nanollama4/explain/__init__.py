@@ -6,14 +6,11 @@
   explain.page      `html(trace)`: one self-contained offline page, its markup and script in page.html;
                     in a notebook a Trace shows itself as that page (`notebook_html`)
 
+  explain.palette   the colours the page and the experts page share
+
 The views only read a `Trace`; tracing.py imports neither of them.
 
-Over a whole text rather than one prompt (`nanollama4 experts`), imported from their modules:
-  explain.routes       `route_stream(model, ids)` -> `Routes`: every token's slots per MoE layer, in windows
-  explain.experts      `experts(model, tokenizer, ids)` -> `ExpertsReport`: loads, lift, classes, MI, paths
-  explain.specialise   the arithmetic: lift, mutual information, the shuffle null, intervals
-  explain.expertsview  `show_experts(report)`, `write_json(report, path)`
-  explain.expertspage  `experts_html(report)`: the offline page (experts.html), filled and written as page.py's
+A whole text's routing (`nanollama4 experts`) is reports/'s: this folder is one prompt.
 """
 
 from .page import PAGE_SCORES_LIMIT, html, notebook_html

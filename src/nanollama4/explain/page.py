@@ -14,8 +14,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from ..errors import GenerationError
-from ..files import atomic_write, check_output_target
+from ..base.errors import GenerationError
+from ..base.files import atomic_write, check_output_target
 from . import palette
 from .tracing import Trace, describe_attention
 
@@ -62,17 +62,17 @@ def script_json(data: object) -> str:
             .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
 
 
-def fill_page(template: str, title: str, data: object, n_experts: int) -> str:
-    """The packaged `template` with the expert palette, then @TITLE@ (HTML-escaped) and @DATA@ (`script_json`)
-    filled in a single pass, so nothing a text contains is ever read as a placeholder."""
+def fill_page(template: str, title: str, data: object, n_experts: int, home: str = __package__) -> str:
+    """The `template` packaged in the folder `home` with the expert palette, then @TITLE@ (HTML-escaped) and
+    @DATA@ (`script_json`) filled in a single pass, so nothing a text contains is ever read as a placeholder."""
     fills = {"TITLE": html_text.escape(title), "DATA": script_json(data)}
-    page = palette.fill(_template(template), n_experts)  # before the data goes in: never read as a placeholder
+    page = palette.fill(_template(template, home), n_experts)  # before the data goes in: never read as a placeholder
     return re.sub(r"@(TITLE|DATA)@", lambda m: fills[m[1]], page)  # one pass: a prompt is never re-read
 
 
-def _template(name: str) -> str:
+def _template(name: str, home: str) -> str:
     """A page template, read through importlib.resources so it is found in an installed wheel as in a checkout."""
-    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+    return resources.files(home).joinpath(name).read_text(encoding="utf-8")
 
 
 EXPLAIN = "nanollama4 explain"  # the generator named in the first line of every explain page we write

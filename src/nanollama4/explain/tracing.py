@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import temperature_scale
-from ..errors import GenerationError
-from ..model import Transformer
-from ..moe import MoE
-from ..observe import describe_slots, observe
-from ..router import Routing
-from ..tokenizer import Tokenizer, prompt_ids
+from ..base.errors import GenerationError
+from ..engine.observe import describe_slots, observe
+from ..model.attention import temperature_scale
+from ..model.moe import MoE
+from ..model.router import Routing
+from ..model.tokenizer import Tokenizer, prompt_ids
+from ..model.transformer import Transformer
 
 TOP_NEXT = 10  # next tokens listed
 

@@ -1,6 +1,6 @@
 """The fast ways to compute what the model files state plainly, installed from outside the model.
 
-  ops.kernels    our compiled CPU grouped products (csrc/grouped.cpp: float32, and bf16 on AVX512_BF16)
+  ops.kernels    our compiled CPU grouped products (ops/csrc/grouped.cpp: float32, and bf16 on AVX512_BF16)
   ops.products   the registry of routed-expert products (a product of your own is one `register_product`)
   ops.experts    the built-in products, `auto`'s choice among the registered ones, and FastExperts, the routed
                  experts with the product chosen per call
@@ -9,6 +9,8 @@
   ops.routed     the kernel and the bucketed loop as one autograd node with the routing around them
   ops.linear     FastLinear: an nn.Linear that picks our kernel or a two-core row product per call
   ops.attention  the CPU bf16-autocast training attention (explicit scores)
+  ops.fastdecode the decode step in C++ (csrc/decode.cpp) and its field-by-field contract with ModelConfig
+  ops.csrc       the C++ sources, compiled on first use (ninja)
 
 `install(model)` swaps FastLinear in for every SwiGLU projection (the dense FFN and the shared
 expert), FastExperts for every `moe.Experts`, and the CPU autocast attention into every Attention. Each
@@ -22,10 +24,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..attention import Attention, sdpa_attend
-from ..config import ModelConfig
-from ..model import Transformer
-from ..moe import Experts, SwiGLU
+from ..base.config import ModelConfig
+from ..model.attention import Attention, sdpa_attend
+from ..model.moe import Experts, SwiGLU
+from ..model.transformer import Transformer
 from .attention import cpu_autocast_attend
 from .experts import FastExperts
 from .linear import FastLinear

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import BY_CHUNKS, attention_mask, sdpa_attend
+from ..model.attention import BY_CHUNKS, attention_mask, sdpa_attend
 
 SCORES_LIMIT = 1 << 24  # score elements (B * H * Tq * Tk) up to which training attention uses explicit scores
 

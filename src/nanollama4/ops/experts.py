@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..moe import Experts, per_expert_products
+from ..model.moe import Experts, per_expert_products
 from . import kernels
 from .decode import EVERY_EXPERT_ROWS, every_expert, few_assignments, few_rows, graph_safe
 from .kernel_swiglu import activate, activation_grad, kernel_backward, kernel_bf16_ok, kernel_forward, kernel_product

@@ -31,17 +31,17 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..attention import Attention, sdpa_attend
-from ..model import Block, RMSNorm, Transformer
-from ..moe import Experts, MoE, SwiGLU
-from ..rope import rope_angles
-from ..router import SigmoidRouter, SoftmaxRouter
+from ..model.attention import Attention, sdpa_attend
+from ..model.moe import Experts, MoE, SwiGLU
+from ..model.rope import rope_angles
+from ..model.router import SigmoidRouter, SoftmaxRouter
+from ..model.transformer import Block, RMSNorm, Transformer
 from . import kernels
 from .attention import cpu_autocast_attend
 from .experts import FastExperts
 from .linear import FastLinear
 
-SOURCE = Path(__file__).parent.parent / "csrc" / "decode.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 DTYPES = {torch.float32: "DecodeStep", torch.bfloat16: "DecodeStepBF16"}  # the weights' dtype: its C++ class
 Q8_BLOCK = 32  # weights per block of 8-bit codes, each block with a float32 scale (llama.cpp's Q8_0 has 32 too)
 LINEARS = (nn.Linear, FastLinear)  # what the step reads as a plain (out, in) weight

@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 from torch.autograd.function import once_differentiable
 
-SOURCE = Path(__file__).parent.parent / "csrc" / "grouped.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "grouped.cpp"
 
 _module: ModuleType | None = None
 _tried = False

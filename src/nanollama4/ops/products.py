@@ -22,7 +22,7 @@ own, passed to any command with `--import`; from then on `FastExperts.dispatch` 
 `auto` times it against the built-in choice wherever it supports the rows:
 
     import torch
-    from nanollama4.moe import per_expert_products
+    from nanollama4.model.moe import per_expert_products
     from nanollama4.ops.products import register_product
 
     def float32_only(x, hidden, n_experts, rows):
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
-from ..parts import Registry
+from ..base.errors import ConfigError
+from ..base.parts import Registry
 from .routed import Stages
 
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

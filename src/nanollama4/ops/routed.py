@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..moe import count_per_expert
+from ..model.moe import count_per_expert
 
 
 @dataclass

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, Nanollama4Error
-from ..files import read_bytes, read_json
-from ..tokenizer import Markup, Rendered, break_markup, split_markup
+from ..base.errors import CheckpointError, Nanollama4Error
+from ..base.files import read_bytes, read_json
+from ..model.tokenizer import Markup, Rendered, break_markup, split_markup
 from .logs import printable
 
 ROLE_NAMES = {"user": "USER", "assistant": "ASSISTANT"}  # the play template's speaker names

@@ -13,12 +13,12 @@ import threading
 
 import torch
 
+from ..base.errors import Nanollama4Error
 from ..engine.core import Engine
 from ..engine.request import Event, Finished, Request, TokenEvent
 from ..engine.scheduler import QueueFull
-from ..errors import Nanollama4Error
-from ..model import Transformer
-from ..tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer
+from ..model.transformer import Transformer
 from .logs import log
 
 __all__ = ["BackgroundEngine", "Request", "TokenEvent", "Finished", "Event", "QueueFull", "Closing", "log"]

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import ConfigError
+from ..base.errors import ConfigError
 from .logs import log
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

@@ -27,9 +27,9 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from starlette.responses import Response
 
+from ..base.errors import GenerationError, TokenizerError
 from ..engine.sampling import Sampling, SamplingError
-from ..errors import GenerationError, TokenizerError
-from ..tokenizer import UnknownCharacters, prompt_ids, replacing_unknown
+from ..model.tokenizer import UnknownCharacters, prompt_ids, replacing_unknown
 from .chat import ChatFormat, ChatTemplateError, PlayFormat
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 
-from ..errors import ConfigError
-from ..model import Transformer
-from ..tokenizer import Tokenizer
+from ..base.errors import ConfigError
+from ..model.tokenizer import Tokenizer
+from ..model.transformer import Transformer
 from .chat import ChatFormat, PlayFormat
 from .guard import MAX_CONNECTIONS, REQUEST_TIMEOUT, HostRule, check_origin, guarded_protocol
 
