@@ -267,7 +267,7 @@ def test_prompts_that_go_in_whole_together_share_one_call(monkeypatch):
     alone, calls = prefill_all(model, "fast", monkeypatch, fail=True)
     assert calls == [[1, 3, 7]]
     assert_same_requests(alone, plain)
-    monkeypatch.setattr("nanollama4.engine.core.TOGETHER_TOKENS", 8)  # calls of at most 8 tokens: b and c
+    monkeypatch.setattr("nanollama4.engine.runner.TOGETHER_TOKENS", 8)  # calls of at most 8 tokens: b and c
     bounded, calls = prefill_all(model, "fast", monkeypatch)
     assert calls == [[1, 7]]
     assert_same_requests(bounded, plain)
@@ -563,8 +563,8 @@ def test_a_prompt_prefilled_by_the_cpp_step_equals_the_plain_prefill(name):
         want = torch.cat([runner.prefill(ids[:, :25], plain, last_only=False),
                           runner.prefill(ids[:, 25:], plain, start=25, last_only=False)], 1)
         assert (got - want).abs().max() <= 1e-5 * max(1.0, want.abs().max())
-        runner.cache.load(0, fast)
-        runner.cache.load(1, plain)
+        runner.seat(0, fast)
+        runner.seat(1, plain)
         runner.only = "plain"
         steps = runner.decode([7, 7], [40, 40])
     torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=1e-5)

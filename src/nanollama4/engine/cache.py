@@ -12,12 +12,12 @@ import torch
 from ..base.config import ModelConfig
 from ..base.errors import ConfigError
 from ..base.runtime import available_memory
-from ..model.attention import KVCache, LayerCache, MaskMemo
+from ..model.attention import KVCache, LayerCache
 
 
 class SlotLayer(LayerCache):
     """One layer's keys and values for `rows` independent sequences: an `attention.LayerCache` whose rows
-    each advance on their own (the mask memo, built from positions, is the parent's).
+    each advance on their own.
 
     Full-attention layers keep position p of a row in slot p. Chunked layers keep a ring
     (`ModelConfig.cache_slots`), position p in slot p mod its length: a query never looks further back
@@ -27,8 +27,8 @@ class SlotLayer(LayerCache):
     """
 
     def __init__(self, rows: int, slots: int, kv_heads: int, head_dim: int, window: bool, dtype: torch.dtype,
-                 device: torch.device, masks: MaskMemo) -> None:
-        super().__init__(rows, slots, kv_heads, head_dim, window, dtype, device, masks)
+                 device: torch.device) -> None:
+        super().__init__(rows, slots, kv_heads, head_dim, window, dtype, device)
         self.active = 0  # rows [0, active) take part in the current step
         self.span = 0  # full layers: slots [0, span) hold every position the step needs
         self.slot: torch.Tensor | None = None  # each active row's slot for its new key, flat (row * slots + slot)
@@ -48,13 +48,14 @@ class SlotLayer(LayerCache):
             return seen
         return self.k[:n, :self.span], self.v[:n, :self.span], self.pos[:n, :self.span]
 
-    def load(self, row: int, layer) -> None:
-        """Put a prefilled one-sequence `attention.LayerCache` into `row`, forgetting what the row held."""
+    def load(self, row: int, layer: LayerCache, source: int = 0) -> None:
+        """Put row `source` of a prefilled layer cache (a KVCache's one row, or a row of another slot cache)
+        into `row`, forgetting what the row held."""
         self.pos[row] = -1
-        keep = layer.pos[0] >= 0
-        p = layer.pos[0][keep]
+        keep = layer.pos[source] >= 0
+        p = layer.pos[source][keep]
         slot = p % self.k.shape[1] if self.window else p
-        self.k[row, slot], self.v[row, slot], self.pos[row, slot] = layer.k[0][keep], layer.v[0][keep], p
+        self.k[row, slot], self.v[row, slot], self.pos[row, slot] = layer.k[source][keep], layer.v[source][keep], p
 
     def move(self, src: int, dst: int) -> None:
         self.k[dst], self.v[dst], self.pos[dst] = self.k[src], self.v[src], self.pos[src]
@@ -65,9 +66,8 @@ class SlotCache:
 
     def __init__(self, cfg: ModelConfig, rows: int, dtype: torch.dtype, device: torch.device,
                  context: int | None = None) -> None:
-        self.masks: MaskMemo = {}
         self.context = context or cfg.max_seq_len  # positions 0..context-1
-        self.layers = [SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device, self.masks)
+        self.layers = [SlotLayer(rows, slots, cfg.n_kv_heads, cfg.head_dim, window, dtype, device)
                        for slots, window in self.shapes(cfg, self.context)]
 
     @staticmethod
@@ -80,9 +80,6 @@ class SlotCache:
         """The bytes the cache takes: keys and values in `dtype`, and a position (int64) per slot."""
         per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize + 8
         return rows * per_slot * sum(slots for slots, _ in cls.shapes(cfg, context))
-
-    def new_step(self) -> None:
-        self.masks.clear()
 
     def prepare(self, positions: list[int]) -> None:
         """The next step runs rows [0, len(positions)), each at its position: each layer's flat slot for every
@@ -97,9 +94,10 @@ class SlotCache:
                 slots[S, layer.window] = torch.tensor(flat, device=layer.k.device)
             layer.active, layer.span, layer.slot = active, span, slots[S, layer.window]
 
-    def load(self, row: int, cache: KVCache) -> None:
+    def load(self, row: int, cache: KVCache | SlotCache, source: int = 0) -> None:
+        """Copy row `source` of `cache` (a prompt's prefill) into `row`."""
         for mine, theirs in zip(self.layers, cache.layers, strict=True):
-            mine.load(row, theirs)
+            mine.load(row, theirs, source)
 
     def move(self, src: int, dst: int) -> None:
         for layer in self.layers:

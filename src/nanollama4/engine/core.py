@@ -4,7 +4,9 @@
        | add(Request, ...)                     each Request: prompt ids, max_tokens, Sampling, emit
        v
     step():  _schedule     retire cancelled rows; admit waiting requests into free rows (engine/scheduler.py);
-                           each new prompt alone into a one-row cache, a chunk per step, then into its row
+                           each new prompt into a cache of the runner's (whole prompts grouped into one call
+                           of the C++ step where it applies, else a chunk per step), its first token chosen
+                           and sent, then the runner seats it in its row
              _run          every row's newest token through the model in one batched pass  (engine/runner.py)
              _postprocess  each row's next token by its own Sampling and tokens (`sampling.choose`);
                            TextStream decides where it stops; a traced row's step is written by the
@@ -35,7 +37,7 @@ from ..model.transformer import Transformer
 from .cache import SlotCache, check_cache_fits, held
 from .observe import observe
 from .request import Event, Finished, Request, TokenEvent
-from .runner import FAST_PREFILL_TOKENS, FastPrefill, Runner
+from .runner import Prefill, Runner
 from .sampling import Sampling, TextStream, choose
 from .scheduler import Scheduler
 from .trace import StepObserver, StepTrace
@@ -43,7 +45,6 @@ from .trace import StepObserver, StepTrace
 __all__ = ["Engine", "Request", "TokenEvent", "Finished", "Event"]
 
 log = logging.getLogger("nanollama4.engine")
-TOGETHER_TOKENS = FAST_PREFILL_TOKENS  # the most prompt tokens one call of the C++ step prefills together
 NOT_FINITE = "the model's output is not finite; its weights may have diverged"
 
 
@@ -214,24 +215,14 @@ class Engine:
         self._retire(r, "error", error=f"{type(e).__name__}: {e}")
 
     def _prefill_together(self, prefills: list[Request]) -> list[Request]:
-        """The prompts that go in whole at this step, untraced and unscored, through the C++ step in calls of
-        up to `TOGETHER_TOKENS` tokens (`Runner.prefill_together`), each then as `_prefilled`; the requests
-        taken ([] where none). The bound keeps a call's buffers (some are per thread) as small as one long
-        prompt's."""
+        """The prompts that go in whole at this step, untraced and unscored, in the runner's groups
+        (`Runner.groups`, `Runner.prefill_together`: the C++ step, one call a group), each then as
+        `_prefilled`; the requests taken ([] where none)."""
         whole = [r for r in prefills if not (r.prefilled or r.trace or r.prompt_logprobs)
                  and self.scheduler.chunk(r)[1] == len(r.prompt_ids)]
-        groups: list[list[Request]] = [[]]
-        size = 0  # the last group's tokens
-        for r in whole:
-            if groups[-1] and size + len(r.prompt_ids) > TOGETHER_TOKENS:
-                groups.append([])
-                size = 0
-            groups[-1].append(r)
-            size += len(r.prompt_ids)
         taken: list[Request] = []
-        for group in groups:
-            if len(group) < 2:
-                continue
+        for indices in self.runner.groups([r.prompt_ids for r in whole]):
+            group = [whole[i] for i in indices]
             try:
                 done = self.runner.prefill_together([r.prompt_ids for r in group])
             except Exception:  # each is prefilled alone instead, so that a failure ends only its own request
@@ -267,7 +258,7 @@ class Engine:
             return
         self._prefilled(r, logits, cache, seen)
 
-    def _prefilled(self, r: Request, logits: torch.Tensor, cache: KVCache | FastPrefill, seen: dict) -> None:
+    def _prefilled(self, r: Request, logits: torch.Tensor, cache: Prefill, seen: dict) -> None:
         """r's whole prompt is in `cache`, logits (its positions or its last, vocab) from it: score the prompt
         if asked, choose and send its first token, and seat it in a row (the cache copied there)."""
         L = len(r.prompt_ids)
@@ -290,7 +281,7 @@ class Engine:
             trace = self.observer.prefilled(seen, r.prompt_ids, logits[-1], [held(layer, 0) for layer in cache.layers],
                                             r.sampling, token)
         if self._emit(r, token, logits[-1], trace):
-            self.cache.load(self.scheduler.seat(r), cache)
+            self.runner.seat(self.scheduler.seat(r), cache)
         else:
             self.scheduler.retire(r)
 

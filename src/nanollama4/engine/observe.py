@@ -63,7 +63,7 @@ def _recording(attn: Attention, attend, seen: dict):
         # the layer's output as the unobserved pass makes it, bit for bit: a chunked pass over a whole sequence
         # numbered from a chunk boundary (no cache: the keys' positions are the queries') goes chunk by chunk
         # there, as `Transformer.forward` decides it
-        start = numbered_from(q_pos) if chunk is not None and mask is None and k_pos is q_pos else None
+        start = numbered_from(q_pos) if chunk is not None and k_pos is q_pos else None
         if goes_by_chunks(attend, chunk, start):
             return by_chunks(attend, q, k, v, q_pos, chunk)
         return attend(q, k, v, q_pos, k_pos, chunk, mask)

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from ..model.attention import KVCache
-    from .runner import FastPrefill
+    from .runner import Prefill
     from .sampling import Sampling, TextStream
     from .trace import StepTrace
 
@@ -69,7 +68,7 @@ class Request:
     generator: torch.Generator | None = field(default=None, repr=False)
     text: TextStream | None = field(default=None, repr=False)
     tokens: list[int] = field(default_factory=list, repr=False)  # the prompt and every token so far
-    prefill_cache: KVCache | FastPrefill | None = field(default=None, repr=False)  # while its prompt goes in
+    prefill_cache: Prefill | None = field(default=None, repr=False)  # the runner's, while its prompt goes in
     prefilled: int = 0  # prompt tokens already in prefill_cache
     generated: int = 0
     position: int = 0  # where the newest token goes

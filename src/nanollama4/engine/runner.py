@@ -26,7 +26,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -43,24 +42,21 @@ TRIAL_STEPS = 4  # timed steps per way (C++ or plain, threads) before a size's c
 FAR_SLOWER = 1.5  # a way whose best timed step is this much slower than another's is dropped
 Way = tuple[str, int]  # ("fast" or "plain", threads)
 FAST_PREFILL_TOKENS = 256  # longer prompts are prefilled by the plain model (its attention is the faster there)
+TOGETHER_TOKENS = FAST_PREFILL_TOKENS  # the most prompt tokens one call of the C++ step prefills together
 _CHOICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(size, threads): way}
 
 
 @dataclass
 class FastPrefill:
-    """A prompt's row of a slot cache and the C++ step over that cache; `SlotCache.load` moves the row into the
-    engine's row. Prompts prefilled together share one cache, a row each (`Runner.prefill_together`)."""
+    """A prompt's row of a slot cache and the C++ step over that cache. Prompts prefilled together share one
+    cache, a row each (`Runner.prefill_together`); `Runner.seat` copies the row into the engine's."""
 
     cache: SlotCache
     step: fastdecode.FastStep
     row: int = 0
 
-    @property
-    def layers(self) -> list:
-        """The row's part of each layer (k, v, pos with one row), as `SlotLayer.load` reads a prefilled cache."""
-        i = self.row
-        return [SimpleNamespace(k=layer.k[i:i + 1], v=layer.v[i:i + 1], pos=layer.pos[i:i + 1])
-                for layer in self.cache.layers]
+
+Prefill = KVCache | FastPrefill  # a prompt's cache while it goes in: the runner's to make, fill and seat
 
 
 class Runner:
@@ -80,7 +76,7 @@ class Runner:
         self._static = StaticStep(model, cache)
         self._hooks, self._parts = fastdecode.hook_tables(model), [(b.attn, b.ffn) for b in model.blocks]
 
-    def prefill_cache(self, tokens: int, plain: bool = False) -> KVCache | FastPrefill:
+    def prefill_cache(self, tokens: int, plain: bool = False) -> Prefill:
         """A one-row cache for a prompt of `tokens` tokens: for the C++ step (`FastPrefill`) where it decodes one
         row here and the prompt is short enough for its attention loops, else the plain model's KVCache."""
         cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
@@ -102,11 +98,25 @@ class Runner:
         chosen = self.choice.get((1, torch.get_num_threads()), ("fast", 0))[0]
         return fast is not None and fast.usable(tokens) and chosen == "fast"
 
+    def groups(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The indices of `prompts` in the groups `prefill_together` takes, in order: runs of up to
+        `TOGETHER_TOKENS` tokens in all, which bounds a call's buffers (some are per thread) to one long prompt's.
+        A group of one is left out: alone, a prompt goes in as any other."""
+        groups: list[list[int]] = [[]]
+        size = 0  # the last group's tokens
+        for i, prompt in enumerate(prompts):
+            if groups[-1] and size + len(prompt) > TOGETHER_TOKENS:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += len(prompt)
+        return [g for g in groups if len(g) > 1]
+
     def prefill_together(self, prompts: list[list[int]]) -> tuple[list[FastPrefill], torch.Tensor] | None:
-        """Whole prompts through the C++ step in one call, each in its row of one new slot cache: each prompt's
-        cache and the logits of its last token (prompts, vocab); None where the step would not prefill them
-        (`prefill_cache` then gives each its own). One call shares the products' weights among all the prompts'
-        tokens, where a call per prompt reads them again for each."""
+        """Whole prompts (one of `groups`) through the C++ step in one call, each in its row of one new slot
+        cache: each prompt's cache and the logits of its last token (prompts, vocab); None where the step would
+        not prefill them (`prefill_cache` then gives each its own). One call shares the products' weights among
+        all the prompts' tokens, where a call per prompt reads them again for each."""
         longest = max(map(len, prompts))
         if not self._fast_prefills(longest, sum(map(len, prompts))):
             return None
@@ -116,7 +126,14 @@ class Runner:
         last = torch.tensor(list(itertools.accumulate(map(len, prompts)))) - 1
         return caches, logits[last]
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache | FastPrefill, start: int = 0, last_only: bool = True,
+    def seat(self, row: int, cache: Prefill) -> None:
+        """Copy a prompt's whole prefill into the engine's `row`."""
+        if isinstance(cache, FastPrefill):
+            self.cache.load(row, cache.cache, cache.row)
+        else:
+            self.cache.load(row, cache)
+
+    def prefill(self, ids: torch.Tensor, cache: Prefill, start: int = 0, last_only: bool = True,
                 head: bool = True) -> torch.Tensor:
         """Logits (1, T or 1, vocab) of one prompt's tokens ids (1, T) at positions start..start+T-1, their keys
         into `cache` (which holds positions 0..start-1 already); `head=False`: only the cache is wanted."""

@@ -17,7 +17,6 @@ from torch import nn
 from ..base.config import ModelConfig
 from .rope import Rope, apply_rope
 
-MaskMemo = dict[tuple[bool, int | None], torch.Tensor]  # (window, chunk) -> this step's mask
 # Backends that may be handed a chunked layer's pass as one causal pass per chunk (`by_chunks`): those
 # that read the positions only for the causal mask. A backend added from outside (an observer, an
 # experiment's) is not in it and sees the whole sequence with its chunk, as it always did.
@@ -47,6 +46,27 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) 
     return allowed.unsqueeze(-3) if allowed.dim() == 3 else allowed
 
 
+class Masks:
+    """The attention masks of one forward pass, each built once per layer kind: the one place masks are made.
+
+    Within a pass every full-attention layer sees the same key positions, and so does every chunked one (with
+    a cache: every append-mode layer, and every ring), so a pass needs at most one mask per kind, keyed by
+    (ring, chunk), as the reference models build theirs once in the model's forward. Built on first ask: a
+    plain causal pass over a whole sequence (no mask: SDPA's own causal path) or one that goes chunk by
+    chunk asks for none. `Transformer.forward` makes one per call and hands it to every layer.
+    """
+
+    def __init__(self) -> None:
+        self._built: dict[tuple[bool, int | None], torch.Tensor] = {}
+
+    def get(self, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None, ring: bool) -> torch.Tensor:
+        """The `attention_mask` of this pass's layers of this kind."""
+        key = (ring, chunk)
+        if key not in self._built:
+            self._built[key] = attention_mask(q_pos, k_pos, chunk)
+        return self._built[key]
+
+
 def numbered_from(positions: torch.Tensor) -> int | None:
     """The first position where positions (T,) are start, start + 1, ..., else None (per-row positions, gaps,
     none at all). Reads them on the host: for positions a caller hands over, not for those the model numbers."""
@@ -73,27 +93,12 @@ class LayerCache:
     """
 
     def __init__(self, batch: int, slots: int, kv_heads: int, head_dim: int, window: bool,
-                 dtype: torch.dtype, device: torch.device | str, masks: MaskMemo | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)  # (B, S, KV, Dh)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)  # (B, S)
         self.window = window  # True: keep the last `slots` positions (chunked layer); False: append
         self.length = 0  # filled slots (append mode)
-        self.masks = masks  # shared by a KVCache's layers and cleared each step; None = no memo
-
-    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, chunk: int | None) -> torch.Tensor:
-        """attention_mask for this step, built once per step for all layers of the same kind.
-
-        Within one forward pass every append-mode layer holds the same positions, and so does every
-        windowed layer, so the mask depends only on (window, chunk); decoding saves a dozen small ops
-        per layer and token.
-        """
-        key = (self.window, chunk)
-        if self.masks is None or torch.compiler.is_compiling():  # a compiled graph shares the work itself
-            return attention_mask(q_pos, k_pos, chunk)
-        if key not in self.masks:
-            self.masks[key] = attention_mask(q_pos, k_pos, chunk)
-        return self.masks[key]
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,17 +132,10 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.max_len = max_len
-        self.masks: MaskMemo = {}
         self.layers = []
         for i in range(cfg.n_layers):
             slots, ring = cfg.cache_slots(i, max_len)
-            self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, ring, dtype, device,
-                                          self.masks))
-
-    def new_step(self) -> None:
-        """Forget the masks of the previous forward pass. `Transformer.forward` calls this at its start;
-        code that drives the layers itself must call it before each step."""
-        self.masks.clear()
+            self.layers.append(LayerCache(batch, slots, cfg.n_kv_heads, cfg.head_dim, ring, dtype, device))
 
     @property
     def nbytes(self) -> int:
@@ -162,12 +160,17 @@ class Attention(nn.Module):
         self.attend = sdpa_attend  # how scores are computed; `ops.install` may put a faster one here
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                cache: LayerCache | None = None, start: int | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, start: int | None = None, masks: Masks | None = None
+                ) -> torch.Tensor:
         """x (B, T, d) at positions (T,) or per row (B, T) -> (B, T, d). `rope`: cos/sin (.., T, Dh/2, 2).
 
         With a cache, the new keys/values are stored and the queries attend to everything cached.
         `start`: the first position, where the caller knows it (positions = start, start+1, ... and no
         cache); a chunked layer whose pass starts at a chunk boundary then attends chunk by chunk.
+        `masks`: the pass's masks, shared by its layers (a new one when the layer is called alone).
+
+        The backend gets no mask exactly when the pass is plain causal (one layout of positions for the
+        batch, the keys' the queries', no chunk, two or more of them): SDPA's causal path needs none.
         """
         B, T, _ = x.shape
         H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
@@ -185,10 +188,11 @@ class Attention(nn.Module):
         k_pos, mask = positions, None
         if cache is not None:
             k, v, k_pos = cache.update(k, v, positions.expand(B, T))
-            mask = cache.mask(positions, k_pos, self.chunk)
         if cache is None and T and goes_by_chunks(self.attend, self.chunk, start):
             out = by_chunks(self.attend, q, k, v, positions, self.chunk)
         else:
+            if cache is not None or self.chunk is not None or positions.dim() != 1 or T < 2:
+                mask = (masks or Masks()).get(positions, k_pos, self.chunk, cache is not None and cache.window)
             out = self.attend(q, k, v, positions, k_pos, self.chunk, mask)  # (B, T, H, Dh)
         return self.o_proj(out.reshape(B, T, H * Dh))
 
@@ -227,16 +231,14 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.
                 chunk: int | None, mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled dot-product attention of q (B, Tq, H, Dh) over k, v (B, Tk, KV, Dh) -> (B, Tq, H, Dh).
 
-    `mask` (an attention_mask) is built from the positions when not given; a plain causal, unchunked pass
-    over a whole sequence needs none.
+    `mask` is the layer's `Masks.get`; None for a plain causal pass (`Attention.forward` says when), which
+    SDPA masks itself. Every backend takes these arguments; one that needs the causal mask written out
+    builds it with `attention_mask`, the one rule.
     """
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
-    plain_causal = q_pos.dim() == 1 and k_pos.dim() == 1 and q_pos.shape == k_pos.shape
-    if mask is None and chunk is None and plain_causal and q.shape[-2] > 1:
+    if mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
-        if mask is None:
-            mask = attention_mask(q_pos, k_pos, chunk)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(1, 2)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base.config import ModelConfig
-from .attention import Attention, KVCache, LayerCache, numbered_from, rms_unit
+from .attention import Attention, KVCache, LayerCache, Masks, numbered_from, rms_unit
 from .moe import Experts, MoE, SwiGLU
 from .rope import Rope, rope_angles, rope_frequencies
 
@@ -50,8 +50,9 @@ class Block(nn.Module):
         self.ffn: nn.Module = MoE(cfg) if cfg.is_moe(layer) else SwiGLU(cfg.d_model, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                cache: LayerCache | None = None, start: int | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, rope, cache, start)
+                cache: LayerCache | None = None, start: int | None = None, masks: Masks | None = None
+                ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, rope, cache, start, masks)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -126,10 +127,9 @@ class Transformer(nn.Module):
             start = numbered_from(positions)
         rope = rope_angles(self.inv_freq(ids.device), positions.clamp(min=0))
         x = self.embed(ids)  # (B, T, d)
-        if cache is not None:
-            cache.new_step()
+        masks = Masks()  # built once per layer kind, for this pass only
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, rope, None if cache is None else cache.layers[i], start)
+            x = block(x, positions, rope, None if cache is None else cache.layers[i], start, masks)
         if not head:
             return x
         if last_only:
