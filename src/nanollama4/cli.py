@@ -184,6 +184,15 @@ def _training_commands(sub: Any) -> None:
 
 def _model_commands(sub: Any) -> None:
     """What reads a trained model: generate, explain, experts, serve, export, eval."""
+    _generate_command(sub)
+    _explain_command(sub)
+    _experts_command(sub)
+    _serve_command(sub)
+    _export_command(sub)
+    _eval_command(sub)
+
+
+def _generate_command(sub: Any) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a trained run or a reference checkpoint")
     p.add_argument("path", type=_path,
                    help="a run directory, a checkpoint folder, or a transformers checkpoint directory")
@@ -202,6 +211,8 @@ def _model_commands(sub: Any) -> None:
     add_dtype(p)
     p.set_defaults(func=commands.cmd_generate)
 
+
+def _explain_command(sub: Any) -> None:
     p = sub.add_parser("explain", help="walk a prompt through the model: shapes, attention, routing, next tokens")
     p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
     p.add_argument("--prompt", required=True, help="text to explain")
@@ -227,6 +238,8 @@ def _model_commands(sub: Any) -> None:
     add_dtype(p)
     p.set_defaults(func=commands.cmd_explain)
 
+
+def _experts_command(sub: Any) -> None:
     p = sub.add_parser("experts", help="what each expert learned over a whole text: load, what fills it and what "
                        "it owns with contexts, token classes, specialisation in bits against a shuffle null, paths")
     p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
@@ -246,6 +259,8 @@ def _model_commands(sub: Any) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=commands.cmd_experts)
 
+
+def _serve_command(sub: Any) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching, and a page showing "
                        "each streamed token's route")
     p.add_argument("path", type=_path, help="a run directory, a checkpoint folder, or a transformers checkpoint")
@@ -273,6 +288,8 @@ def _model_commands(sub: Any) -> None:
     add_dtype(p)
     p.set_defaults(func=commands.cmd_serve)
 
+
+def _export_command(sub: Any) -> None:
     p = sub.add_parser("export", help="write a run as a transformers checkpoint directory with its tokenizer, or "
                        "as one GGUF file that llama.cpp runs")
     p.add_argument("run_dir", type=_path)
@@ -294,6 +311,8 @@ def _model_commands(sub: Any) -> None:
                         "router has none), after printing the validation-loss change that makes")
     p.set_defaults(func=commands.cmd_export)
 
+
+def _eval_command(sub: Any) -> None:
     p = sub.add_parser("eval", help="full validation loss of a run (every validation token, nats/token)")
     p.add_argument("run_dir", type=_path)
     p.add_argument("--checkpoint", default="best", choices=["best", "last"])

@@ -192,21 +192,7 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
     an Origin that is the server's own or in `origins`, and JSON bodies declared as such.
 
     `app.state.stop_accepting()` begins a stop (the server calls it on SIGTERM): every queue refuses from then on."""
-    created = int(time.time())
     page = _page(engine, model_name)
-
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "nanollama4",
-            "max_model_len": engine.context}
-
-    async def models(_: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def model(http: HttpRequest) -> Response:
-        if http.path_params["name"] != model_name:
-            return ApiError(404, f"the model {http.path_params['name']!r} does not exist; this server serves "
-                            f"{model_name!r}", param="model", code="model_not_found").response()
-        return JSONResponse(card)
-
     # chat requests waiting for a checkpoint's template (the play template renders in place, in microseconds)
     templates = TemplateQueue(engine.max_queue) if isinstance(chat, TemplateFormat) else None
 
@@ -253,26 +239,47 @@ def create_app(engine: BackgroundEngine, model_name: str, hosts: HostRule | None
             return await _stream(session, answer) if params.stream else await _whole(http, session, answer)
         return handle
 
-    async def not_found(http: HttpRequest, exc: Exception) -> Response:
-        return ApiError(404, f"no such endpoint: {http.method} {http.url.path}", kind="not_found_error").response()
-
-    async def not_allowed(http: HttpRequest, exc: Exception) -> Response:
-        return ApiError(405, f"{http.method} is not allowed on {http.url.path}").response()
-
-    async def no_icon(_: HttpRequest) -> Response:
-        return Response(status_code=204)
-
-    async def crashed(http: HttpRequest, exc: Exception) -> Response:
-        log.error("%s %s failed: %s: %s", http.method, http.url.path, type(exc).__name__, exc)
-        return ApiError(500, "the server failed on this request (its log says why)", kind="server_error").response()
-
-    routes = [Route("/", index), Route("/favicon.ico", no_icon), Route("/health", health), Route("/v1/models", models),
-              Route("/v1/models/{name:path}", model),
+    routes = [Route("/", index), Route("/favicon.ico", _no_icon), Route("/health", health),
+              *_model_cards(engine, model_name),
               *[Route(path, endpoint(schema, reply), methods=["POST"]) for path, (schema, reply) in ENDPOINTS.items()]]
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: crashed},
+    app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, Exception: _crashed},
                     middleware=[Middleware(Guard, hosts=hosts or HostRule(), origins=origins)])
     app.state.stop_accepting = stop_accepting
     return app
+
+
+def _model_cards(engine: BackgroundEngine, model_name: str) -> list[Route]:
+    """/v1/models and /v1/models/NAME: the one model this server serves, as OpenAI's API lists one."""
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "nanollama4",
+            "max_model_len": engine.context}
+
+    async def models(_: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(http: HttpRequest) -> Response:
+        if http.path_params["name"] != model_name:
+            return ApiError(404, f"the model {http.path_params['name']!r} does not exist; this server serves "
+                            f"{model_name!r}", param="model", code="model_not_found").response()
+        return JSONResponse(card)
+
+    return [Route("/v1/models", models), Route("/v1/models/{name:path}", model)]
+
+
+async def _not_found(http: HttpRequest, exc: Exception) -> Response:
+    return ApiError(404, f"no such endpoint: {http.method} {http.url.path}", kind="not_found_error").response()
+
+
+async def _not_allowed(http: HttpRequest, exc: Exception) -> Response:
+    return ApiError(405, f"{http.method} is not allowed on {http.url.path}").response()
+
+
+async def _no_icon(_: HttpRequest) -> Response:
+    return Response(status_code=204)
+
+
+async def _crashed(http: HttpRequest, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", http.method, http.url.path, type(exc).__name__, exc)
+    return ApiError(500, "the server failed on this request (its log says why)", kind="server_error").response()
 
 
 async def _read_json(http: HttpRequest) -> Any:

@@ -221,10 +221,11 @@ def train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: str | Path, d
     return result
 
 
-def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
-           progress: bool, cache_dir: Path | None, world: World, device: torch.device,
-           announce: bool = False) -> TrainResult:
-    """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
+def _prepare(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
+             cache_dir: Path | None, world: World, device: torch.device, announce: bool
+             ) -> tuple[Run, ThreadWatch | None]:
+    """The run `_train` steps: started or resumed, its precision decided, its metrics file opened (cut back to
+    the step resumed), compiled if asked and announced; and the thread watch it trains under."""
     if resume:
         run = resume_run(tc, run_dir, data, cache_dir, world, device)
     else:
@@ -241,7 +242,6 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
     if tc.compile:
         run.model.compile()  # in place: model(...) and model.loss(...) both go through the compiled forward
     sequences = tc.batch_size * tc.grad_accum * world.size
-    tokens_per_step = sequences * tc.seq_len
     if world.distributed and world.main:
         print(f"torchrun: {run.parallel.describe()}; global batch {world.size} ranks x {tc.batch_size} x "
               f"{tc.grad_accum} accumulated = {sequences} sequences of {tc.seq_len} tokens per step", flush=True)
@@ -254,6 +254,17 @@ def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: 
                       + (" (set by threads)" if tc.threads else "")), flush=True)
     if device.type == "cpu":
         kernels.load()  # a first-time build (~20 s) stays out of the run's clock, its times and --max-time
+    return run, watch
+
+
+def _train(model_cfg: ModelConfig | None, tc: TrainConfig, run_dir: Path, data: str | None, resume: bool,
+           progress: bool, cache_dir: Path | None, world: World, device: torch.device,
+           announce: bool = False) -> TrainResult:
+    """The loop of `train`, run with run_dir locked: step, log, and validate + save when it is time."""
+    run, watch = _prepare(model_cfg, tc, run_dir, data, resume, cache_dir, world, device, announce)
+    tc = run.tc  # with seq_len filled in and bf16 decided
+    metrics_path = run_dir / "metrics.jsonl"
+    tokens_per_step = tc.batch_size * tc.grad_accum * world.size * tc.seq_len
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not progress, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     trained_tokens = 0
