@@ -1,98 +1,25 @@
-"""torchrun training on 2 CPU processes (gloo, float32), through the CLI, against one process.
+"""torchrun training on 2 CPU processes (gloo, float32), through the CLI, against one process: data
+parallel (DDP, FSDP2), checkpoints that move between world sizes, and a rank that fails or hangs.
 
 A step of R ranks x batch b x accumulation a must be the step one process takes with batch b and
-accumulation R x a: same windows, same micro-batches, same losses. Checkpoints must move between world
-sizes. Each launch costs a few seconds (two Python processes importing torch), so every comparison
-shares the runs it needs (module-scoped fixtures), and a single process runs in this one (`main(argv)`).
+accumulation R x a: same windows, same micro-batches, same losses. The launching lives in torchrun.py;
+expert parallelism in test_expert_parallel.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_corpus
-
-TOL = 1e-5
-BIN = Path(sys.executable).parent
-COMMON = ["--quiet", "--no-plots", "--set", "batch_size=4", "--set", "seq_len=32", "--set", "eval_interval=3", "--set",
-          "eval_batches=3", "--set", "warmup_steps=2", "--set", "threads=1"]
-# the tutorial's routing: softmax top-2 over 4 experts, learned noise, capacity with overflow, bias balancing
-MOE = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "capacity_factor=1.0", "--set",
-       "bias_balance_rate=0.01", "--set", "router=softmax", "--set", "softmax.noise=learned"]
+from tests.torchrun import COMMON, MOE, assert_same, launch, new_work, resume, train
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    corpus = write_corpus(root / "corpus.txt", n_lines=600)
-    env = {**os.environ, "NANOLLAMA4_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
-    return {"root": root, "corpus": corpus, "env": env}
-
-
-def launch(work, args: list[str], ranks: int = 1, script: list[str] | None = None, env: dict | None = None,
-           timeout: float = 120) -> subprocess.CompletedProcess:
-    """`nanollama4 ARGS` alone (in this process), or under `torchrun --nproc-per-node RANKS`."""
-    if ranks == 1 and script is None and env is None:
-        return in_process(work, args)
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", str(ranks), "--standalone",
-           *(script or ["-m", "nanollama4"]), *args]
-    return subprocess.run(cmd, cwd=work["root"], env={**work["env"], **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def in_process(work, args: list[str]) -> subprocess.CompletedProcess:
-    """`nanollama4 ARGS` through `main(argv)` here, with the launches' token cache, as a finished process."""
-    from nanollama4.cli import main
-
-    out, err, before = io.StringIO(), io.StringIO(), os.environ.get("NANOLLAMA4_CACHE")
-    os.environ["NANOLLAMA4_CACHE"] = work["env"]["NANOLLAMA4_CACHE"]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = main(args)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else 1
-    finally:
-        if before is None:
-            os.environ.pop("NANOLLAMA4_CACHE", None)
-        else:
-            os.environ["NANOLLAMA4_CACHE"] = before
-    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
-
-
-def train(work, name: str, args: list[str], ranks: int = 1) -> Path:
-    run = work["root"] / name
-    out = launch(work, ["train", "--out", str(run), "--data", str(work["corpus"]), *COMMON, *args], ranks)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run
-
-
-def resume(work, run: Path, steps: int, args: list[str], ranks: int) -> subprocess.CompletedProcess:
-    out = launch(work, ["train", "--resume", str(run), "--max-steps", str(steps), "--quiet", "--no-plots", *args],
-                 ranks)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-def losses(run: Path) -> tuple[list[float], list[float]]:
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in lines if "loss" in r], [r["val_loss"] for r in lines if "val_loss" in r]
-
-
-def assert_same(run: Path, reference: Path, tol: float = TOL) -> None:
-    (train_a, val_a), (train_b, val_b) = losses(run), losses(reference)
-    assert len(train_a) == len(train_b) == 5 and len(val_a) == len(val_b) == 2
-    assert max(abs(a - b) for a, b in zip(train_a + val_a, train_b + val_b, strict=True)) <= tol, \
-        (train_a, val_a, train_b, val_b)
+    return new_work(tmp_path_factory.mktemp("parallel"))
 
 
 @pytest.fixture(scope="module")
@@ -112,50 +39,6 @@ def test_data_parallel_matches_one_process_with_accumulation(work, dense_referen
     assert_same(run, dense_reference)
     saved = json.loads((run / "last" / "train_state.json").read_text())
     assert saved["world_size"] == 2
-
-
-def test_expert_parallel_matches_one_process(work, moe_reference):
-    run = train(work, "two-ep", [*MOE, "--max-steps", "5", "--set", "expert_parallel=2"], ranks=2)
-    assert_same(run, moe_reference)
-    load = [json.loads(line)["expert_load"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if "expert_load" in line]
-    assert len(load) == 5 and all(abs(sum(layer) - 1) < 1e-3 for step in load for layer in step)
-
-
-def test_muon_with_ddp_and_expert_parallel_matches_one_process(work):
-    """Muon under torchrun: DDP hands every rank the whole averaged gradient, and expert parallelism gives
-    each rank whole experts, whose matrices Muon orthogonalises one by one, so 2 ranks take one process's
-    steps. Not to float32's 1e-5: gradients summed in another order differ in their last bits, and the
-    bf16 Newton-Schulz iteration rounds some entries the other way (the losses still agree to 1e-4 of
-    the 0.1 they fall per step)."""
-    muon = [*MOE, "--max-steps", "5", "--set", "optimizer=muon"]
-    reference = train(work, "one-process-muon", [*muon, "--set", "grad_accum=2"])
-    for name, spread in (("ddp", []), ("ep", ["--set", "expert_parallel=2"])):
-        assert_same(train(work, f"two-muon-{name}", [*muon, *spread], ranks=2), reference, tol=5e-4)
-
-
-def test_expert_parallel_with_replicas_on_four_ranks(work, moe_reference):
-    """4 ranks, experts over 2: each expert shard lives on two ranks whose gradients must be summed, tensor for
-    tensor, in the same order on both."""
-    run = train(work, "four-ep", [*MOE, "--max-steps", "5", "--set", "batch_size=2", "--set", "expert_parallel=2"],
-                ranks=4)
-    reference = train(work, "one-process-moe-b2", [*MOE, "--max-steps", "5", "--set", "batch_size=2", "--set",
-                                                   "grad_accum=4"])
-    assert_same(run, reference)
-
-
-def test_expert_parallel_pads_its_own_groups_in_bf16(work):
-    """bf16 with 512 rows per expert takes the bucketed product, whose groups the experts module pads
-    itself, per local expert, on the rows it received from the exchange. The products then group rows
-    differently from one process's, so bf16 rounding differs: the losses must agree to 1e-2, not to
-    float32's 1e-5."""
-    bf16 = ["--preset", "tiny", "--set", "experts_per_token=2", "--set", "bf16=true", "--set", "batch_size=16",
-            "--set", "seq_len=64", "--max-steps", "5"]
-    one = train(work, "one-process-bf16", [*bf16, "--set", "grad_accum=2"])
-    two = train(work, "two-ep-bf16", [*bf16, "--set", "expert_parallel=2"], ranks=2)
-    (train_a, val_a), (train_b, val_b) = losses(two), losses(one)
-    assert len(train_a) == len(train_b) == 5
-    assert max(abs(a - b) for a, b in zip(train_a + val_a, train_b + val_b, strict=True)) <= 1e-2
 
 
 @pytest.mark.parametrize("spread", [["--set", "parallel=fsdp", "--set", "expert_parallel=2"], []],

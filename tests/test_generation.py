@@ -476,19 +476,22 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
 
 
 # ---------------------------------------------------------------------------------------------- compiled decode
-def test_compiled_decode_equals_eager(chunked_model):
+def test_compiled_decode_equals_eager():
     """torch.compile'd decode steps (dynamic shapes, experts gathered on the graph) give the eager logits.
 
     Chunk 4, NoPE with temperature tuning, MoE top-2 of 4 experts; one prompt alone and two left-padded
     prompts (4 assignments = 4 experts, the most that compile well), 20 steps past several chunks, and
     no recompilation once a batch size has compiled. Three prompts (6 assignments) run every expert on
-    every row (`every_expert`).
+    every row (`every_expert`). Two layers, a chunked RoPE one and a NoPE one, both MoE: every layer kind
+    the graph holds, at half the four layers' compile time (inductor compiles each graph from nothing here).
     """
     import torch._dynamo
 
     from nanollama4.engine.generation import compiled_decoder
 
+    chunked_model = random_model(seed=2, n_layers=2)
     cfg = chunked_model.cfg
+    assert [chunked_model.blocks[i].attn.chunk for i in range(2)] == [4, None]
     decode = compiled_decoder(chunked_model)
     for lengths in ((5,), (3, 9)):
         B, longest = len(lengths), max(lengths)
