@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# Two workers, a test file each at a time (pytest-xdist; tests/conftest.py gives each one thread).
+# Two workers, a test file each at a time, the longest files first (pytest-xdist; tests/conftest.py gives each
+# one thread and orders the files).
 test: lint
-	$(BIN)/pytest -n 2 --dist loadfile
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tests whose code paths depend on the instruction set, again as an AVX2-only CPU runs them (most
 # laptops): torch's kernels at AVX2, our C++ (kernels, the decode step) built for x86-64-v3, and the
@@ -32,7 +33,7 @@ test: lint
 ISA_TESTS := tests/test_products.py tests/test_kernels.py tests/test_kernels_bf16.py tests/test_fastdecode.py \
 	tests/test_ops.py tests/test_routed.py tests/test_engine.py tests/test_moe.py tests/test_optim.py
 test-avx2: $(STAMP)
-	ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -n 2 --dist loadfile $(ISA_TESTS)
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder $(ISA_TESTS)
 
 # The main job: train the demo MoE on Shakespeare for DEMO_TIME, then let it write, measure it, and explain
 # one prompt.
