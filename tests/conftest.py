@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,12 +28,29 @@ from tests.helpers import write_corpus
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread each (above)
     os.environ["OMP_NUM_THREADS"] = "1"
+    # inductor compiles in this process too, not in a pool of one process a core: a cold compile's pool took
+    # the other worker's core, and the test that ran there beside it took several times as long
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     torch.set_num_threads(1)
 
 
 # longest first (seconds on a 2-core Zen 4, from nothing: RESULTS.md); the rest keep their alphabetical order
+# (test_train's clock-budget tests run early, beside a compile rather than beside torchrun's processes)
 SLOW_FILES = ("test_generation.py", "test_train.py", "test_distributed.py", "test_expert_parallel.py",
-              "test_experiments.py", "test_cli.py", "test_compare.py", "test_chat_template.py", "test_checkpoint.py")
+              "test_experiments.py", "test_cli.py", "test_compare.py", "test_notebook.py", "test_chat_template.py",
+              "test_checkpoint.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under -n (the controller, before any worker starts): build the two C++ extensions at once, one a core.
+    On a fresh machine neither exists, and each worker's first test needs the same one, so that one worker
+    built it while the other waited idle, and again for the other file later."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not config.getoption("numprocesses", default=None):
+        return
+    builds = [subprocess.Popen([sys.executable, "-c", f"from nanollama4.ops import {m}; {m}.load()"])
+              for m in ("kernels", "fastdecode")]
+    for build in builds:
+        build.wait()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,8 +19,14 @@ from nanollama4.ops import experts as products
 from nanollama4.ops import kernels
 
 HYP = settings(deadline=None, derandomize=True, database=None, max_examples=40)
-pytestmark = pytest.mark.skipif(not kernels.bf16_available(),
-                                reason="this CPU has no AVX512_BF16: the kernel's bf16 products did not run")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def needs_bf16() -> None:
+    """Asked when the file runs, not when it is collected: asking builds the kernel, which at collection would
+    hold up every worker's start on a fresh machine."""
+    if not kernels.bf16_available():
+        pytest.skip("this CPU has no AVX512_BF16: the kernel's bf16 products did not run")
 
 
 def check(counts: list[int], K: int, N: int, seed: int, weights: torch.dtype) -> None:
