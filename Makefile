@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-avx2 demo setup lint clean
+.PHONY: test test-avx2 test-compile demo setup lint clean
 
 setup: $(STAMP)
 
@@ -23,9 +23,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # Two workers, a test file each at a time, the longest files first (pytest-xdist; tests/conftest.py gives each
-# one thread and orders the files).
+# one thread, orders the files and builds the C++ extensions before they start). The tests that compile with
+# torch.compile (marked `compile`: on a fresh machine each takes a minute or more of inductor's compiling)
+# are test-compile's; CI runs both.
 test: lint
-	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not compile"
+
+test-compile: $(STAMP)
+	$(BIN)/pytest -n 2 --dist loadfile -m compile
 
 # The tests whose code paths depend on the instruction set, again as an AVX2-only CPU runs them (most
 # laptops): torch's kernels at AVX2, our C++ (kernels, the decode step) built for x86-64-v3, and the

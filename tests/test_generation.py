@@ -476,6 +476,7 @@ def test_sliding_context_goes_past_max_seq_len_exactly_as_documented():
 
 
 # ---------------------------------------------------------------------------------------------- compiled decode
+@pytest.mark.compile
 def test_compiled_decode_equals_eager():
     """torch.compile'd decode steps (dynamic shapes, experts gathered on the graph) give the eager logits.
 

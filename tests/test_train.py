@@ -517,6 +517,7 @@ def test_time_budget_warmup_peaks_at_its_share_whatever_the_step_speed(pause, wo
 
 
 # ---------------------------------------------------------------------------------------------- torch.compile
+@pytest.mark.compile
 def test_compiled_training_matches_eager(work, tmp_path):
     """compile=true trains the same fp32 MoE model (its experts' grouped product cannot be traced in fp32,
     so compiled MoE layers take the per-expert loop); the losses agree with eager training step by step.
