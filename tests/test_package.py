@@ -217,11 +217,11 @@ def test_the_flat_layouts_names_still_import_with_a_word_that_they_moved():
         assert not (ROOT / f"{old.replace('.', '/')}.py").exists(), old
     assert new_name("nanollama4.distributed.group") == "nanollama4.training.distributed.group"
     assert new_name("nanollama4.ops.experts") is None
-    with pytest.warns(DeprecationWarning, match=r"nanollama4\.router moved to nanollama4\.model\.router"):
+    with pytest.warns(FutureWarning, match=r"nanollama4\.router moved to nanollama4\.model\.router"):
         old = importlib.import_module("nanollama4.router")
     from nanollama4.model import router
 
     assert old is router and router.__spec__.name == "nanollama4.model.router"
-    with pytest.warns(DeprecationWarning, match="moved to nanollama4.model.transformer.Transformer"):
+    with pytest.warns(FutureWarning, match="moved to nanollama4.model.transformer.Transformer"):
         from nanollama4.model import Transformer
     assert Transformer is nanollama4.Transformer

@@ -51,7 +51,7 @@ class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = new_name(spec.name)
         warnings.warn(f"{spec.name} moved to {new}; import it from there (the old name goes in the next release)",
-                      DeprecationWarning, stacklevel=2)
+                      FutureWarning, stacklevel=2)
         module = importlib.import_module(new)
         self._specs[spec.name] = module.__spec__  # the import system sets the old one on it next: put back below
         return module

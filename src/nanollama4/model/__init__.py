@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:  # the names of the flat layout's model.py, f
 
         from . import transformer
 
-        warnings.warn(f"nanollama4.model.{name} moved to nanollama4.model.transformer.{name}", DeprecationWarning,
+        warnings.warn(f"nanollama4.model.{name} moved to nanollama4.model.transformer.{name}", FutureWarning,
                       stacklevel=2)
         return getattr(transformer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
