@@ -34,7 +34,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of several workers: one thread 
     torch.set_num_threads(1)
 
 
-# longest first (seconds on a 2-core Zen 4, from nothing: RESULTS.md); the rest keep their alphabetical order.
+# longest first (as a per-test timeline of each worker showed them on a 2-core Zen 4, from nothing, 2026-12-07);
+# the rest keep their alphabetical order.
 # test_train's clock-budget tests run early, beside single-process tests rather than torchrun's processes.
 SLOW_FILES = ("test_train.py", "test_experiments.py", "test_distributed.py", "test_expert_parallel.py", "test_cli.py",
               "test_compare.py", "test_notebook.py", "test_chat_template.py", "test_checkpoint.py", "test_serve.py")
